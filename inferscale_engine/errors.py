@@ -1,0 +1,35 @@
+"""Every error InferScale raises on purpose. Each says what was wrong in words a caller can act on."""
+
+from __future__ import annotations
+
+
+class InferScaleError(Exception):
+    """Base class of InferScale's own errors."""
+
+
+class HandleError(InferScaleError, ValueError):
+    """A memory handle could not be used. Subclasses say why."""
+
+
+class MalformedHandleError(HandleError):
+    """Text looks like a handle but is not one."""
+
+
+class ForgedHandleError(HandleError, PermissionError):
+    """The handle's MAC does not match: forged, altered, or owned by another user."""
+
+
+class FactNotFoundError(HandleError, LookupError):
+    """The handle names a fact that does not exist (never did, or was deleted)."""
+
+
+class StaleKVError(HandleError):
+    """Stored KV was encoded by another model, dtype, rope config or window (fingerprint mismatch)."""
+
+
+class ContextOverflowError(InferScaleError, ValueError):
+    """Prompt (with injected facts) plus ``max_tokens`` does not fit the model's context."""
+
+
+class EngineClosedError(InferScaleError, RuntimeError):
+    """The engine was closed."""

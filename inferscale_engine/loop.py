@@ -1,0 +1,175 @@
+"""One thread that owns vLLM's ``LLMEngine`` and steps it for every caller.
+
+vLLM's in-process engine is not thread-safe, and the connector needs it in this process, so
+all work (chat requests from many threads or event loops, fact encoding) is queued to this
+loop. vLLM then batches whatever is in flight, exactly as its own server would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.outputs import RequestOutput
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+Listener = Callable[["RequestOutput | BaseException", float], None]
+
+
+@dataclass
+class _Submission:
+    request_id: str
+    prompt: dict[str, Any]
+    params: "SamplingParams"
+    listener: Listener
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+class EngineLoop:
+    """Serialises access to one ``LLMEngine``; results go back through per-request listeners.
+
+    A listener gets each ``RequestOutput`` (cumulative) with the time it arrived, or the
+    exception that ended the request. It runs on the loop thread: keep it short.
+    """
+
+    def __init__(self, engine: "LLMEngine", name: str = "inferscale-engine") -> None:
+        self._engine = engine
+        self._inbox: queue.SimpleQueue[_Submission | tuple[str, str] | None] = queue.SimpleQueue()
+        self._listeners: dict[str, Listener] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: dict[str, Any], params: "SamplingParams", listener: Listener) -> str:
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        request_id = f"is-{next(self._ids)}"
+        self._inbox.put(_Submission(request_id, prompt, params, listener))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._inbox.put(None)
+            self._thread.join(timeout=30)
+
+    # -- blocking helpers -------------------------------------------------------------------
+
+    def run(self, prompt: dict[str, Any], params: "SamplingParams") -> tuple["RequestOutput", float]:
+        """Submit and wait; returns the final output and time-to-first-token in seconds."""
+        outputs = list(self.iterate(prompt, params))
+        return outputs[-1][0], outputs[0][1]
+
+    def iterate(self, prompt: dict[str, Any], params: "SamplingParams"):
+        """Yield ``(output, seconds since submit)`` as vLLM produces them."""
+        inbox: queue.SimpleQueue = queue.SimpleQueue()
+        start = time.perf_counter()
+        request_id = self.submit(prompt, params, lambda out, t: inbox.put((out, t)))
+        try:
+            while True:
+                out, t = inbox.get()
+                if isinstance(out, BaseException):
+                    raise out
+                yield out, t - start
+                if out.finished:
+                    return
+        except GeneratorExit:
+            self.abort(request_id)
+            raise
+
+    async def aiterate(self, prompt: dict[str, Any], params: "SamplingParams"):
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
+        start = time.perf_counter()
+        request_id = self.submit(prompt, params, lambda out, t: loop.call_soon_threadsafe(inbox.put_nowait, (out, t)))
+        finished = False
+        try:
+            while True:
+                out, t = await inbox.get()
+                if isinstance(out, BaseException):
+                    finished = True
+                    raise out
+                finished = out.finished
+                yield out, t - start
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            busy = self._engine.has_unfinished_requests()
+            try:
+                item = self._inbox.get(block=not busy, timeout=None)
+            except queue.Empty:
+                item = ...
+            while item is not ...:
+                if item is None:
+                    self._fail_all(RuntimeError("engine closed"))
+                    return
+                self._accept(item)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    item = ...
+            if self._engine.has_unfinished_requests():
+                self._step()
+
+    def _accept(self, item: _Submission | tuple[str, str]) -> None:
+        if isinstance(item, tuple):
+            _, request_id = item
+            if self._listeners.pop(request_id, None) is not None:
+                self._engine.abort_request([request_id])
+            return
+        try:
+            self._engine.add_request(item.request_id, item.prompt, item.params)
+        except Exception as exc:  # bad prompt (too long, bad token ids): this request only
+            item.listener(exc, time.perf_counter())
+            return
+        self._listeners[item.request_id] = item.listener
+
+    def _step(self) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:
+            logger.exception("vLLM step failed; failing in-flight requests")
+            self._fail_all(exc)
+            return
+        now = time.perf_counter()
+        for out in outputs:
+            listener = self._listeners.get(out.request_id)
+            if listener is None:
+                continue
+            if out.finished:
+                del self._listeners[out.request_id]
+            try:
+                listener(out, now)
+            except Exception:  # a caller's listener must not stop the engine
+                logger.exception("listener for %s failed", out.request_id)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        listeners, self._listeners = self._listeners, {}
+        if listeners:
+            try:
+                self._engine.abort_request(list(listeners))
+            except Exception:
+                logger.exception("abort after failure failed")
+        for listener in listeners.values():
+            listener(exc, time.perf_counter())
