@@ -46,6 +46,8 @@ class EngineConfig:
     seed: int = 0
     #: Encoded heads / separators kept for reuse (they are shared by all users).
     static_cache_entries: int = 256
+    #: CUDA only: rotate and scatter injected KV in one Triton kernel (else torch + backend write).
+    fused_rope: bool = True
     vllm_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

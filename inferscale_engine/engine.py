@@ -155,17 +155,22 @@ class InferScaleEngine:
                 kv_connector="InferScaleConnector",
                 kv_connector_module_path="inferscale_engine.connector.connector",
                 kv_role="kv_both",
-                kv_connector_extra_config={"bridge_id": self.bridge.id},
+                kv_connector_extra_config={"bridge_id": self.bridge.id, "fused_rope": cfg.fused_rope},
             ),
             **cfg.vllm_options,
         )
         t0 = time.perf_counter()
         self._vllm = LLMEngine.from_engine_args(args)
         logger.info("vLLM engine for %s ready in %.1fs", self.model_path, time.perf_counter() - t0)
-        self.tokenizer = self._vllm.get_tokenizer()
-        self.max_model_len = self._vllm.vllm_config.model_config.max_model_len
+        self.vllm_config = self._vllm.vllm_config
+        model_config = self.vllm_config.model_config
+        # None when vLLM runs with skip_tokenizer_init (token-id-only benchmarks).
+        self.tokenizer = None if model_config.skip_tokenizer_init else self._vllm.get_tokenizer()
+        self.max_model_len: int = model_config.max_model_len
+        self.vocab_size: int = model_config.get_vocab_size()
+        self.dtype = model_config.dtype
         self.bridge.ropes.update(self._vllm.apply_model(_rope_tables)[0])
-        self.fingerprint = _fingerprint(self.model_path, self._vllm.vllm_config)
+        self.fingerprint = _fingerprint(self.model_path, self.vllm_config)
         self.loop = EngineLoop(self._vllm)
         self._static: OrderedDict[tuple[int, ...], Span] = OrderedDict()
         self._stage_refs: dict[str, int] = {}
@@ -295,6 +300,15 @@ class InferScaleEngine:
 
         # Handle resolution may wait on the store or encode a new head: keep it off the event loop.
         segments = await asyncio.to_thread(self.resolve, prompt_or_messages, user_id=user_id)
+        async for delta in self.astream_segments(segments, user_id=user_id, **kwargs):
+            yield delta
+
+    async def astream_segments(
+        self, segments: Sequence[Segment], *, user_id: str = "default", **kwargs: Any
+    ) -> AsyncIterator[StreamDelta]:
+        """Async :meth:`generate_segments`, yielding text as it is produced."""
+        import asyncio
+
         prepared, params = await asyncio.to_thread(self._prepare, segments, user_id, **kwargs)
         try:
             state = _Accumulator(prepared)
@@ -304,6 +318,13 @@ class InferScaleEngine:
                     yield delta
         finally:
             self._unstage(prepared.staged)
+
+    async def agenerate_segments(self, segments: Sequence[Segment], *, user_id: str = "default", **kwargs: Any) -> GenerationResult:
+        result = None
+        async for delta in self.astream_segments(segments, user_id=user_id, **kwargs):
+            result = delta.result
+        assert result is not None
+        return result
 
     def resolve(self, prompt_or_messages: str | Messages, *, user_id: str) -> list[Segment]:
         """Render, find handles, and turn them into spans: ``[ids, span, ids, span, ..., ids]``."""

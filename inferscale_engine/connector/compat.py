@@ -78,3 +78,19 @@ def start_load_before_forward(scheduler_output: "SchedulerOutput") -> None:
     """
     if hasattr(scheduler_output, "has_sync_kv_loads"):
         scheduler_output.has_sync_kv_loads = True
+
+
+def paged_kv_views(layer: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``[blocks, block_size, heads, head_dim]`` views of a layer's K and V caches, for the fused
+    Triton writer; ``None`` where the backend's layout or cache dtype is not one it knows."""
+    impl = layer.impl
+    if kv_cache.device.type != "cuda" or getattr(impl, "kv_cache_dtype", "auto") != "auto":
+        return None
+    heads, dim = layer.num_kv_heads, layer.head_size
+    name = type(impl).__name__
+    if name == "FlashAttentionImpl" and kv_cache.dim() == 4 and kv_cache.shape[1] == heads and kv_cache.shape[-1] == 2 * dim:
+        key_cache, value_cache = kv_cache.transpose(1, 2).split(dim, dim=-1)  # vllm 0.26: (B, H, N, 2D)
+        return key_cache, value_cache
+    if kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[3] == heads and kv_cache.shape[4] == dim:
+        return kv_cache[0], kv_cache[1]  # (2, B, N, H, D) of earlier flash/triton backends
+    return None

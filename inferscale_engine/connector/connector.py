@@ -63,6 +63,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         if "bridge_id" not in extra:
             raise ValueError("InferScaleConnector needs kv_connector_extra_config={'bridge_id': ...}")
         self._bridge_id: str = extra["bridge_id"]
+        self._fused = bool(extra.get("fused_rope", True))
         self._block_size = self._find_block_size(vllm_config, kv_cache_config)
 
         # Scheduler half.
@@ -229,11 +230,33 @@ class InferScaleConnector(KVConnectorBase_V1):
         v = torch.cat(vs, dim=1).to(device, non_blocking=True)
         if k.shape[0] != len(self._layers):
             raise RuntimeError(f"stored KV has {k.shape[0]} layers, the model has {len(self._layers)}")
-        k = self._rotate(k, torch.cat(deltas))
+        deltas_all = torch.cat(deltas).to(device)
         slots = torch.tensor(load.slots, dtype=torch.long, device=device)
+        if self._fused and device.type == "cuda" and self._inject_fused(k, v, deltas_all, slots, forward_context):
+            return
+        k = self._rotate(k, deltas_all)
         for index, (name, layer) in enumerate(self._layers):
             cache = compat.layer_kv_cache(layer, forward_context)
             self._writers[name](layer, k[index].to(cache.dtype), v[index].to(cache.dtype), cache, slots)
+
+    def _inject_fused(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        deltas: torch.Tensor,
+        slots: torch.Tensor,
+        forward_context: "ForwardContext",
+    ) -> bool:
+        """Rotate and scatter in one Triton kernel per layer; False if the layout is not known."""
+        from inferscale_engine.rope_triton import rotate_and_scatter
+
+        views = [compat.paged_kv_views(layer, compat.layer_kv_cache(layer, forward_context)) for _, layer in self._layers]
+        if any(vw is None for vw in views):
+            return False
+        ropes = self._bridge().ropes
+        for index, ((name, _), (key_cache, value_cache)) in enumerate(zip(self._layers, views)):
+            rotate_and_scatter(k[index], v[index], deltas, slots, ropes[name], key_cache, value_cache)
+        return True
 
     def _rotate(self, k: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         ropes = self._bridge().ropes

@@ -1,0 +1,98 @@
+"""``python -m inferscale_engine.bench`` (also ``inferscale bench``): InferScale's benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from inferscale_engine.bench import common
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="inferscale bench", description=__doc__)
+    sub = parser.add_subparsers(dest="bench", required=True)
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.add_argument("--model", default="smollm2", help="model folder or alias (default: smollm2)")
+        p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+        p.add_argument("--dtype", default="auto")
+        p.add_argument("--max-model-len", type=int, default=8192)
+        p.add_argument("--json", help="write {bench, env, results} here")
+        p.add_argument("--plot", help="write a PNG plot here")
+        p.add_argument("--dummy-weights", action="store_true",
+                       help="random weights from config.json alone (timing runs on machines without weights)")
+        return p
+
+    p = add("ttft", "TTFT vs k: no memory, prompt injection, KV injection, prefix-cache floor")
+    p.add_argument("--ks", type=_ints, default=[0, 5, 10, 20, 50, 100, 200])
+    p.add_argument("--fact-tokens", type=int, default=28)
+    p.add_argument("--repeats", type=int, default=20)
+
+    p = add("throughput", "concurrent users, k facts each, prompt vs KV injection")
+    p.add_argument("--users", type=_ints, default=[1, 10, 50, 100])
+    p.add_argument("--k", type=int, default=50)
+    p.add_argument("--output-tokens", type=int, default=32)
+
+    p = add("exactness", "KV injection vs prompt injection of the same tokens (exact context and w=0)")
+    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=32)
+    return parser
+
+
+def engine_from(args: argparse.Namespace, **extra: Any):
+    from inferscale_engine.engine import InferScaleEngine
+
+    options: dict[str, Any] = {"dtype": args.dtype, "max_model_len": args.max_model_len, **extra}
+    if args.dummy_weights:
+        options.update(load_format="dummy", skip_tokenizer_init=True)
+    return InferScaleEngine(model=args.model, device=args.device, **options)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    args = build_parser().parse_args(argv)
+    if args.bench == "exactness":
+        from inferscale_engine.bench.exactness import random_case, run_case, text_case
+
+        with engine_from(args, max_logprobs=20) as engine:
+            case = text_case(engine) if engine.tokenizer is not None else random_case(engine, k=args.k)
+            rows = run_case(engine, *case, max_tokens=args.max_tokens)
+            env = common.environment(engine)
+        common.print_table(rows, ["mode", "arch", "dtype", "greedy_match", "max_logit_diff", "first_divergence"])
+    elif args.bench == "ttft":
+        from inferscale_engine.bench.ttft import run_ttft, summarize
+
+        with engine_from(args) as engine:
+            rows = run_ttft(engine, args.ks, fact_tokens=args.fact_tokens, repeats=args.repeats)
+            env = common.environment(engine)
+        common.print_table(rows, ["mode", "k", "prompt_tokens", "ttft_ms_p50", "ttft_ms_p95", "retrieval_ms_p50"])
+        common.print_table(summarize(rows), ["k", "prompt_over_inject", "inject_over_floor"])
+        if args.plot:
+            from inferscale_engine.bench.plots import plot_ttft
+
+            plot_ttft(rows, args.plot, title=f"TTFT vs k — {env.get('gpu') or 'CPU'}, {args.model}")
+    elif args.bench == "throughput":
+        from inferscale_engine.bench.throughput import run_throughput
+
+        with engine_from(args) as engine:
+            rows = run_throughput(engine, args.users, k=args.k, output_tokens=args.output_tokens)
+            env = common.environment(engine)
+        common.print_table(rows, ["mode", "users", "k", "req_per_s", "tok_per_s", "ttft_ms_p50", "ttft_ms_p95"])
+    else:  # pragma: no cover - argparse enforces the choices
+        raise AssertionError(args.bench)
+    common.write_json(args.json, args.bench, env, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
