@@ -7,14 +7,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import platformdirs
-
 Device = Literal["cpu", "cuda"]
 
 
 def default_store_path() -> Path:
     """Where the embedded store lives unless told otherwise (``$INFERSCALE_HOME`` overrides)."""
-    return Path(os.environ.get("INFERSCALE_HOME") or platformdirs.user_data_dir("inferscale")) / "store"
+    home = os.environ.get("INFERSCALE_HOME")
+    if not home:
+        import platformdirs
+
+        home = platformdirs.user_data_dir("inferscale")
+    return Path(home) / "store"
 
 
 def detect_device() -> Device:
@@ -34,7 +37,8 @@ class EngineConfig:
     device: Device | None = None
     store_path: Path | None = None
     dtype: str = "auto"
-    max_model_len: int = 4096
+    #: Context length; None takes the model's own.
+    max_model_len: int | None = None
     #: Conversation turns a fact is encoded after (context-window encoding); 0 = independent.
     window: int = 5
     #: CPU only: GiB of host memory for vLLM's paged KV cache.
@@ -58,7 +62,7 @@ class EngineConfig:
         self.store_path = Path(self.store_path).expanduser() if self.store_path else default_store_path()
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
-        if self.max_model_len < 32:
+        if self.max_model_len is not None and self.max_model_len < 32:
             raise ValueError(f"max_model_len too small: {self.max_model_len}")
         if self.enforce_eager is None:
             # CPU: eager is faster to start and these small models gain nothing from compiling.

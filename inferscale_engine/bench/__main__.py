@@ -26,7 +26,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         p.add_argument("--model", default="smollm2", help="model folder or alias (default: smollm2)")
         p.add_argument("--device", choices=["cpu", "cuda"], default=None)
         p.add_argument("--dtype", default="auto")
-        p.add_argument("--max-model-len", type=int, default=8192)
+        p.add_argument("--max-model-len", type=int, default=None, help="default: the model's own")
         p.add_argument("--json", help="write {bench, env, results} here")
         p.add_argument("--plot", help="write a PNG plot here")
         p.add_argument("--dummy-weights", action="store_true",

@@ -106,7 +106,8 @@ class SyntheticWorkload:
         from inferscale_engine.engine import Span
 
         rng = random.Random(seed)
-        vocab = (1000, min(engine.vocab_size, 32000) - 1)
+        hi = min(engine.vocab_size, 32000) - 1
+        vocab = (min(1000, hi // 2), hi)  # skip the low ids where special tokens usually live
         draw = lambda n: [rng.randint(*vocab) for _ in range(n)]  # noqa: E731
         fact_ids = [draw(fact_tokens) for _ in range(pool)]
         kvs = engine.encode([EncodeWindow.single(ids) for ids in fact_ids], progress=True)

@@ -1,0 +1,134 @@
+"""Request bodies of the HTTP API (OpenAI chat/completions, Mem0-style memories).
+
+Own pydantic models rather than vLLM's protocol classes: we accept only what the engine can
+honour, and every field we do not know is tolerated (clients such as LangChain send extras),
+while fields we know but cannot honour (``n>1``, ``tools``, ``logprobs``...) are refused with
+a 400 by :func:`unsupported`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ContentPart(_Lenient):
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Union[StrictStr, list[ContentPart], None] = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        out = []
+        for part in self.content:
+            if part.type not in ("text", "input_text") or part.text is None:
+                raise ValueError(f"content parts of type {part.type!r} are not supported (text only)")
+            out.append(part.text)
+        return "".join(out)
+
+
+class StreamOptions(_Lenient):
+    include_usage: StrictBool = False
+
+
+class _SamplingRequest(_Lenient):
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: StrictInt | None = Field(default=None, ge=1)
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    stop: Union[StrictStr, list[StrictStr], None] = None
+    seed: StrictInt | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    user: StrictStr | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def stop_list(self) -> list[str] | None:
+        if self.stop is None:
+            return None
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return [s for s in stops if s] or None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    #: InferScale extension: recall this many of ``user``'s memories for the last user message
+    #: and put their handles into the system message (what ``inferscale chat`` does).
+    memory_k: StrictInt | None = Field(default=None, ge=0, le=64)
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Union[StrictStr, list[StrictStr]]
+    echo: StrictBool | None = None
+    logprobs: StrictInt | None = None
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = None
+
+
+# ------------------------------------------------------------------------- memories
+
+
+class MemoryAddRequest(_Lenient):
+    messages: Union[StrictStr, list[ChatMessage]]
+    user_id: StrictStr = Field(min_length=1)
+    metadata: dict[str, Any] | None = None
+    infer: StrictBool = False
+
+
+class MemorySearchRequest(_Lenient):
+    query: StrictStr = Field(min_length=1)
+    user_id: StrictStr = Field(min_length=1)
+    limit: StrictInt = Field(default=5, ge=1, le=1000)
+
+
+class MemoryUpdateRequest(_Lenient):
+    text: StrictStr = Field(min_length=1)
+    user_id: StrictStr | None = None
+
+
+def unsupported(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, str] | None:
+    """(param, message) for the first field set to something this server cannot do."""
+    if req.n not in (None, 1):
+        return "n", "only n=1 is supported"
+    if req.logit_bias:
+        return "logit_bias", "logit_bias is not supported"
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools or req.functions:
+            return ("tools" if req.tools else "functions"), "tool / function calling is not supported"
+        if req.logprobs:
+            return "logprobs", "logprobs are not supported"
+        if req.response_format and req.response_format.get("type") not in (None, "text"):
+            return "response_format", "only response_format type 'text' is supported"
+    else:
+        if req.echo:
+            return "echo", "echo is not supported"
+        if req.logprobs:
+            return "logprobs", "logprobs are not supported"
+        if req.suffix:
+            return "suffix", "suffix is not supported"
+        if req.best_of not in (None, 1):
+            return "best_of", "only best_of=1 is supported"
+    return None
