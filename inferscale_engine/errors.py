@@ -33,3 +33,7 @@ class ContextOverflowError(InferScaleError, ValueError):
 
 class EngineClosedError(InferScaleError, RuntimeError):
     """The engine was closed."""
+
+
+class KVNotReadyError(InferScaleError, TimeoutError):
+    """A fact's KV is still being encoded in the background and was not ready within the timeout."""

@@ -277,8 +277,7 @@ def _find_smollm2_gguf() -> Path:
             logger.warning("Expected %s, using %s instead", SMOLLM2_GGUF_NAME, found[0].name)
             return found[0]
     raise ModelPreparationError(
-        f"No .gguf file found in package {SMOLLM2_PACKAGE!r} "
-        f"(searched {list(spec.submodule_search_locations)})."
+        f"No .gguf file found in package {SMOLLM2_PACKAGE!r} (searched {list(spec.submodule_search_locations)})."
     )
 
 
@@ -345,22 +344,29 @@ def _log(progress: bool, msg: str, *args: object) -> None:
 
 @contextlib.contextmanager
 def _quiet_transformers_progress(enabled: bool) -> Iterator[None]:
-    """Silence transformers' GGUF dequantization tqdm bar when not wanted.
+    """Silence transformers' progress bars for the block when not wanted.
 
-    load_gguf_checkpoint creates its bar via a module-level ``tqdm`` import
-    and honours no flag, so the only scoped switch is to swap that name.
+    save_pretrained's bars honour transformers' global progress-bar switch,
+    which we flip and restore.  load_gguf_checkpoint instead uses a
+    module-level ``tqdm`` import and honours no flag, so the only scoped
+    switch there is to swap that name.
     """
     if enabled:
         yield
         return
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
 
     original = gguf_utils.tqdm
+    was_enabled = hf_logging.is_progress_bar_enabled()
     gguf_utils.tqdm = functools.partial(original, disable=True)
+    hf_logging.disable_progress_bar()
     try:
         yield
     finally:
         gguf_utils.tqdm = original
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _convert_gguf_checkpoint(gguf_path: Path, out_dir: Path, *, progress: bool) -> dict[str, Any]:
@@ -404,15 +410,15 @@ def _convert_gguf_checkpoint(gguf_path: Path, out_dir: Path, *, progress: bool) 
     missing = [k for k in result.missing_keys if not (config.tie_word_embeddings and k == "lm_head.weight")]
     if missing or result.unexpected_keys:
         raise ModelPreparationError(
-            f"GGUF tensors do not match the model: missing={missing[:5]} "
-            f"unexpected={result.unexpected_keys[:5]}"
+            f"GGUF tensors do not match the model: missing={missing[:5]} unexpected={result.unexpected_keys[:5]}"
         )
     if config.tie_word_embeddings:
         model.tie_weights()
 
     _log(progress, "[3/4] Saving safetensors, config and tokenizer to %s", out_dir)
     model.generation_config = _generation_config_for(config, GenerationConfig)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    with _quiet_transformers_progress(progress):
+        model.save_pretrained(out_dir, safe_serialization=True)
     # The GGUF tokenizer comes back with an "unlimited" max length; pin it to
     # the model's context so callers that truncate by it do the right thing.
     tokenizer.model_max_length = int(config.max_position_embeddings)

@@ -50,6 +50,12 @@ SPECIAL_TOKENS: tuple[str, ...] = (BOS_TOKEN, IM_START, EOS_TOKEN, PAD_TOKEN)
 
 VOCAB_TARGET = 1000
 
+# GPT-4/Llama-3 style split, verbatim from transformers' Qwen2Tokenizer.
+_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
 #: ChatML, the same layout as SmolLM2/Qwen2 but without a default system
 #: prompt, so tests control every token of the prompt.
 CHATML_TEMPLATE = (
@@ -150,16 +156,25 @@ _CORPUS: tuple[str, ...] = (
 )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trained_tokenizer_json(vocab_size: int) -> str:
     """Train the BPE tokenizer once per process and return it serialised."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
-    # add_prefix_space=False: like GPT-2/Llama-3 style tokenizers, so
-    # concatenating encoded pieces equals encoding the concatenation at
-    # word boundaries that start with a space.
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Same normalizer and pre-tokenizer as transformers' Qwen2Tokenizer.  For
+    # model_type "qwen2", transformers 5 ignores tokenizer_class and rebuilds
+    # the tokenizer as Qwen2Tokenizer from vocab+merges with *its own*
+    # pre-tokenizer; matching it keeps tokenizer.json, AutoTokenizer and
+    # vLLM in agreement for every arch.  add_prefix_space=False so encoding
+    # pieces separately equals encoding their concatenation at word starts.
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -210,7 +225,7 @@ def build_tokenizer(path: str | os.PathLike[str], *, vocab_size: int = VOCAB_TAR
 
 
 def _make_config(arch: Arch, vocab_size: int, token_ids: dict[str, int], dtype: str, overrides: dict[str, Any]) -> Any:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, PreTrainedConfig, Qwen2Config
 
     kwargs: dict[str, Any] = {
         **TINY_DEFAULTS,
@@ -222,6 +237,7 @@ def _make_config(arch: Arch, vocab_size: int, token_ids: dict[str, int], dtype: 
     # inside it); the legacy `rope_scaling`/`rope_theta` kwargs are still
     # accepted but `config.rope_theta` then reads None.  vLLM 0.32 reads
     # `config.rope_parameters`, so we write that form directly.
+    cls: type[PreTrainedConfig]
     if arch == "llama":
         cls = LlamaConfig
         kwargs["rope_parameters"] = {
@@ -257,6 +273,7 @@ def build_tiny_model(
     *,
     seed: int = 0,
     init_std: float = 0.1,
+    suppress_special_tokens: bool = True,
     **overrides: Any,
 ) -> Path:
     """Build, save and return a tiny random-weight model folder.
@@ -269,9 +286,11 @@ def build_tiny_model(
         seed: Seed for the weights; same seed -> same checkpoint.
         init_std: Std of the normal weight init.  HF's 0.02 default makes a
             4-layer random model collapse into repeating one or two tokens
-            under greedy decoding, 0.05 still loops after ~10 tokens; 0.1
-            gives ~30 distinct tokens in 32 and wider top-1 logit margins,
-            so greedy outputs agree between HF and vLLM kernels.
+            under greedy decoding and 0.05 still loops after ~10 tokens;
+            0.1 gives ~30 distinct tokens in 32 (top logits around +5).
+        suppress_special_tokens: Make special tokens (including eos) never
+            win greedy decoding, so generations always reach max_tokens.
+            Pass False to test eos handling with sampling/stop settings.
         **overrides: Config fields overriding :data:`TINY_DEFAULTS` and the
             per-arch settings (e.g. ``num_hidden_layers=2``).
 
@@ -307,6 +326,15 @@ def build_tiny_model(
                     # Biases (Qwen2 q/k/v) are random too, not zero, so a
                     # loader that drops them produces different outputs.
                     param.normal_(0.0, init_std)
+        if suppress_special_tokens and not config.tie_word_embeddings:
+            # Zero lm_head rows give special tokens logit 0 while ordinary
+            # tokens' top logits are ~+5, so greedy decoding never emits
+            # eos/bos/pad/im_start: outputs always run to max_tokens and
+            # tests need no ignore_eos.  (Skipped when tied: the rows are
+            # then the input embeddings too.)
+            with torch.no_grad():
+                for token_id in tokenizer.all_special_ids:
+                    model.lm_head.weight[token_id].zero_()
     model = model.to(torch_dtype)
     model.config.dtype = torch_dtype
     model.generation_config = GenerationConfig(**token_ids)
@@ -334,6 +362,7 @@ if __name__ == "__main__":
     archs: list[Arch] = [a for a in ARCHS if len(sys.argv) <= 2 or a in sys.argv[2:]]  # type: ignore[misc]
 
     import torch
+    from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import LLM, SamplingParams
 
@@ -345,18 +374,27 @@ if __name__ == "__main__":
         print(f"[{arch}] built in {t1 - t0:.1f}s: {_describe(model_dir)}", flush=True)
         llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True, max_model_len=2048)
         t2 = time.monotonic()
-        out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+        out = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
         t3 = time.monotonic()
         # Cross-check against transformers: same greedy tokens means vLLM read
         # the config (rope, bias, GQA) the way transformers does.
         tok = AutoTokenizer.from_pretrained(model_dir)
+        raw = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        sample = "It's 2024!\n\n  def f(x):  return x  # café ☃"
+        same_tok = llm.get_tokenizer().encode(sample) == tok.encode(sample) == raw.encode(sample).ids
+        print(f"[{arch}] tokenization vLLM == AutoTokenizer == tokenizer.json: {same_tok}")
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         for o in out:
             ids = list(o.outputs[0].token_ids)
-            enc = tok(o.prompt, return_tensors="pt").input_ids
-            ref = hf.generate(enc, max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                              pad_token_id=tok.pad_token_id)[0, enc.shape[1]:].tolist()
-            print(f"[{arch}] {o.prompt!r} -> {o.outputs[0].text!r} "
-                  f"({len(set(ids))} distinct of {len(ids)}; matches HF: {ids == ref})")
+            prompt_ids = tok(o.prompt).input_ids
+            # Teacher-forced argmax over prompt + vLLM's tokens: every vLLM
+            # token must be HF's greedy choice at that position.
+            with torch.no_grad():
+                logits = hf(torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1 : -1]
+            ref = logits.argmax(-1).tolist()
+            print(
+                f"[{arch}] {o.prompt!r} -> {o.outputs[0].text!r} "
+                f"({len(set(ids))} distinct of {len(ids)}; matches HF: {ids == ref})"
+            )
         print(f"[{arch}] vLLM startup {t2 - t1:.1f}s, generate {t3 - t2:.2f}s", flush=True)
         del llm

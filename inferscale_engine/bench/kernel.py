@@ -37,8 +37,7 @@ def run(k: int, fact_tokens: int, layers: int, heads: int, dim: int, block_size:
     slots = torch.randperm(blocks * block_size, device=dev)[:n]
 
     def fused() -> None:
-        for i, (kc, vc) in enumerate(views):
-            rotate_and_scatter(k_src[i], v_src[i], deltas, slots, table, kc, vc)
+        rotate_and_scatter(k_src, v_src, deltas, slots, table, [kc for kc, _ in views], [vc for _, vc in views])
 
     def unfused() -> None:
         rotated = rotate(k_src, deltas, table)

@@ -64,6 +64,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             raise ValueError("InferScaleConnector needs kv_connector_extra_config={'bridge_id': ...}")
         self._bridge_id: str = extra["bridge_id"]
         self._fused = bool(extra.get("fused_rope", True))
+        self._fused_views: tuple[list[torch.Tensor], list[torch.Tensor]] | bool | None = None
         self._block_size = self._find_block_size(vllm_config, kv_cache_config)
 
         # Scheduler half.
@@ -247,15 +248,21 @@ class InferScaleConnector(KVConnectorBase_V1):
         slots: torch.Tensor,
         forward_context: "ForwardContext",
     ) -> bool:
-        """Rotate and scatter in one Triton kernel per layer; False if the layout is not known."""
+        """Rotate and scatter with one Triton launch for all layers; False if the layout is unknown."""
         from inferscale_engine.rope_triton import rotate_and_scatter
 
-        views = [compat.paged_kv_views(layer, compat.layer_kv_cache(layer, forward_context)) for _, layer in self._layers]
-        if any(vw is None for vw in views):
+        if self._fused_views is None:  # caches never move once allocated: find their views once
+            views = [compat.paged_kv_views(layer, compat.layer_kv_cache(layer, forward_context)) for _, layer in self._layers]
+            ropes = self._bridge().ropes
+            one_table = len({id(ropes[name]) for name, _ in self._layers}) == 1
+            # Per-layer rope or an unknown layout: the torch path handles those.
+            self._fused_views = (
+                ([kc for kc, _ in views], [vc for _, vc in views]) if one_table and all(views) else False
+            )
+        if not self._fused_views:
             return False
-        ropes = self._bridge().ropes
-        for index, ((name, _), (key_cache, value_cache)) in enumerate(zip(self._layers, views)):
-            rotate_and_scatter(k[index], v[index], deltas, slots, ropes[name], key_cache, value_cache)
+        table = self._bridge().ropes[self._layers[0][0]]
+        rotate_and_scatter(k, v, deltas, slots, table, *self._fused_views)
         return True
 
     def _rotate(self, k: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:

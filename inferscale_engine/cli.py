@@ -1,0 +1,449 @@
+"""The ``inferscale`` command: chat with memory, serve an OpenAI-compatible API, manage models
+and memories. ``inferscale --help`` and ``inferscale COMMAND --help`` explain each part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import textwrap
+from typing import Any
+
+PROG = "inferscale"
+
+MAIN_EPILOG = """\
+examples:
+  inferscale chat                              chat with long-term memory (SmolLM2 on this machine)
+  inferscale chat --user alice --show-usage    as user 'alice', printing TTFT and injected tokens
+  echo "My dog is called Rex." | inferscale chat --user alice     scripted: one line per turn
+  inferscale serve --port 8000 --api-key s3cret                   OpenAI-compatible HTTP API
+  inferscale models prepare smollm2            convert the packaged SmolLM2 once (~30 s)
+  inferscale memory add --user alice "I live in Lyon."
+  inferscale memory search --user alice "where do I live?"
+  inferscale memory import-locomo ../shared/data/locomo/locomo10.json --conversations 1
+
+Memories are kept under $INFERSCALE_HOME (default: your user data dir); --store overrides.
+Models are a local Hugging Face folder or an alias (smollm2); nothing is downloaded.
+"""
+
+CHAT_EPILOG = """\
+Each turn searches your memories for the message (top --k), puts their handles into the
+system message (their KV is injected, not prefilled), adds the last --history exchanges,
+streams the reply, then stores your message as a new memory. Memories survive restarts.
+
+in the chat:
+  /memories  /remember TEXT  /forget ID|all  /clear  /help  /quit   (Ctrl-D also quits)
+
+examples:
+  inferscale chat --user alice
+  inferscale chat --model /models/my-llama --store /tmp/store --k 8 --show-usage
+  printf 'My dog is called Rex.\\n' | inferscale chat --user bob            # tells a fact
+  printf "What is my dog's name?\\n" | inferscale chat --user bob           # later: recalls it
+"""
+
+SERVE_EPILOG = """\
+endpoints:
+  POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models
+  POST /v1/memories/  POST /v1/memories/search/  GET|DELETE /v1/memories/?user_id=U
+  GET|PUT|DELETE /v1/memories/{id}/?user_id=U   GET /v1/memories/{id}/history/?user_id=U
+  GET /health  GET /metrics (Prometheus)
+
+examples:
+  inferscale serve --port 8000
+  INFERSCALE_API_KEY=s3cret inferscale serve --host 0.0.0.0
+  curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "smollm2", "user": "alice", "messages": [{"role": "user", "content": "Hi"}]}'
+  python -c "from openai import OpenAI; c = OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='x');
+             print(c.chat.completions.create(model='smollm2', messages=[{'role': 'user', 'content': 'Hi'}]))"
+"""
+
+MEMORY_EPILOG = """\
+examples:
+  inferscale memory add --user alice "My dog is called Rex." "I live in Lyon."
+  inferscale memory search --user alice "what pets do I have?" --k 3
+  inferscale memory list --user alice --json
+  inferscale memory delete --user alice 3f9a0c1d2e4b5a69
+  inferscale memory delete --user alice --all
+  inferscale memory import-locomo ../shared/data/locomo/locomo10.json --conversations 2
+"""
+
+
+# ---------------------------------------------------------------------- parser
+
+
+def _engine_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and store")
+    g.add_argument("--model", default="smollm2", help="local model folder or alias (default: smollm2)")
+    g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present, else cpu")
+    g.add_argument("--store", default=None, metavar="DIR", help="memory store folder (default: $INFERSCALE_HOME/store or the user data dir)")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length (default 4096)")
+    g.add_argument("--dtype", default=None, help="weights/activations dtype, e.g. bfloat16, float32 (default: the model's)")
+    g.add_argument("--window", type=int, default=None, metavar="W", help="turns of context each memory is encoded after (default 5)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="InferScale: personalized LLM serving where memory costs no prefill.",
+        epilog=MAIN_EPILOG,
+        formatter_class=fmt,
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: vLLM's too, and tracebacks)")
+    parser.add_argument("--version", action="version", version=f"{PROG} 0.1.0")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    # chat
+    p = sub.add_parser("chat", help="terminal chatbot with long-term memory", description="Chat in the terminal; memories persist across sessions.", epilog=CHAT_EPILOG, formatter_class=fmt)
+    _engine_options(p)
+    p.add_argument("--user", default=os.environ.get("INFERSCALE_USER", "default"), help="whose memories (default: $INFERSCALE_USER or 'default')")
+    p.add_argument("--k", type=int, default=5, help="memories recalled per turn (default 5; 0 = none)")
+    p.add_argument("--history", type=int, default=3, metavar="N", help="previous exchanges sent as plain messages (default 3)")
+    p.add_argument("--max-tokens", type=int, default=256, help="reply length cap (default 256)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--system", default=None, metavar="TEXT", help="system prompt before the memories")
+    p.add_argument("--no-stream", action="store_true", help="print each reply when complete")
+    p.add_argument("--show-usage", action="store_true", help="after each reply: TTFT, memories, injected tokens, speed")
+    p.add_argument("--show-memories", action="store_true", help="print the memories recalled for each turn")
+    p.add_argument("--remember-replies", action="store_true", help="also store the assistant's replies as memories")
+    p.add_argument("--no-remember", action="store_true", help="do not store new memories (read-only chat)")
+    p.set_defaults(func=cmd_chat)
+
+    # serve
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with memory endpoints", description="Serve the OpenAI chat/completions API plus Mem0-style memory endpoints.", epilog=SERVE_EPILOG, formatter_class=fmt)
+    _engine_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--api-key", default=os.environ.get("INFERSCALE_API_KEY"), help="require 'Authorization: Bearer KEY' on /v1 (default: $INFERSCALE_API_KEY; none = open)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME", help="model id clients use (default: the alias or folder name)")
+    p.add_argument("--default-max-tokens", type=int, default=512, metavar="N", help="cap for requests without max_tokens (default 512)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn log level")
+    p.set_defaults(func=cmd_serve)
+
+    # models
+    p = sub.add_parser("models", help="list or prepare models", description="Models are local folders or aliases prepared from pip packages.", formatter_class=fmt,
+                       epilog="examples:\n  inferscale models list\n  inferscale models prepare            # smollm2\n  inferscale models prepare smollm2 --force\n")
+    msub = p.add_subparsers(dest="models_command", metavar="ACTION")
+    q = msub.add_parser("list", help="known aliases and whether they are prepared")
+    q.set_defaults(func=cmd_models_list)
+    q = msub.add_parser("prepare", help="make an alias loadable (converts once, then cached)")
+    q.add_argument("name", nargs="?", default="smollm2", help="alias (default smollm2)")
+    q.add_argument("--force", action="store_true", help="rebuild even if cached")
+    q.set_defaults(func=cmd_models_prepare)
+    p.set_defaults(func=lambda args: _subhelp(p))
+
+    # memory
+    p = sub.add_parser("memory", help="add, search, list, delete and import memories", description="Manage the memory store (same store as chat and serve).", epilog=MEMORY_EPILOG, formatter_class=fmt)
+    msub = p.add_subparsers(dest="memory_command", metavar="ACTION")
+
+    def mem_parser(name: str, help: str, user: bool = True) -> argparse.ArgumentParser:
+        q = msub.add_parser(name, help=help, description=help, formatter_class=fmt)
+        _engine_options(q)
+        if user:
+            q.add_argument("--user", required=True, help="whose memories")
+        q.add_argument("--json", action="store_true", help="print JSON")
+        return q
+
+    q = mem_parser("add", "store facts (each TEXT becomes one memory)")
+    q.add_argument("texts", nargs="+", metavar="TEXT")
+    q.add_argument("--metadata", default=None, metavar="JSON", help='e.g. \'{"source": "cli"}\'')
+    q.set_defaults(func=cmd_memory_add)
+    q = mem_parser("search", "memories most relevant to QUERY")
+    q.add_argument("query")
+    q.add_argument("--k", type=int, default=5, help="how many (default 5)")
+    q.set_defaults(func=cmd_memory_search)
+    q = mem_parser("list", "all memories of a user")
+    q.set_defaults(func=cmd_memory_list)
+    q = mem_parser("delete", "delete memories by id, or --all")
+    q.add_argument("ids", nargs="*", metavar="ID")
+    q.add_argument("--all", action="store_true", help="delete all of the user's memories")
+    q.set_defaults(func=cmd_memory_delete)
+    q = mem_parser("import-locomo", "import LoCoMo conversations: one user per speaker", user=False)
+    q.add_argument("path", help="locomo10.json")
+    q.add_argument("--conversations", type=int, default=None, metavar="N", help="only the first N conversations")
+    q.add_argument("--user-prefix", default="locomo", help="users are PREFIX-<sample_id>-<speaker> (default 'locomo')")
+    q.set_defaults(func=cmd_memory_import_locomo)
+    p.set_defaults(func=lambda args: _subhelp(p))
+    return parser
+
+
+def _subhelp(p: argparse.ArgumentParser) -> int:
+    p.print_help(sys.stderr)
+    return 2
+
+
+# ---------------------------------------------------------------------- logging
+
+
+def _setup_logging(verbose: int) -> None:
+    """Our progress on stderr; vLLM quiet (and off stdout, which carries the chat) unless -vv."""
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if verbose >= 2 else "WARNING")
+    os.environ.setdefault("TQDM_DISABLE", "0")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s" if verbose == 0 else "%(levelname)s %(name)s: %(message)s"))
+    ours = logging.getLogger("inferscale_engine")
+    ours.handlers[:] = [handler]
+    ours.setLevel(logging.DEBUG if verbose >= 2 else logging.INFO if verbose == 1 else logging.WARNING)
+    ours.propagate = False
+    # vLLM configured its logger at import (the package imports it): move it to stderr and quiet it.
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.setLevel(logging.DEBUG if verbose >= 2 else logging.WARNING)
+    for h in vllm_logger.handlers:
+        if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:
+            h.setStream(sys.stderr)
+    for name in ("transformers", "sentence_transformers", "httpx", "faiss"):
+        logging.getLogger(name).setLevel(logging.DEBUG if verbose >= 2 else logging.WARNING)
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------- commands
+
+
+def _make_engine(args: argparse.Namespace, **extra: Any) -> Any:
+    from inferscale_engine.engine import InferScaleEngine
+
+    options: dict[str, Any] = {}
+    for name in ("max_model_len", "dtype", "window"):
+        value = getattr(args, name, None)
+        if value is not None:
+            options[name] = value
+    options.update(extra)
+    return InferScaleEngine(model=args.model, device=args.device, store_path=args.store, **options)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from inferscale_engine.chat import DEFAULT_SYSTEM_PROMPT, ChatSession, run_repl
+
+    if args.k < 0 or args.history < 0 or args.max_tokens < 1:
+        raise ValueError("--k and --history must be >= 0 and --max-tokens >= 1")
+    interactive = sys.stdin.isatty()
+    if interactive:
+        _progress(f"Loading {args.model} ... (first start prepares the model; later ones take ~10-20 s)")
+    engine = _make_engine(args)
+    try:
+        engine.memory  # noqa: B018  (open the store and its embedder before the first turn)
+        session = ChatSession(
+            engine,
+            user_id=args.user,
+            k=args.k,
+            history_turns=args.history,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            system_prompt=args.system if args.system is not None else DEFAULT_SYSTEM_PROMPT,
+            remember=not args.no_remember,
+            remember_replies=args.remember_replies,
+        )
+        n = len(session.memories()) if interactive else 0
+        banner = (
+            f"InferScale chat: {args.model} on {engine.config.device}, user '{args.user}', "
+            f"{n} memor{'y' if n == 1 else 'ies'} in {engine.config.store_path}. /help for commands, /quit to leave."
+        )
+        return run_repl(
+            session,
+            stream=not args.no_stream,
+            show_usage=args.show_usage,
+            show_memories=args.show_memories,
+            banner=banner,
+        )
+    finally:
+        engine.close()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from inferscale_engine.server import serve
+
+    if not (0 < args.port < 65536):
+        raise ValueError(f"--port must be 1-65535, got {args.port}")
+    _progress(f"Loading {args.model} ...")
+    options: dict[str, Any] = {}
+    for name in ("max_model_len", "dtype", "window"):
+        if getattr(args, name, None) is not None:
+            options[name] = getattr(args, name)
+    serve(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key or None,
+        served_model_name=args.served_model_name,
+        default_max_tokens=args.default_max_tokens,
+        log_level=args.log_level,
+        model=args.model,
+        device=args.device,
+        store_path=args.store,
+        **options,
+    )
+    return 0
+
+
+def cmd_models_list(args: argparse.Namespace) -> int:
+    from inferscale_engine.models import MODEL_ALIASES, is_prepared, model_cache_dir
+
+    print(f"{'ALIAS':<10} {'MODEL':<26} {'STATUS':<12} PATH")
+    for alias, name in sorted(MODEL_ALIASES.items()):
+        path = model_cache_dir(alias)
+        status = "prepared" if is_prepared(path) else "not prepared"
+        print(f"{alias:<10} {name:<26} {status:<12} {path}")
+    print("\nAny local Hugging Face model folder works too: --model /path/to/model", file=sys.stderr)
+    return 0
+
+
+def cmd_models_prepare(args: argparse.Namespace) -> int:
+    from inferscale_engine.models import prepare_model
+
+    logging.getLogger("inferscale_engine.models").setLevel(logging.INFO)
+    path = prepare_model(args.name, force=args.force, progress=True)
+    print(path)
+    return 0
+
+
+def _print_items(items: list[Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps([i.to_dict() for i in items], indent=2, default=str))
+        return
+    if not items:
+        print("(no memories)", file=sys.stderr)
+    for i in items:
+        score = f"{i.score:.3f}  " if getattr(i, "score", None) is not None else ""
+        print(f"{i.id}  {score}{i.memory}")
+
+
+def cmd_memory_add(args: argparse.Namespace) -> int:
+    metadata = json.loads(args.metadata) if args.metadata else None
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ValueError("--metadata must be a JSON object")
+    with _make_engine(args) as engine:
+        items = engine.memory.add([{"role": "user", "content": t} for t in args.texts], user_id=args.user, metadata=metadata)
+        engine.memory.wait_for_encoding()
+        _print_items(list(items), args.json)
+    return 0
+
+
+def cmd_memory_search(args: argparse.Namespace) -> int:
+    with _make_engine(args) as engine:
+        _print_items(list(engine.memory.search(args.query, user_id=args.user, k=args.k)), args.json)
+    return 0
+
+
+def cmd_memory_list(args: argparse.Namespace) -> int:
+    with _make_engine(args) as engine:
+        _print_items(list(engine.memory.get_all(user_id=args.user)), args.json)
+    return 0
+
+
+def cmd_memory_delete(args: argparse.Namespace) -> int:
+    if args.all == bool(args.ids):
+        raise ValueError("give memory ids or --all (not both)")
+    with _make_engine(args) as engine:
+        store = engine.memory
+        if args.all:
+            n = store.delete_all(user_id=args.user)
+        else:
+            for fact_id in args.ids:
+                item = store.get(fact_id, user_id=args.user)
+                if item is None or getattr(item, "user_id", args.user) != args.user:
+                    from inferscale_engine.errors import FactNotFoundError
+
+                    raise FactNotFoundError(f"no memory {fact_id!r} for user {args.user!r}")
+            for fact_id in args.ids:
+                store.delete(fact_id, user_id=args.user)
+            n = len(args.ids)
+        result = {"deleted": int(n or 0)}
+        print(json.dumps(result) if args.json else f"deleted {result['deleted']} memor{'y' if n == 1 else 'ies'}")
+    return 0
+
+
+def locomo_conversations(path: str, limit: int | None = None) -> list[dict[str, Any]]:
+    """LoCoMo samples as ``{sample_id, speakers: [a, b], turns: [(speaker, text)]}``.
+
+    Each turn's text is prefixed with its session's date (``[1:56 pm on 8 May, 2023] ...``),
+    the reference setup's way of giving memories time; image turns get their caption.
+    """
+    with open(path) as f:
+        data = json.load(f)
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of LoCoMo samples")
+    out = []
+    for i, sample in enumerate(data[: limit if limit is not None else len(data)]):
+        conv = sample.get("conversation") if isinstance(sample, dict) else None
+        if not isinstance(conv, dict) or "speaker_a" not in conv:
+            raise ValueError(f"{path}: sample {i} has no 'conversation' with speakers")
+        sessions = sorted(
+            (int(k.split("_")[1]), k) for k in conv if k.startswith("session_") and k.count("_") == 1 and isinstance(conv[k], list)
+        )
+        turns = []
+        for num, key in sessions:
+            date = conv.get(f"{key}_date_time", "")
+            for t in conv[key]:
+                text = str(t.get("text", "")).strip()
+                if t.get("blip_caption"):
+                    text = f"{text} [shares a photo: {t['blip_caption']}]".strip()
+                if text:
+                    turns.append((str(t["speaker"]), f"[{date}] {text}" if date else text))
+        out.append({"sample_id": str(sample.get("sample_id", i)), "speakers": [conv["speaker_a"], conv["speaker_b"]], "turns": turns})
+    return out
+
+
+def locomo_user(prefix: str, sample_id: str, speaker: str) -> str:
+    return f"{prefix}-{sample_id}-{speaker}".replace(" ", "_") if prefix else f"{sample_id}-{speaker}".replace(" ", "_")
+
+
+def cmd_memory_import_locomo(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    conversations = locomo_conversations(args.path, args.conversations)
+    total = sum(len(c["turns"]) for c in conversations)
+    _progress(f"{len(conversations)} conversations, {total} turns from {args.path}")
+    summary = []
+    with _make_engine(args) as engine:
+        store = engine.memory
+        for conv in tqdm(conversations, desc="conversations", unit="conv", file=sys.stderr):
+            for speaker in conv["speakers"]:
+                user = locomo_user(args.user_prefix, conv["sample_id"], speaker)
+                own = [(s, t) for s, t in conv["turns"] if s == speaker]
+                items = store.import_conversation(own, user_id=user, progress=True)
+                summary.append({"user_id": user, "memories": len(items) if items is not None else len(own)})
+        store.wait_for_encoding()
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        for s in summary:
+            print(f"{s['user_id']}: {s['memories']} memories")
+    return 0
+
+
+# ---------------------------------------------------------------------- entry point
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help(sys.stderr)
+        return 2
+    _setup_logging(args.verbose)
+    from inferscale_engine.errors import InferScaleError
+    from inferscale_engine.models import ModelNotFoundError, ModelPreparationError
+
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except (InferScaleError, ModelNotFoundError, ModelPreparationError, ValueError, LookupError, OSError, ImportError) as exc:
+        if args.verbose >= 2:
+            raise
+        msg = "\n".join(textwrap.wrap(str(exc), 100)) or exc.__class__.__name__
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

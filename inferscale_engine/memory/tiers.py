@@ -1,0 +1,419 @@
+"""Where fact KV lives: a paged device slab, a host tier and a disk tier.
+
+* **Device tier** – one slab preallocated on first use (``torch.empty``), shaped
+  ``[num_pages, layers, 2, page_tokens, kv_heads, head_dim]``: a fact of ``n`` tokens takes
+  ``ceil(n / page_tokens)`` pages from a free list, so nothing is allocated per fact. On a CPU
+  engine the "device" is the CPU and the slab is an ordinary tensor.
+* **Host tier** – per-fact CPU tensors (pinned when CUDA is available, for fast promotion).
+* **Disk tier** – one safetensors file per fact version, written atomically (temp file in the
+  same folder, fsync, ``os.replace``, fsync of the folder) and carrying the model fingerprint
+  in its metadata. Disk is write-through and unbounded: every encoded fact has its file before
+  it enters memory, so the memory tiers are pure caches.
+
+Memory tiers are exclusive and LRU: a ``put`` or a promotion lands on the device; the device
+evicts its least recently used fact to the host, the host drops its least recently used fact
+(the disk still holds it). ``get`` promotes to the device and returns a *copy* gathered from
+the pages, so a span in flight never sees its pages reused. Bytes are never converted: KV
+read back from any tier is ``torch.equal`` to what was put.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from inferscale_engine.errors import StaleKVError
+from inferscale_engine.kv import FactKV
+
+logger = logging.getLogger(__name__)
+
+KVKey = tuple[str, int]  # (fact id, kv version)
+Tier = Literal["device", "host", "disk"]
+
+FILE_FORMAT = "inferscale-kv/1"
+_FILE_RE = re.compile(r"^([0-9a-f]{16})-(\d+)\.safetensors$")
+
+
+class KVMissingError(LookupError):
+    """No usable KV file for this fact version (never written, deleted, or unreadable)."""
+
+
+@dataclass
+class _DeviceEntry:
+    pages: list[int]
+    num_tokens: int
+    position: int
+    fingerprint: str
+
+
+@dataclass
+class _HostEntry:
+    k: torch.Tensor
+    v: torch.Tensor
+    position: int
+    fingerprint: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class KVTiers:
+    """Device / host / disk KV storage of one memory store. Thread-safe."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        *,
+        device: str | torch.device = "cpu",
+        device_bytes: int = 512 << 20,
+        host_bytes: int = 2 << 30,
+        page_tokens: int = 16,
+        pin_memory: bool | None = None,
+    ) -> None:
+        if page_tokens < 1:
+            raise ValueError(f"page_tokens must be >= 1, got {page_tokens}")
+        if device_bytes < 0 or host_bytes < 0:
+            raise ValueError("tier capacities must be >= 0 bytes")
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.device = torch.device(device)
+        self.device_bytes = int(device_bytes)
+        self.host_bytes = int(host_bytes)
+        self.page_tokens = int(page_tokens)
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._lock = threading.RLock()
+        self._geometry: tuple[int, int, int, torch.dtype] | None = None  # layers, kv heads, head dim, dtype
+        self._slab: torch.Tensor | None = None
+        self._free: list[int] = []
+        self._device: OrderedDict[KVKey, _DeviceEntry] = OrderedDict()
+        self._host: OrderedDict[KVKey, _HostEntry] = OrderedDict()
+        self._host_used = 0
+        self.counters = {
+            "disk_writes": 0, "disk_reads": 0, "host_to_device": 0, "device_to_host": 0, "host_drops": 0,
+        }
+
+    # ------------------------------------------------------------------ public API
+
+    def put(self, key: KVKey, kv: FactKV, fingerprint: str) -> None:
+        """Store ``kv`` durably on disk, then cache it on the device."""
+        self._check_geometry(kv)
+        self._write_file(key, kv, fingerprint)
+        with self._lock:
+            self._drop_memory(key)
+            self._insert(key, kv.k, kv.v, kv.position, fingerprint)
+
+    def get(self, key: KVKey, fingerprint: str) -> FactKV:
+        """KV of ``key`` on the device, promoting it from host or disk.
+
+        Raises :class:`KVMissingError` when no tier has it and :class:`StaleKVError` when the
+        stored KV was made under another model fingerprint.
+        """
+        with self._lock:
+            got = self._get_memory(key, fingerprint)
+        if got is not None:
+            return got
+        k, v, position = self._read_file(key, fingerprint)
+        with self._lock:
+            got = self._get_memory(key, fingerprint)  # another thread may have loaded it meanwhile
+            if got is not None:
+                return got
+            if not self.path(key).exists():  # deleted while we read it: serve, but do not cache
+                return FactKV(k.to(self.device), v.to(self.device), position)
+            self._insert(key, k, v, position, fingerprint)
+            got = self._get_memory(key, fingerprint)
+        if got is None:  # too large for every memory tier: serve straight from the file
+            got = FactKV(k.to(self.device), v.to(self.device), position)
+        return got
+
+    def where(self, key: KVKey) -> Tier | None:
+        """The fastest tier holding ``key``."""
+        with self._lock:
+            if key in self._device:
+                return "device"
+            if key in self._host:
+                return "host"
+        return "disk" if self.path(key).exists() else None
+
+    def evict(self, key: KVKey, to: Literal["host", "disk"] = "host") -> None:
+        """Move ``key`` down to ``to`` (for tests and benchmarks; LRU does this on its own)."""
+        with self._lock:
+            if key in self._device and (to == "host" or to == "disk"):
+                self._evict_device(key)
+            if to == "disk" and key in self._host:
+                self._host_used -= self._host.pop(key).nbytes
+
+    def drop_memory(self) -> None:
+        """Forget every cached copy (device and host); disk keeps everything."""
+        with self._lock:
+            for key in list(self._device):
+                self._free.extend(self._device.pop(key).pages)
+            self._host.clear()
+            self._host_used = 0
+
+    def delete(self, fact_id: str) -> None:
+        """Free every version of ``fact_id`` in every tier, its disk files included."""
+        with self._lock:
+            for key in [k for k in self._device if k[0] == fact_id]:
+                self._free.extend(self._device.pop(key).pages)
+            for key in [k for k in self._host if k[0] == fact_id]:
+                self._host_used -= self._host.pop(key).nbytes
+            folder = self.root / fact_id[:2]
+            if folder.is_dir():
+                for p in folder.glob(f"{fact_id}-*.safetensors"):
+                    _unlink(p)
+                for p in folder.glob(f".{fact_id}-*.tmp"):
+                    _unlink(p)
+
+    def path(self, key: KVKey) -> Path:
+        fact_id, version = key
+        return self.root / fact_id[:2] / f"{fact_id}-{int(version)}.safetensors"
+
+    def read_metadata(self, key: KVKey) -> dict[str, str] | None:
+        """The safetensors metadata of ``key``'s file, or ``None`` when absent or unreadable."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(self.path(key)), framework="pt", device="cpu") as f:
+                return dict(f.metadata() or {})
+        except Exception:
+            return None
+
+    def sweep(self, live: Mapping[str, int]) -> tuple[set[KVKey], int]:
+        """Remove temp files and KV files of no live fact version; return (files kept, removed)."""
+        kept: set[KVKey] = set()
+        removed = 0
+        with self._lock:
+            for folder in self.root.iterdir():
+                if not folder.is_dir():
+                    continue
+                for p in folder.iterdir():
+                    m = _FILE_RE.match(p.name)
+                    if p.name.endswith(".tmp"):
+                        _unlink(p)
+                        removed += 1
+                    elif m is not None:
+                        key = (m.group(1), int(m.group(2)))
+                        if live.get(key[0]) == key[1]:
+                            kept.add(key)
+                        else:
+                            _unlink(p)
+                            removed += 1
+        return kept, removed
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            total = 0 if self._slab is None else self._slab.shape[0]
+            return {
+                "device_facts": len(self._device),
+                "device_pages_used": total - len(self._free),
+                "device_pages_total": total,
+                "device_bytes": 0 if self._slab is None else self._slab.nbytes,
+                "host_facts": len(self._host),
+                "host_bytes": self._host_used,
+                **self.counters,
+            }
+
+    @property
+    def page_bytes(self) -> int | None:
+        if self._geometry is None:
+            return None
+        layers, heads, dim, dtype = self._geometry
+        return layers * 2 * self.page_tokens * heads * dim * torch.empty((), dtype=dtype).element_size()
+
+    # ------------------------------------------------------------------ memory tiers
+
+    def _check_geometry(self, kv: FactKV) -> None:
+        layers, n, heads, dim = kv.k.shape
+        geometry = (layers, heads, dim, kv.k.dtype)
+        if kv.v.shape != kv.k.shape or kv.v.dtype != kv.k.dtype:
+            raise ValueError(f"K {tuple(kv.k.shape)}/{kv.k.dtype} and V {tuple(kv.v.shape)}/{kv.v.dtype} differ")
+        with self._lock:
+            if self._geometry is None:
+                self._geometry = geometry
+                num_pages = self.device_bytes // self.page_bytes  # type: ignore[operator]
+                if num_pages > 0:
+                    shape = (num_pages, layers, 2, self.page_tokens, heads, dim)
+                    self._slab = torch.empty(shape, dtype=kv.k.dtype, device=self.device)
+                    self._free = list(range(num_pages - 1, -1, -1))
+                logger.info(
+                    "KV device slab: %d pages of %d tokens (%.1f MiB) on %s",
+                    num_pages, self.page_tokens, num_pages * self.page_bytes / 2**20, self.device,  # type: ignore[operator]
+                )
+            elif geometry != self._geometry:
+                raise ValueError(f"KV geometry {geometry} does not match this store's {self._geometry}")
+
+    def _get_memory(self, key: KVKey, fingerprint: str) -> FactKV | None:
+        entry = self._device.get(key)
+        if entry is not None:
+            _check_fingerprint(key, entry.fingerprint, fingerprint, "device tier")
+            self._device.move_to_end(key)
+            k, v = self._read_pages(entry)
+            return FactKV(k, v, entry.position)
+        host = self._host.pop(key, None)
+        if host is None:
+            return None
+        self._host_used -= host.nbytes
+        _check_fingerprint(key, host.fingerprint, fingerprint, "host tier")
+        self._insert(key, host.k, host.v, host.position, host.fingerprint)
+        entry = self._device.get(key)
+        if entry is not None:
+            self.counters["host_to_device"] += 1
+            k, v = self._read_pages(entry)
+            return FactKV(k, v, entry.position)
+        # Larger than the slab: served from the host copy (which _insert kept if it fits there).
+        return FactKV(host.k.to(self.device, copy=True), host.v.to(self.device, copy=True), host.position)
+
+    def _insert(self, key: KVKey, k: torch.Tensor, v: torch.Tensor, position: int, fingerprint: str) -> None:
+        n = k.shape[1]
+        need = max(1, math.ceil(n / self.page_tokens))
+        if self._slab is not None and need <= self._slab.shape[0]:
+            while len(self._free) < need:
+                self._evict_device(next(iter(self._device)))
+            pages = [self._free.pop() for _ in range(need)]
+            self._write_pages(pages, k, v)
+            self._device[key] = _DeviceEntry(pages, n, position, fingerprint)
+        else:  # larger than the whole slab: the host serves it
+            self._insert_host(key, k, v, position, fingerprint)
+
+    def _evict_device(self, key: KVKey) -> None:
+        entry = self._device.pop(key)
+        k, v = self._read_pages(entry, device=torch.device("cpu"))
+        self._free.extend(entry.pages)
+        self.counters["device_to_host"] += 1
+        self._insert_host(key, k, v, entry.position, entry.fingerprint)
+
+    def _insert_host(self, key: KVKey, k: torch.Tensor, v: torch.Tensor, position: int, fingerprint: str) -> None:
+        # Own copy: the caller's tensors (or the pages they came from) may change later.
+        k, v = k.to("cpu", copy=True), v.to("cpu", copy=True)
+        if self.pin_memory:
+            k, v = k.pin_memory(), v.pin_memory()
+        entry = _HostEntry(k, v, position, fingerprint)
+        if entry.nbytes > self.host_bytes:
+            self.counters["host_drops"] += 1
+            return  # the disk has it
+        while self._host_used + entry.nbytes > self.host_bytes:
+            self._host_used -= self._host.popitem(last=False)[1].nbytes
+            self.counters["host_drops"] += 1
+        self._host[key] = entry
+        self._host_used += entry.nbytes
+
+    def _drop_memory(self, key: KVKey) -> None:
+        entry = self._device.pop(key, None)
+        if entry is not None:
+            self._free.extend(entry.pages)
+        host = self._host.pop(key, None)
+        if host is not None:
+            self._host_used -= host.nbytes
+
+    def _write_pages(self, pages: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        assert self._slab is not None
+        pt, n = self.page_tokens, k.shape[1]
+        nb = k.device.type == "cpu" and self.device.type == "cuda" and k.is_pinned()
+        for j, p in enumerate(pages):
+            a, b = j * pt, min(n, (j + 1) * pt)
+            self._slab[p, :, 0, : b - a].copy_(k[:, a:b], non_blocking=nb)
+            self._slab[p, :, 1, : b - a].copy_(v[:, a:b], non_blocking=nb)
+
+    def _read_pages(self, entry: _DeviceEntry, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._slab is not None
+        idx = torch.as_tensor(entry.pages, device=self.device)
+        g = self._slab.index_select(0, idx)  # [m, L, 2, pt, H, D], a copy
+        m, layers, _, pt, heads, dim = g.shape
+        kv = g.permute(2, 1, 0, 3, 4, 5).reshape(2, layers, m * pt, heads, dim)[:, :, : entry.num_tokens]
+        if device is not None:
+            kv = kv.to(device)
+        return kv[0].contiguous(), kv[1].contiguous()
+
+    # ------------------------------------------------------------------ disk tier
+
+    def _write_file(self, key: KVKey, kv: FactKV, fingerprint: str) -> None:
+        from safetensors.torch import save
+
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {"k": kv.k.detach().to("cpu").contiguous(), "v": kv.v.detach().to("cpu").contiguous()}
+        metadata = {
+            "format": FILE_FORMAT,
+            "fingerprint": fingerprint,
+            "fact_id": key[0],
+            "kv_version": str(key[1]),
+            "position": str(int(kv.position)),
+            "num_tokens": str(kv.num_tokens),
+        }
+        data = save(tensors, metadata=metadata)
+        tmp = path.parent / f".{path.stem}.{uuid.uuid4().hex}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink(tmp)
+            raise
+        os.close(fd)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        self.counters["disk_writes"] += 1
+
+    def _read_file(self, key: KVKey, fingerprint: str) -> tuple[torch.Tensor, torch.Tensor, int]:
+        from safetensors import safe_open
+
+        path = self.path(key)
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                meta = dict(f.metadata() or {})
+                k, v = f.get_tensor("k"), f.get_tensor("v")
+        except FileNotFoundError:
+            raise KVMissingError(f"no KV file for fact {key[0]} v{key[1]}") from None
+        except Exception as exc:
+            logger.warning("unreadable KV file %s: %s", path, exc)
+            raise KVMissingError(f"unreadable KV file for fact {key[0]} v{key[1]}: {exc}") from exc
+        if meta.get("format") != FILE_FORMAT or meta.get("fact_id") != key[0] or meta.get("kv_version") != str(key[1]):
+            raise KVMissingError(f"KV file {path.name} does not hold fact {key[0]} v{key[1]}")
+        _check_fingerprint(key, meta.get("fingerprint"), fingerprint, f"file {path.name}")
+        if k.shape != v.shape or k.shape[1] != int(meta.get("num_tokens", -1)):
+            raise KVMissingError(f"KV file {path.name} is inconsistent")
+        self.counters["disk_reads"] += 1
+        return k, v, int(meta["position"])
+
+
+def _check_fingerprint(key: KVKey, found: str | None, expected: str, where: str) -> None:
+    if found != expected:
+        raise StaleKVError(
+            f"KV of fact {key[0]} v{key[1]} in {where} was encoded under model fingerprint {found!r}, "
+            f"this store serves {expected!r}; refusing it"
+        )
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

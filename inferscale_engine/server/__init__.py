@@ -1,0 +1,47 @@
+"""OpenAI-compatible HTTP server with Mem0-style memory endpoints (``inferscale serve``).
+
+    from inferscale_engine import InferScaleEngine
+    from inferscale_engine.server import create_app
+    app = create_app(InferScaleEngine("smollm2"), api_key="secret")   # any ASGI server runs it
+
+or :func:`serve` to build the engine and run uvicorn in one call.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from inferscale_engine.server.app import APIError, api_error, create_app
+
+__all__ = ["APIError", "api_error", "create_app", "serve"]
+
+logger = logging.getLogger(__name__)
+
+
+def serve(
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    default_max_tokens: int = 512,
+    log_level: str = "info",
+    engine: Any = None,
+    **engine_options: Any,
+) -> None:
+    """Build an engine (unless given one) and serve it with uvicorn until interrupted."""
+    import uvicorn
+
+    own = engine is None
+    if own:
+        from inferscale_engine.engine import InferScaleEngine
+
+        engine = InferScaleEngine(**engine_options)
+    try:
+        app = create_app(engine, served_model_name=served_model_name, api_key=api_key, default_max_tokens=default_max_tokens)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=log_level == "debug")
+        uvicorn.Server(config).run()
+    finally:
+        if own:
+            engine.close()

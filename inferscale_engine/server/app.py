@@ -1,0 +1,525 @@
+"""The HTTP API: OpenAI-compatible completions plus Mem0-style memory endpoints.
+
+Routes::
+
+    POST /v1/chat/completions     OpenAI chat (SSE streaming or not); handles in messages are
+                                  injected as KV for the request's ``user``
+    POST /v1/completions          OpenAI legacy completions (one prompt)
+    GET  /v1/models               the served model
+    POST /v1/memories/            add {messages, user_id, metadata}
+    POST /v1/memories/search/     search {query, user_id, limit}
+    GET  /v1/memories/?user_id=   list one user's memories
+    DELETE /v1/memories/?user_id= forget all of them
+    GET|PUT|DELETE /v1/memories/{id}/?user_id=   one memory (404 unless it is that user's)
+    GET  /v1/memories/{id}/history/?user_id=
+    GET  /health, GET /metrics    (never behind the API key)
+
+Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}`` as OpenAI sends
+it; bad input is a 4xx, never a 500 with a traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from inferscale_engine.chat import with_memories
+from inferscale_engine.errors import (
+    ContextOverflowError,
+    EngineClosedError,
+    FactNotFoundError,
+    ForgedHandleError,
+    HandleError,
+    MalformedHandleError,
+    StaleKVError,
+)
+from inferscale_engine.server.metrics import CONTENT_TYPE_LATEST, Metrics
+from inferscale_engine.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    MemoryAddRequest,
+    MemorySearchRequest,
+    MemoryUpdateRequest,
+    unsupported,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_USER = "default"
+
+
+class APIError(Exception):
+    """An error response: HTTP status plus OpenAI's error object."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def api_error(exc: BaseException) -> APIError:
+    """Map an exception from the engine or store to the response a client should get."""
+    if isinstance(exc, APIError):
+        return exc
+    msg = str(exc) or exc.__class__.__name__
+    if isinstance(exc, ForgedHandleError):
+        return APIError(403, msg, "permission_error", "messages", "forged_handle")
+    if isinstance(exc, FactNotFoundError):
+        return APIError(404, msg, "not_found_error", None, "memory_not_found")
+    if isinstance(exc, StaleKVError):
+        return APIError(409, msg, "conflict_error", None, "stale_kv")
+    if isinstance(exc, MalformedHandleError):
+        return APIError(400, msg, "invalid_request_error", "messages", "malformed_handle")
+    if isinstance(exc, HandleError):
+        return APIError(400, msg, "invalid_request_error", "messages", "invalid_handle")
+    if isinstance(exc, ContextOverflowError):
+        return APIError(400, msg, "invalid_request_error", "max_tokens", "context_length_exceeded")
+    if isinstance(exc, EngineClosedError):
+        return APIError(503, msg, "server_error", None, "engine_closed")
+    if isinstance(exc, ImportError):  # e.g. the memory extra is not installed
+        return APIError(503, f"memory store unavailable: {msg}", "server_error", None, "memory_unavailable")
+    if isinstance(exc, (ValueError, TypeError)):  # vLLM's SamplingParams checks, empty prompts...
+        return APIError(400, msg, "invalid_request_error")
+    logger.error("internal error", exc_info=(type(exc), exc, exc.__traceback__))
+    return APIError(500, "internal server error (see the server log)", "server_error", None, "internal_error")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return "request body is not valid JSON", None
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query")]
+    param = ".".join(loc) or None
+    where = f" at '{param}'" if param else ""
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    return f"invalid request{where}: {first.get('msg', 'invalid value')}{more}", param
+
+
+def create_app(
+    engine: Any,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    default_max_tokens: int = 512,
+    preload_memory: bool = True,
+) -> FastAPI:
+    """Build the FastAPI app around an existing :class:`~inferscale_engine.InferScaleEngine`.
+
+    Args:
+        served_model_name: the ``model`` id clients send and ``/v1/models`` lists (default:
+            the alias or folder name the engine was built from).
+        api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>`` (401 otherwise).
+        default_max_tokens: the cap for requests that give no ``max_tokens`` (also bounded by
+            what is left of the context).
+        preload_memory: open the memory store now (loads the embedder) rather than on the
+            first memory request.
+    """
+    model_name = served_model_name or _default_model_name(engine)
+    accepted = {model_name, str(getattr(engine.config, "model", model_name)), str(getattr(engine, "model_path", model_name))}
+    accepted.add(os.path.basename(str(getattr(engine, "model_path", model_name)).rstrip("/")))
+    max_model_len = int(engine.max_model_len)
+    metrics = Metrics()
+    created = int(time.time())
+
+    app = FastAPI(title="InferScale", version="0.1.0", description="Personalized LLM serving: memory without prefill.")
+    app.state.engine = engine
+    app.state.metrics = metrics
+    app.state.model_name = model_name
+
+    memory_error: list[str] = []
+    if preload_memory:
+        try:
+            engine.memory  # noqa: B018  (opens the store once, before requests race for it)
+        except ImportError as exc:
+            memory_error.append(f"memory store unavailable: {exc}")
+            logger.warning("memory endpoints disabled: %s", exc)
+
+    # ------------------------------------------------------------------ plumbing
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        metrics.errors.labels(exc.code or exc.type).inc()
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        metrics.errors.labels("invalid_request").inc()
+        return APIError(400, message, param=param, code="invalid_request").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        return APIError(exc.status_code, str(exc.detail), kind).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        err = api_error(exc)
+        metrics.errors.labels(err.code or err.type).inc()
+        return err.response()
+
+    app.add_middleware(_AuthAndCount, api_key=api_key, metrics=metrics)
+
+    def check_model(name: str) -> None:
+        if name not in accepted:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{model_name}'.", "not_found_error", "model", "model_not_found")
+
+    def store() -> Any:
+        if memory_error:
+            raise APIError(503, memory_error[0], "server_error", None, "memory_unavailable")
+        try:
+            return engine.memory
+        except ImportError as exc:
+            raise APIError(503, f"memory store unavailable: {exc}", "server_error", None, "memory_unavailable") from exc
+
+    # ------------------------------------------------------------------ generation
+
+    def sampling_of(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+        bad = unsupported(req)
+        if bad:
+            raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+        s: dict[str, Any] = {"temperature": 1.0 if req.temperature is None else req.temperature}
+        if req.top_p is not None:
+            s["top_p"] = req.top_p
+        if req.seed is not None:
+            s["seed"] = req.seed
+        if req.stop_list():
+            s["stop"] = req.stop_list()
+        if req.presence_penalty:
+            s["presence_penalty"] = req.presence_penalty
+        if req.frequency_penalty:
+            s["frequency_penalty"] = req.frequency_penalty
+        return s
+
+    async def prepare(prompt: Any, user: str, requested: int | None, param: str) -> tuple[list[Any], int]:
+        """Resolve handles once (4xx for bad ones) and settle ``max_tokens`` against the context."""
+        if requested is not None and requested >= max_model_len:
+            raise APIError(
+                400,
+                f"{param}={requested} is too large: the model's context is {max_model_len} tokens (prompt included)",
+                param=param,
+                code="context_length_exceeded",
+            )
+        try:
+            segments = await asyncio.to_thread(engine.resolve, prompt, user_id=user)
+        except Exception as exc:
+            raise api_error(exc) from exc
+        n = sum(len(s.token_ids) if hasattr(s, "token_ids") else len(s) for s in segments)
+        left = max_model_len - n
+        if requested is None:  # as much as the context leaves, capped by the server default
+            requested = min(default_max_tokens, left)
+        if left < 1 or requested > left:
+            raise APIError(
+                400,
+                f"this request needs {n} prompt tokens (memories included) + {param}={requested}, "
+                f"more than the model's context of {max_model_len} tokens",
+                param=param if left >= 1 else "messages",
+                code="context_length_exceeded",
+            )
+        return segments, requested
+
+    async def generate(endpoint: str, segments: list[Any], user: str, req: Any, max_tokens: int, sampling: dict[str, Any]) -> Response:
+        rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
+        now = int(time.time())
+        kwargs = dict(user_id=user, max_tokens=max_tokens, **sampling)
+        if not req.stream:
+            metrics.in_flight.inc()
+            try:
+                result = await engine.agenerate_segments(segments, **kwargs)
+            except Exception as exc:
+                raise api_error(exc) from exc
+            finally:
+                metrics.in_flight.dec()
+            metrics.observe_generation(endpoint, result)
+            if endpoint == "chat":
+                choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None, "finish_reason": result.finish_reason}
+                obj = "chat.completion"
+            else:
+                choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
+                obj = "text_completion"
+            return JSONResponse(
+                {"id": rid, "object": obj, "created": now, "model": model_name, "choices": [choice], "usage": usage_of(result), "system_fingerprint": None}
+            )
+
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        agen = engine.astream_segments(segments, **kwargs).__aiter__()
+        metrics.in_flight.inc()
+        try:
+            first = await agen.__anext__()  # resolution and layout errors become a proper status
+        except StopAsyncIteration:
+            metrics.in_flight.dec()
+            raise APIError(500, "generation produced no output", "server_error")
+        except BaseException as exc:
+            metrics.in_flight.dec()
+            await agen.aclose()
+            raise api_error(exc) if isinstance(exc, Exception) else exc
+        return StreamingResponse(
+            sse(endpoint, rid, now, first, agen, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def sse(endpoint: str, rid: str, now: int, first: Any, agen: AsyncIterator[Any], include_usage: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+
+        def chunk(delta_text: str | None, finish: str | None = None, role: bool = False) -> str:
+            if endpoint == "chat":
+                delta: dict[str, Any] = {}
+                if role:
+                    delta["role"] = "assistant"
+                if delta_text is not None:
+                    delta["content"] = delta_text
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
+            body: dict[str, Any] = {"id": rid, "object": obj, "created": now, "model": model_name, "choices": [choice]}
+            if include_usage:
+                body["usage"] = None
+            return f"data: {json.dumps(body)}\n\n"
+
+        try:
+            if endpoint == "chat":
+                yield chunk("", role=True)
+            delta, result = first, None
+            while True:
+                if delta.text:
+                    yield chunk(delta.text)
+                if delta.result is not None:
+                    result = delta.result
+                    break
+                try:
+                    delta = await agen.__anext__()
+                except StopAsyncIteration:
+                    break
+            if result is not None:
+                metrics.observe_generation(endpoint, result)
+                yield chunk(None if endpoint == "chat" else "", finish=result.finish_reason)
+                if include_usage:
+                    yield "data: " + json.dumps({"id": rid, "object": obj, "created": now, "model": model_name, "choices": [], "usage": usage_of(result)}) + "\n\n"
+            yield "data: [DONE]\n\n"
+        except Exception as exc:  # after the 200 went out: report in-band, as OpenAI does
+            err = api_error(exc)
+            metrics.errors.labels(err.code or err.type).inc()
+            yield f"data: {json.dumps(err.body())}\n\n"
+        finally:
+            metrics.in_flight.dec()
+            await agen.aclose()  # aborts the vLLM request when the client went away
+
+    def usage_of(result: Any) -> dict[str, Any]:
+        u = result.usage
+        return {
+            "prompt_tokens": u.prompt_tokens,
+            "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+            "injected_tokens": u.injected_tokens,
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest) -> Response:
+        check_model(req.model)
+        sampling = sampling_of(req)
+        messages = []
+        for i, m in enumerate(req.messages):
+            if m.role in ("tool", "function"):
+                raise APIError(400, f"messages[{i}]: role '{m.role}' is not supported (no tool calling)", param=f"messages.{i}.role")
+            try:
+                content = m.text()
+            except ValueError as exc:
+                raise APIError(400, f"messages[{i}]: {exc}", param=f"messages.{i}.content") from exc
+            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        user = req.user or DEFAULT_USER
+        if req.memory_k:
+            query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+            if query:
+                try:
+                    found = await asyncio.to_thread(store().search, query, user_id=user, k=req.memory_k)
+                except Exception as exc:
+                    raise api_error(exc) from exc
+                messages = with_memories(messages, [m.handle for m in found])
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        segments, max_tokens = await prepare(messages, user, requested, param)
+        return await generate("chat", segments, user, req, max_tokens, sampling)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest) -> Response:
+        check_model(req.model)
+        sampling = sampling_of(req)
+        prompt = req.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise APIError(400, "exactly one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise APIError(400, "prompt is empty", param="prompt")
+        user = req.user or DEFAULT_USER
+        segments, max_tokens = await prepare(prompt, user, req.max_tokens, "max_tokens")
+        return await generate("completion", segments, user, req, max_tokens, sampling)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "inferscale", "root": str(getattr(engine, "model_path", model_name)), "max_model_len": max_model_len}],
+        }
+
+    @app.get("/health")
+    async def health() -> Response:
+        if getattr(engine, "_closed", False):
+            return JSONResponse({"status": "closed"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": model_name})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # ------------------------------------------------------------------ memories (Mem0 REST shape)
+
+    def route(method: str, path: str) -> Callable:
+        """Register ``path`` with and without its trailing slash (no redirects for POST/PUT)."""
+
+        def deco(fn: Callable) -> Callable:
+            for p in {path, path.rstrip("/")}:
+                app.add_api_route(p, fn, methods=[method], include_in_schema=p == path)
+            return fn
+
+        return deco
+
+    def owned(fact_id: str, user_id: str) -> Any:
+        """The memory if it exists and belongs to ``user_id``; 404 otherwise (no existence leak)."""
+        not_found = APIError(404, f"memory {fact_id!r} not found for user {user_id!r}", "not_found_error", None, "memory_not_found")
+        try:
+            item = store().get(fact_id, user_id=user_id)
+        except (LookupError, ValueError, PermissionError):
+            raise not_found from None
+        if item is None or getattr(item, "user_id", user_id) != user_id:
+            raise not_found
+        return item
+
+    def call(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except APIError:
+            raise
+        except Exception as exc:
+            raise api_error(exc) from exc
+
+    @route("POST", "/v1/memories/")
+    def memory_add(req: MemoryAddRequest) -> dict[str, Any]:
+        if isinstance(req.messages, str):
+            messages = [{"role": "user", "content": req.messages}]
+        else:
+            messages = [{"role": m.role, "content": call(m.text)} for m in req.messages]
+        if not messages or not any(m["content"].strip() for m in messages):
+            raise APIError(400, "nothing to remember: messages are empty", param="messages")
+        items = call(store().add, messages, user_id=req.user_id, metadata=req.metadata, infer=req.infer)
+        return {"results": [{**i.to_dict(), "event": "ADD"} for i in items]}
+
+    @route("POST", "/v1/memories/search/")
+    def memory_search(req: MemorySearchRequest) -> dict[str, Any]:
+        items = call(store().search, req.query, user_id=req.user_id, k=req.limit)
+        return {"results": [i.to_dict() for i in items]}
+
+    @route("GET", "/v1/memories/")
+    def memory_list(user_id: str = Query(..., min_length=1)) -> dict[str, Any]:
+        return {"results": [i.to_dict() for i in call(store().get_all, user_id=user_id)]}
+
+    @route("DELETE", "/v1/memories/")
+    def memory_delete_all(user_id: str = Query(..., min_length=1)) -> dict[str, Any]:
+        n = call(store().delete_all, user_id=user_id)
+        return {"message": "Memories deleted successfully!", "deleted": int(n or 0)}
+
+    @route("GET", "/v1/memories/{memory_id}/")
+    def memory_get(memory_id: str, user_id: str = Query(..., min_length=1)) -> dict[str, Any]:
+        return owned(memory_id, user_id).to_dict()
+
+    @route("PUT", "/v1/memories/{memory_id}/")
+    def memory_update(memory_id: str, req: MemoryUpdateRequest, user_id: str | None = Query(None)) -> dict[str, Any]:
+        uid = user_id or req.user_id
+        if not uid:
+            raise APIError(400, "user_id is required (query parameter or body)", param="user_id")
+        owned(memory_id, uid)
+        updated = call(store().update, memory_id, req.text, user_id=uid)
+        item = updated if hasattr(updated, "to_dict") else owned(memory_id, uid)
+        return {"message": "Memory updated successfully!", **item.to_dict()}
+
+    @route("DELETE", "/v1/memories/{memory_id}/")
+    def memory_delete(memory_id: str, user_id: str = Query(..., min_length=1)) -> dict[str, Any]:
+        owned(memory_id, user_id)
+        call(store().delete, memory_id, user_id=user_id)
+        return {"message": "Memory deleted successfully!"}
+
+    @route("GET", "/v1/memories/{memory_id}/history/")
+    def memory_history(memory_id: str, user_id: str = Query(..., min_length=1)) -> list[dict[str, Any]]:
+        owned(memory_id, user_id)
+        return list(call(store().history, memory_id))
+
+    return app
+
+
+class _AuthAndCount:
+    """Pure ASGI middleware: Bearer check on ``/v1/*`` and request counting by route template.
+
+    (Not ``BaseHTTPMiddleware``: that one re-buffers streamed responses through a task group.)
+    """
+
+    def __init__(self, app: Any, *, api_key: str | None, metrics: Metrics) -> None:
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        method = scope.get("method", "")
+        if self.api_key and scope.get("path", "").startswith("/v1"):
+            auth = ""
+            for k, v in scope.get("headers", []):
+                if k == b"authorization":
+                    auth = v.decode("latin-1")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                self.metrics.requests.labels(method, "unauthorized", "401").inc()
+                self.metrics.errors.labels("invalid_api_key").inc()
+                err = APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')", "authentication_error", None, "invalid_api_key")
+                await err.response()(scope, receive, send)
+                return
+        status = [500]
+
+        async def send_counting(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counting)
+        finally:
+            route = scope.get("route")
+            self.metrics.requests.labels(method, getattr(route, "path", "unmatched"), str(status[0])).inc()
+
+
+def _default_model_name(engine: Any) -> str:
+    name = str(getattr(engine.config, "model", "") or getattr(engine, "model_path", "model"))
+    if os.path.isdir(name):
+        return os.path.basename(os.path.normpath(name))
+    return name

@@ -1,0 +1,338 @@
+"""What the LangChain and LlamaIndex integrations share: the engine factory, recall, handle expansion.
+
+Nothing here imports a framework, so both integrations (and tests) can use it.
+
+**Engine sharing.** Every integration class takes ``engine=`` (an :class:`InferScaleEngine`) or
+``model=`` (an alias such as ``"smollm2"`` or a local folder). ``model=`` goes through
+:func:`get_engine`, which builds at most one engine per model per process and hands the same
+object to every class that asks: a memory, a retriever and a chat model naming the same model
+share one vLLM engine and one memory store, which handles require (a handle minted by one store
+resolves only in that store). An engine passed explicitly is registered under its model name,
+so later ``model=`` look-ups find it instead of loading a second copy.
+
+**Recall.** Memories are conversation turns. :func:`recall` returns, in conversation order, the
+turns of the ``recent_turns`` most recent turns plus the turns holding the ``k`` facts most
+relevant to the query (the store's semantic search), each turn whole (the user message and the
+reply): a hit on an answer brings its question along, so the model sees who said what.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from inferscale_engine import InferScaleEngine
+    from inferscale_engine.memory import MemoryItem, MemoryStore
+
+logger = logging.getLogger(__name__)
+
+#: How memories reach the prompt: ``"handles"`` (fact handles, injected as KV by an InferScale
+#: LLM) or ``"text"`` (the fact text pasted, for any LLM).
+RecallMode = Literal["handles", "text"]
+RECALL_MODES = ("handles", "text")
+
+#: Metadata keys the integrations write on every fact they store.
+ROLE_KEY = "role"  # "user" | "assistant" | "system" | "tool"
+TURN_KEY = "turn_id"  # facts of one conversation turn share it
+SESSION_KEY = "session_id"  # conversation (thread) the fact was said in
+SOURCE_KEY = "source"  # "langchain" | "llamaindex"
+
+_ENGINES: dict[str, "InferScaleEngine"] = {}
+_ENGINES_LOCK = threading.Lock()
+
+
+def _engine_keys(model: str) -> list[str]:
+    keys = [model.strip().lower() if _looks_like_alias(model) else model]
+    try:
+        from inferscale_engine.models import MODEL_ALIASES
+
+        if keys[0] in MODEL_ALIASES:
+            return keys
+        from pathlib import Path
+
+        path = Path(model).expanduser()
+        if path.is_dir():
+            keys.append(str(path.resolve()))
+    except Exception:  # pragma: no cover - best effort only
+        pass
+    return keys
+
+
+def _looks_like_alias(model: str) -> bool:
+    return "/" not in model and "\\" not in model
+
+
+def get_engine(model: str = "smollm2", **options: Any) -> "InferScaleEngine":
+    """The process-wide engine for ``model``, built on first use (options apply only then).
+
+    Building a vLLM engine takes seconds to minutes and holds the model's weights and a paged
+    KV cache, so classes never build their own: they all come here.
+    """
+    keys = _engine_keys(model)
+    with _ENGINES_LOCK:
+        for key in keys:
+            engine = _ENGINES.get(key)
+            if engine is not None and not getattr(engine, "_closed", False):
+                if options:
+                    logger.debug("engine for %r already built; ignoring options %s", model, sorted(options))
+                return engine
+        from inferscale_engine import InferScaleEngine
+
+        engine = InferScaleEngine(model, **options)
+        _register_locked(engine, extra_keys=keys)
+        return engine
+
+
+def register_engine(engine: "InferScaleEngine") -> "InferScaleEngine":
+    """Make ``engine`` the shared engine of its model (what an explicit ``engine=`` does)."""
+    with _ENGINES_LOCK:
+        _register_locked(engine)
+    return engine
+
+
+def _register_locked(engine: "InferScaleEngine", extra_keys: Iterable[str] = ()) -> None:
+    keys = set(extra_keys)
+    config = getattr(engine, "config", None)
+    if config is not None and isinstance(getattr(config, "model", None), str):
+        keys.update(_engine_keys(config.model))
+    if isinstance(getattr(engine, "model_path", None), str):
+        keys.add(engine.model_path)
+    for key in keys:
+        current = _ENGINES.get(key)
+        if current is None or current is engine or getattr(current, "_closed", False):
+            _ENGINES[key] = engine
+
+
+def forget_engines() -> None:
+    """Drop the registry (does not close the engines; tests use it)."""
+    with _ENGINES_LOCK:
+        _ENGINES.clear()
+
+
+def resolve_engine(engine: "InferScaleEngine | None", model: str | None, options: dict[str, Any] | None = None) -> "InferScaleEngine":
+    """``engine`` if given (and registered for sharing), else the shared engine of ``model``."""
+    if engine is not None:
+        register_engine(engine)
+        return engine
+    return get_engine(model or "smollm2", **(options or {}))
+
+
+def model_name_of(engine: "InferScaleEngine | None", model: str | None) -> str:
+    if engine is not None:
+        config = getattr(engine, "config", None)
+        name = getattr(config, "model", None)
+        if isinstance(name, str) and name:
+            return name
+    return model or "smollm2"
+
+
+def check_mode(mode: str) -> str:
+    if mode not in RECALL_MODES:
+        raise ValueError(f"mode must be one of {RECALL_MODES}, got {mode!r}")
+    return mode
+
+
+# ---------------------------------------------------------------------------------------- facts
+
+
+def new_turn_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def role_of(item: "MemoryItem") -> str:
+    meta = item.metadata or {}
+    role = meta.get(ROLE_KEY)
+    if isinstance(role, str) and role:
+        return role
+    # Facts the store made from message dicts read "User: ..." / "Assistant: ...".
+    text = item.memory or ""
+    if text.startswith("Assistant:"):
+        return "assistant"
+    return "user"
+
+
+def content_of(item: "MemoryItem", mode: str) -> str:
+    """What goes into the prompt for ``item``: its handle, or its text."""
+    return item.handle if mode == "handles" else item.memory
+
+
+def save_messages(
+    store: "MemoryStore",
+    messages: Sequence[tuple[str, str]],
+    *,
+    user_id: str,
+    session_id: str | None = None,
+    source: str,
+    turn_id: str | None = None,
+    extra_metadata: dict[str, Any] | None = None,
+) -> list["MemoryItem"]:
+    """Store ``(role, content)`` messages as one fact each; they form one turn.
+
+    Each fact's text is the message content exactly, so a handle standing in for the content
+    means the very same tokens; the role and turn live in metadata. The store encodes each new
+    fact after the user's previous turns (its context window) in the background.
+    """
+    messages = [(r, c) for r, c in messages if isinstance(c, str) and c.strip()]
+    if not messages:
+        return []
+    turn_id = turn_id or new_turn_id()
+    items: list[MemoryItem] = []
+    for role, content in messages:
+        metadata = {ROLE_KEY: role, TURN_KEY: turn_id, SOURCE_KEY: source, **(extra_metadata or {})}
+        if session_id is not None:
+            metadata[SESSION_KEY] = session_id
+        items.extend(store.add(content, user_id=user_id, metadata=metadata, infer=False))
+    return items
+
+
+def all_items(store: "MemoryStore", *, user_id: str, session_id: str | None = None) -> list["MemoryItem"]:
+    """Every fact of ``user_id`` (of one session when given), oldest first."""
+    items = list(store.get_all(user_id=user_id))
+    if session_id is not None:
+        items = [i for i in items if (i.metadata or {}).get(SESSION_KEY) == session_id]
+    return _chronological(items)
+
+
+def _chronological(items: list["MemoryItem"]) -> list["MemoryItem"]:
+    # The store lists facts in insertion order; created_at breaks nothing (a stable sort).
+    def key(item: "MemoryItem") -> Any:
+        created = getattr(item, "created_at", None)
+        return (created is None, _sortable(created))
+
+    return sorted(items, key=key)
+
+
+def _sortable(value: Any) -> Any:
+    if value is None:
+        return 0.0
+    if hasattr(value, "timestamp"):
+        return value.timestamp()
+    if isinstance(value, (int, float)):
+        return float(value)
+    return str(value)
+
+
+def _turn_of(item: "MemoryItem") -> str:
+    return str((item.metadata or {}).get(TURN_KEY) or item.id)
+
+
+@dataclass
+class Recalled:
+    """One recalled fact, with its search score when it was a hit."""
+
+    item: "MemoryItem"
+    score: float | None
+
+
+def recall(
+    store: "MemoryStore",
+    *,
+    user_id: str,
+    query: str | None,
+    k: int,
+    recent_turns: int,
+    session_id: str | None = None,
+    min_score: float | None = None,
+) -> list[Recalled]:
+    """Facts to show the model, whole turns, in conversation order (see module docstring).
+
+    ``recent_turns`` come from ``session_id`` when given (the running conversation); search hits
+    come from everything the user ever said.
+    """
+    everything = all_items(store, user_id=user_id)
+    if not everything:
+        return []
+    session = [i for i in everything if session_id is None or (i.metadata or {}).get(SESSION_KEY) == session_id]
+    chosen_turns: set[str] = set()
+    if recent_turns > 0:
+        turns_in_order: list[str] = []
+        for item in session:
+            t = _turn_of(item)
+            if not turns_in_order or turns_in_order[-1] != t:
+                if t in turns_in_order:
+                    turns_in_order.remove(t)
+                turns_in_order.append(t)
+        chosen_turns.update(turns_in_order[-recent_turns:])
+    scores: dict[str, float] = {}
+    if k > 0 and query and query.strip():
+        for hit in store.search(query, user_id=user_id, k=k):
+            score = getattr(hit, "score", None)
+            if min_score is not None and score is not None and score < min_score:
+                continue
+            chosen_turns.add(_turn_of(hit))
+            if score is not None:
+                scores[hit.id] = float(score)
+    return [Recalled(i, scores.get(i.id)) for i in everything if _turn_of(i) in chosen_turns]
+
+
+def search(
+    store: "MemoryStore", *, user_id: str, query: str, k: int, min_score: float | None = None
+) -> list["MemoryItem"]:
+    hits = list(store.search(query, user_id=user_id, k=k)) if k > 0 else []
+    if min_score is not None:
+        hits = [h for h in hits if h.score is None or h.score >= min_score]
+    return hits
+
+
+def item_metadata(item: "MemoryItem", *, user_id: str) -> dict[str, Any]:
+    """Metadata safe to put next to a handle: ids, score, role and times, never the fact text."""
+    meta: dict[str, Any] = {
+        "fact_id": item.id,
+        "user_id": user_id,
+        "score": None if item.score is None else float(item.score),
+    }
+    for key, value in (item.metadata or {}).items():
+        if key in ("memory", "text", "content", "data"):
+            continue
+        if isinstance(value, (str, int, float, bool)) or value is None:
+            meta.setdefault(key, value)
+    for attr in ("created_at", "updated_at"):
+        value = getattr(item, attr, None)
+        if value is not None:
+            meta[attr] = value.isoformat() if hasattr(value, "isoformat") else value
+    encoded = getattr(item, "encoded", None)
+    if encoded is not None:
+        meta["encoded"] = bool(encoded)
+    return meta
+
+
+# ---------------------------------------------------------------------------------- expansion
+
+
+def expand_handles(text: str, *, store: "MemoryStore", user_id: str) -> str:
+    """``text`` with every handle replaced by its fact's text (for LLMs that are not InferScale).
+
+    Each handle is checked for ``user_id`` exactly as the engine checks it, so a forged or
+    foreign handle raises :class:`~inferscale_engine.errors.ForgedHandleError` here too.
+    """
+    from inferscale_engine.handles import split_on_handles
+
+    pieces, handles = split_on_handles(text)
+    if not handles:
+        return text
+    out = [pieces[0]]
+    for handle, piece in zip(handles, pieces[1:]):
+        out.append(fact_text(store, handle.text, user_id=user_id))
+        out.append(piece)
+    return "".join(out)
+
+
+def fact_text(store: "MemoryStore", handle: str, *, user_id: str) -> str:
+    from inferscale_engine.errors import FactNotFoundError, ForgedHandleError
+    from inferscale_engine.handles import find_handles
+
+    (parsed,) = find_handles(handle)
+    expected = store.handle(parsed.fact_id, user_id=user_id)
+    if expected != parsed.text:
+        raise ForgedHandleError(
+            f"memory handle {parsed.text} is not valid for this user (forged, altered, or belongs to someone else)"
+        )
+    item = store.get(parsed.fact_id)
+    if item is None:
+        raise FactNotFoundError(f"memory handle {parsed.text} names a fact that does not exist")
+    return item.memory

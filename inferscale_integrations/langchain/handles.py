@@ -1,0 +1,65 @@
+"""``HandleExpander``: paste fact text in place of handles, for a model that is not InferScale.
+
+A handle means nothing to another model, and nothing can intercept it inside that model's
+client. When a chain built for InferScale must also run against another model, put this
+runnable between the prompt and that model::
+
+    chain = prompt | HandleExpander(model="smollm2", user_id="alice") | ChatOpenAI()
+
+It takes a string, a prompt value or a list of messages and returns the same kind with every
+handle replaced by its fact's text (each handle checked for ``user_id``, as the engine does).
+Simpler still: build the memory/retriever with ``mode="text"``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from langchain_core.messages import BaseMessage
+from langchain_core.prompt_values import ChatPromptValue, PromptValue, StringPromptValue
+from langchain_core.runnables import RunnableConfig, RunnableSerializable
+from pydantic import ConfigDict, Field
+
+from inferscale_integrations._common import expand_handles, resolve_engine
+
+if TYPE_CHECKING:
+    from inferscale_engine import InferScaleEngine
+
+
+class HandleExpander(RunnableSerializable[Any, Any]):
+    """Replace memory handles with their facts' text (str, PromptValue or messages in, same out)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    engine: Any = Field(default=None, exclude=True)
+    model: str | None = None
+    user_id: str = "default"
+
+    def _engine(self) -> "InferScaleEngine":
+        self.engine = resolve_engine(self.engine, self.model)
+        return self.engine
+
+    def expand(self, text: str) -> str:
+        return expand_handles(text, store=self._engine().memory, user_id=self.user_id)
+
+    def _message(self, message: BaseMessage) -> BaseMessage:
+        if isinstance(message.content, str):
+            return message.model_copy(update={"content": self.expand(message.content)})
+        blocks = [
+            {**b, "text": self.expand(b["text"])} if isinstance(b, dict) and isinstance(b.get("text"), str) else b
+            for b in message.content
+        ]
+        return message.model_copy(update={"content": blocks})
+
+    def invoke(self, input: Any, config: RunnableConfig | None = None, **kwargs: Any) -> Any:
+        if isinstance(input, str):
+            return self.expand(input)
+        if isinstance(input, StringPromptValue):
+            return StringPromptValue(text=self.expand(input.text))
+        if isinstance(input, ChatPromptValue):
+            return ChatPromptValue(messages=[self._message(m) for m in input.messages])
+        if isinstance(input, PromptValue):
+            return ChatPromptValue(messages=[self._message(m) for m in input.to_messages()])
+        if isinstance(input, list):
+            return [self._message(m) if isinstance(m, BaseMessage) else m for m in input]
+        raise TypeError(f"HandleExpander takes a string, a prompt value or messages, not {type(input).__name__}")

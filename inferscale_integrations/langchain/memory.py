@@ -1,0 +1,161 @@
+"""``InferScaleMemory``: a drop-in for langchain-classic's ``ConversationBufferMemory``.
+
+Same knobs (``memory_key``, ``input_key``, ``output_key``, ``return_messages``, ``human_prefix``,
+``ai_prefix``), same ``save_context`` / ``load_memory_variables`` / ``clear`` contract, so chains
+and ``AgentExecutor`` take it unchanged. The difference is what ``load_memory_variables`` puts
+in the prompt:
+
+* ``ConversationBufferMemory``: the whole conversation, pasted as text, prefilled every turn.
+* ``InferScaleMemory``: the relevant part of it, as fact handles whose KV the InferScale
+  engine injects (no prefill). What is returned: the turns holding the ``k`` facts most
+  relevant to the new input (semantic search over everything this user said, any session)
+  plus the ``recent_turns`` last turns of this session, each turn whole, in conversation order.
+  As a string it reads exactly like ``ConversationBufferMemory``'s buffer
+  (``"Human: <<mem:…>>\\nAI: <<mem:…>>"``) and as messages each content is a handle.
+
+``save_context`` stores the turn (input and output) as two facts, encoded in the background
+with the turns before them (the store's context window).
+
+``mode="text"`` returns the facts' text instead of handles: use it with an LLM that is not
+InferScale (a handle means nothing to another model and cannot be intercepted on its way there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from langchain_classic.memory.chat_memory import BaseChatMemory
+from langchain_classic.memory.utils import get_prompt_input_key
+from langchain_core.messages import BaseMessage, get_buffer_string
+from pydantic import ConfigDict, Field, model_validator
+
+from inferscale_integrations._common import RecallMode, check_mode, recall, resolve_engine
+from inferscale_integrations.langchain.chat_history import InferScaleChatMessageHistory, message_for
+
+if TYPE_CHECKING:
+    from inferscale_engine import InferScaleEngine
+    from inferscale_engine.memory import MemoryStore
+
+
+class InferScaleMemory(BaseChatMemory):
+    """Conversation memory whose recalled turns reach the model as injected KV.
+
+    Example (the only change from a ``ConversationBufferMemory`` chain is the memory class):
+        ```python
+        from langchain_classic.chains import ConversationChain
+        from inferscale_integrations.langchain import ChatInferScale, InferScaleMemory
+
+        llm = ChatInferScale(model="smollm2", user_id="alice")
+        memory = InferScaleMemory(model="smollm2", user_id="alice")  # was ConversationBufferMemory()
+        chain = ConversationChain(llm=llm, memory=memory)
+        chain.invoke({"input": "My dog is called Rex."})
+        ```
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+
+    human_prefix: str = "Human"
+    ai_prefix: str = "AI"
+    memory_key: str = "history"
+    chat_memory: Any = Field(default=None, exclude=True)
+    """An :class:`InferScaleChatMessageHistory` of ``user_id``/``session_id`` (built when omitted)."""
+
+    engine: Any = Field(default=None, exclude=True)
+    """The ``InferScaleEngine`` whose memory store keeps the facts (else the shared one of ``model``)."""
+    model: str | None = None
+    engine_options: dict[str, Any] = Field(default_factory=dict)
+    user_id: str = "default"
+    session_id: str | None = None
+    """Conversation id: ``recent_turns`` and ``clear`` are scoped to it (None: all of the user's)."""
+    mode: RecallMode = "handles"
+    k: int = 4
+    """Facts to recall by semantic search on the new input (their whole turns come along)."""
+    recent_turns: int = 2
+    """Most recent turns of the session always included (the running conversation)."""
+    min_score: float | None = None
+    """Drop search hits scoring below this."""
+
+    @model_validator(mode="after")
+    def _wire_history(self) -> "InferScaleMemory":
+        check_mode(self.mode)
+        if not isinstance(self.chat_memory, InferScaleChatMessageHistory):
+            self.chat_memory = InferScaleChatMessageHistory(
+                user_id=self.user_id,
+                session_id=self.session_id,
+                engine=self.engine,
+                model=self.model,
+                mode=self.mode,
+                engine_options=self.engine_options,
+            )
+        return self
+
+    # ------------------------------------------------------------------ store
+
+    def get_engine(self) -> "InferScaleEngine":
+        if self.engine is None:
+            self.engine = resolve_engine(None, self.model, self.engine_options)
+        else:
+            resolve_engine(self.engine, None)
+        return self.engine
+
+    @property
+    def store(self) -> "MemoryStore":
+        return self.get_engine().memory
+
+    # ------------------------------------------------------------------ ConversationBufferMemory API
+
+    @property
+    def memory_variables(self) -> list[str]:
+        return [self.memory_key]
+
+    @property
+    def buffer(self) -> Any:
+        """The whole conversation (handles or text), as ``ConversationBufferMemory.buffer``."""
+        return self.buffer_as_messages if self.return_messages else self.buffer_as_str
+
+    @property
+    def buffer_as_messages(self) -> list[BaseMessage]:
+        return self.chat_memory.messages
+
+    @property
+    def buffer_as_str(self) -> str:
+        return get_buffer_string(self.buffer_as_messages, human_prefix=self.human_prefix, ai_prefix=self.ai_prefix)
+
+    def recall_messages(self, query: str | None) -> list[BaseMessage]:
+        """Messages for ``query``: relevant turns plus the recent ones, in conversation order."""
+        found = recall(
+            self.store,
+            user_id=self.user_id,
+            query=query,
+            k=self.k,
+            recent_turns=self.recent_turns,
+            session_id=self.session_id,
+            min_score=self.min_score,
+        )
+        return [message_for(r.item, self.mode) for r in found]
+
+    def _query(self, inputs: dict[str, Any]) -> str | None:
+        if not inputs:
+            return None
+        key = self.input_key
+        if key is None:
+            try:
+                key = get_prompt_input_key(inputs, self.memory_variables)
+            except ValueError:
+                return None
+        value = inputs.get(key)
+        return value if isinstance(value, str) else None
+
+    def load_memory_variables(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        messages = self.recall_messages(self._query(inputs))
+        if self.return_messages:
+            return {self.memory_key: messages}
+        return {self.memory_key: get_buffer_string(messages, human_prefix=self.human_prefix, ai_prefix=self.ai_prefix)}
+
+    async def aload_memory_variables(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        return await asyncio.to_thread(self.load_memory_variables, inputs)
+
+    def wait(self) -> None:
+        """Block until every stored fact is encoded (handles resolve without waiting after this)."""
+        self.store.wait_for_encoding()

@@ -1,0 +1,253 @@
+"""``InferScaleLLM``: a LlamaIndex ``CustomLLM`` served by the co-located InferScale engine.
+
+``chat`` renders messages with the model's own chat template (``is_chat_model=True``), so
+LlamaIndex's query and chat engines send chat messages; ``complete`` sends the prompt as one
+user message through that template too (``raw_completion=True`` sends it untouched). Memory
+handles anywhere in a prompt or message are resolved for ``user_id`` and injected as KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    ChatResponseGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+    MessageRole,
+)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+
+from inferscale_integrations._common import model_name_of, resolve_engine
+
+if TYPE_CHECKING:
+    from inferscale_engine import GenerationResult, InferScaleEngine
+
+
+def _usage(result: "GenerationResult") -> dict[str, Any]:
+    u = result.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "injected_tokens": u.injected_tokens,
+        "cached_tokens": u.cached_tokens,
+    }
+
+
+def _extra(result: "GenerationResult", model_name: str) -> dict[str, Any]:
+    return {
+        "model_name": model_name,
+        "finish_reason": result.finish_reason,
+        "usage": _usage(result),
+        "ttft_s": result.ttft_s,
+        "latency_s": result.latency_s,
+    }
+
+
+def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    out = []
+    for m in messages:
+        role = m.role.value if isinstance(m.role, MessageRole) else str(m.role)
+        if role in ("chatbot", "model"):
+            role = "assistant"
+        elif role in ("function", "tool"):
+            role = "tool"
+        elif role == "developer":
+            role = "system"
+        out.append({"role": role, "content": m.content or ""})
+    return out
+
+
+class InferScaleLLM(CustomLLM):
+    """LlamaIndex LLM on a co-located InferScale engine.
+
+    Example:
+        ```python
+        from llama_index.core import Settings
+        from inferscale_integrations.llamaindex import InferScaleLLM
+
+        Settings.llm = InferScaleLLM(model="smollm2", user_id="alice", max_tokens=64)
+        ```
+    """
+
+    model_name: str = Field(default="smollm2", description="Model alias or local model folder.")
+    user_id: str = Field(default="default", description="Whose memory handles may be resolved.")
+    mode: Literal["inject", "prompt"] = Field(default="inject", description="inject KV, or prefill (baseline).")
+    temperature: float = Field(default=0.0, ge=0.0)
+    max_tokens: int = Field(default=256, gt=0, description="Most tokens generated (metadata.num_output).")
+    context_window: int | None = Field(default=None, description="Defaults to the engine's max_model_len.")
+    stop: list[str] | None = Field(default=None)
+    raw_completion: bool = Field(default=False, description="complete() without the chat template.")
+    sampling_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra vLLM SamplingParams.")
+    engine_options: dict[str, Any] = Field(default_factory=dict)
+
+    _engine: Any = PrivateAttr(default=None)
+
+    def __init__(self, *, engine: "InferScaleEngine | None" = None, model: str | None = None, **kwargs: Any) -> None:
+        if model is not None:
+            kwargs["model_name"] = model
+        elif engine is not None and "model_name" not in kwargs:
+            kwargs["model_name"] = model_name_of(engine, None)
+        super().__init__(**kwargs)
+        self._engine = engine
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "InferScaleLLM"
+
+    @property
+    def engine(self) -> "InferScaleEngine":
+        self._engine = resolve_engine(self._engine, self.model_name, self.engine_options)
+        return self._engine
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        window = self.context_window
+        if window is None:
+            window = int(self.engine_options.get("max_model_len") or 0) or int(self.engine.max_model_len)
+        return LLMMetadata(
+            context_window=window,
+            num_output=self.max_tokens,
+            is_chat_model=True,
+            is_function_calling_model=False,
+            model_name=model_name_of(self._engine, self.model_name),
+            system_role=MessageRole.SYSTEM,
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    def _sampling(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("formatted", "tools", "tool_choice")}
+        sampling: dict[str, Any] = {
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "user_id": self.user_id,
+            "mode": self.mode,
+            **self.sampling_kwargs,
+            **kwargs,
+        }
+        stop = sampling.pop("stop", None) or self.stop
+        if stop:
+            sampling["stop"] = list(stop)
+        return sampling
+
+    def _completion_payload(self, prompt: str, formatted: bool) -> Any:
+        if self.raw_completion or formatted:
+            return prompt
+        return [{"role": "user", "content": prompt}]
+
+    # ------------------------------------------------------------------ chat
+
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        result = self.engine.generate(to_engine_messages(messages), **self._sampling(kwargs))
+        return ChatResponse(
+            message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
+            raw=_extra(result, self.metadata.model_name),
+            additional_kwargs=_usage(result),
+        )
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        engine, payload, sampling = self.engine, to_engine_messages(messages), self._sampling(kwargs)
+
+        def gen() -> ChatResponseGen:
+            text = ""
+            for delta in engine.stream(payload, **sampling):
+                text += delta.text
+                extra = _extra(delta.result, self.metadata.model_name) if delta.result else None
+                yield ChatResponse(
+                    message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
+                    delta=delta.text,
+                    raw=extra,
+                    additional_kwargs=_usage(delta.result) if delta.result else {},
+                )
+
+        return gen()
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        engine = await asyncio.to_thread(lambda: self.engine)
+        result = await engine.agenerate(to_engine_messages(messages), **self._sampling(kwargs))
+        return ChatResponse(
+            message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
+            raw=_extra(result, self.metadata.model_name),
+            additional_kwargs=_usage(result),
+        )
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        engine = await asyncio.to_thread(lambda: self.engine)
+        payload, sampling = to_engine_messages(messages), self._sampling(kwargs)
+
+        async def gen() -> ChatResponseAsyncGen:
+            text = ""
+            async for delta in engine.astream(payload, **sampling):
+                text += delta.text
+                extra = _extra(delta.result, self.metadata.model_name) if delta.result else None
+                yield ChatResponse(
+                    message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
+                    delta=delta.text,
+                    raw=extra,
+                    additional_kwargs=_usage(delta.result) if delta.result else {},
+                )
+
+        return gen()
+
+    # ------------------------------------------------------------------ completion
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        result = self.engine.generate(self._completion_payload(prompt, formatted), **self._sampling(kwargs))
+        return CompletionResponse(text=result.text, raw=_extra(result, self.metadata.model_name), additional_kwargs=_usage(result))
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        engine, payload, sampling = self.engine, self._completion_payload(prompt, formatted), self._sampling(kwargs)
+
+        def gen() -> CompletionResponseGen:
+            text = ""
+            for delta in engine.stream(payload, **sampling):
+                text += delta.text
+                yield CompletionResponse(
+                    text=text,
+                    delta=delta.text,
+                    raw=_extra(delta.result, self.metadata.model_name) if delta.result else None,
+                    additional_kwargs=_usage(delta.result) if delta.result else {},
+                )
+
+        return gen()
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        engine = await asyncio.to_thread(lambda: self.engine)
+        result = await engine.agenerate(self._completion_payload(prompt, formatted), **self._sampling(kwargs))
+        return CompletionResponse(text=result.text, raw=_extra(result, self.metadata.model_name), additional_kwargs=_usage(result))
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        engine = await asyncio.to_thread(lambda: self.engine)
+        payload, sampling = self._completion_payload(prompt, formatted), self._sampling(kwargs)
+
+        async def gen() -> CompletionResponseAsyncGen:
+            text = ""
+            async for delta in engine.astream(payload, **sampling):
+                text += delta.text
+                yield CompletionResponse(
+                    text=text,
+                    delta=delta.text,
+                    raw=_extra(delta.result, self.metadata.model_name) if delta.result else None,
+                    additional_kwargs=_usage(delta.result) if delta.result else {},
+                )
+
+        return gen()

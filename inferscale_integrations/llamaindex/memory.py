@@ -1,0 +1,159 @@
+"""``InferScaleMemory``: LlamaIndex chat memory kept as InferScale memory facts.
+
+A ``BaseMemory`` for ``SimpleChatEngine``, ``CondensePlusContextChatEngine``,
+``ContextChatEngine`` (anything that takes ``memory=``), in place of ``ChatMemoryBuffer``.
+
+* ``put``: a user message waits until its answer arrives; then the turn (user message and
+  answer) is stored as two facts of ``user_id``, encoded in the background with the turns before.
+* ``get(input=...)``: the turns holding the ``k`` facts most relevant to ``input`` (or to the
+  pending user message) plus the ``recent_turns`` last turns of this session, whole, in
+  conversation order, each message's content being the fact's handle (``mode="handles"``) or
+  text (``mode="text"``), followed by the pending user message as plain text.
+* ``get_all``: every stored turn of the session, then the pending messages.
+* ``reset``: deletes the session's facts (all of the user's when ``session_id`` is None).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from llama_index.core.base.llms.types import ChatMessage, MessageRole
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.memory.types import BaseMemory
+
+from inferscale_integrations._common import (
+    RecallMode,
+    all_items,
+    check_mode,
+    content_of,
+    recall,
+    resolve_engine,
+    role_of,
+    save_messages,
+)
+
+if TYPE_CHECKING:
+    from inferscale_engine import InferScaleEngine
+    from inferscale_engine.memory import MemoryItem, MemoryStore
+
+SOURCE = "llamaindex"
+_ROLES = {"user": MessageRole.USER, "assistant": MessageRole.ASSISTANT, "system": MessageRole.SYSTEM}
+
+
+def chat_message_for(item: "MemoryItem", mode: str) -> ChatMessage:
+    role = _ROLES.get(role_of(item), MessageRole.USER)
+    return ChatMessage(role=role, content=content_of(item, mode), additional_kwargs={"fact_id": item.id})
+
+
+class InferScaleMemory(BaseMemory):
+    """Chat-engine memory whose recalled turns reach the LLM as injected KV.
+
+    Example:
+        ```python
+        from llama_index.core.chat_engine import SimpleChatEngine
+        from inferscale_integrations.llamaindex import InferScaleLLM, InferScaleMemory
+
+        llm = InferScaleLLM(model="smollm2", user_id="alice")
+        memory = InferScaleMemory.from_defaults(model="smollm2", user_id="alice")
+        chat = SimpleChatEngine.from_defaults(llm=llm, memory=memory)
+        chat.chat("My dog is called Rex.")
+        ```
+    """
+
+    user_id: str = Field(default="default")
+    session_id: str | None = Field(default=None, description="Conversation id (recent turns, reset).")
+    model_name: str | None = Field(default=None, description="Model alias/folder of the shared engine.")
+    mode: RecallMode = Field(default="handles")
+    k: int = Field(default=4, description="Facts recalled by semantic search on the input.")
+    recent_turns: int = Field(default=2, description="Most recent turns always included.")
+    min_score: float | None = Field(default=None)
+    engine_options: dict[str, Any] = Field(default_factory=dict)
+
+    _engine: Any = PrivateAttr(default=None)
+    _pending: list[ChatMessage] = PrivateAttr(default_factory=list)
+
+    def __init__(self, *, engine: "InferScaleEngine | None" = None, model: str | None = None, **kwargs: Any) -> None:
+        if model is not None:
+            kwargs["model_name"] = model
+        super().__init__(**kwargs)
+        check_mode(self.mode)
+        self._engine = engine
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "InferScaleMemory"
+
+    @classmethod
+    def from_defaults(cls, **kwargs: Any) -> "InferScaleMemory":
+        kwargs.pop("llm", None)
+        kwargs.pop("chat_history", None)
+        kwargs.pop("token_limit", None)
+        return cls(**kwargs)
+
+    @property
+    def engine(self) -> "InferScaleEngine":
+        self._engine = resolve_engine(self._engine, self.model_name, self.engine_options)
+        return self._engine
+
+    @property
+    def store(self) -> "MemoryStore":
+        return self.engine.memory
+
+    # ------------------------------------------------------------------ BaseMemory API
+
+    def get(self, input: str | None = None, **kwargs: Any) -> list[ChatMessage]:
+        query = input
+        if query is None:
+            users = [m for m in self._pending if m.role == MessageRole.USER]
+            query = users[-1].content if users else None
+        found = recall(
+            self.store,
+            user_id=self.user_id,
+            query=query,
+            k=self.k,
+            recent_turns=self.recent_turns,
+            session_id=self.session_id,
+            min_score=self.min_score,
+        )
+        return [chat_message_for(r.item, self.mode) for r in found] + list(self._pending)
+
+    def get_all(self) -> list[ChatMessage]:
+        items = all_items(self.store, user_id=self.user_id, session_id=self.session_id)
+        return [chat_message_for(i, self.mode) for i in items] + list(self._pending)
+
+    def put(self, message: ChatMessage) -> None:
+        role = message.role
+        if role == MessageRole.USER:
+            if any(m.role == MessageRole.USER for m in self._pending):
+                self._flush()  # an unanswered question: keep it as a turn of its own
+            self._pending.append(message)
+        elif role == MessageRole.ASSISTANT:
+            self._pending.append(message)
+            self._flush()
+        elif role == MessageRole.SYSTEM:
+            self._pending.append(message)
+        # tool/function messages are not conversation memory
+
+    def set(self, messages: list[ChatMessage]) -> None:
+        """Replace the session's memory with ``messages``."""
+        self.reset()
+        for m in messages:
+            self.put(m)
+        self._flush()
+
+    def reset(self) -> None:
+        self._pending = []
+        if self.session_id is None:
+            self.store.delete_all(user_id=self.user_id)
+        else:
+            for item in all_items(self.store, user_id=self.user_id, session_id=self.session_id):
+                self.store.delete(item.id)
+
+    def _flush(self) -> None:
+        turn = [(m.role.value, m.content or "") for m in self._pending if m.role in _ROLES.values()]
+        self._pending = []
+        save_messages(self.store, turn, user_id=self.user_id, session_id=self.session_id, source=SOURCE)
+
+    def wait(self) -> None:
+        """Block until every stored fact is encoded."""
+        self.store.wait_for_encoding()

@@ -1,0 +1,94 @@
+"""``InferScaleRetriever``: a LlamaIndex retriever over one user's InferScale memories.
+
+Returns ``NodeWithScore`` whose ``TextNode.text`` is the fact's handle (``mode="handles"``), so
+``RetrieverQueryEngine`` / ``CondensePlusContextChatEngine`` put handles into the context and an
+InferScale LLM injects their KV. Node metadata (``fact_id``, ``score``, ``role``, times...) holds
+no fact text and is excluded from what the LLM and embedders see, so the context is the handles
+alone. ``mode="text"`` puts the fact text in the node instead, for LLMs that are not InferScale.
+
+Note: LlamaIndex budgets context by counting the tokens of node text; a handle is ~25 tokens
+whatever its fact's length, so that budget undercounts long facts (the engine still checks the
+real length and raises ``ContextOverflowError`` rather than truncating).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.callbacks import CallbackManager
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+from inferscale_integrations._common import RecallMode, check_mode, content_of, item_metadata, resolve_engine, search
+
+if TYPE_CHECKING:
+    from inferscale_engine import InferScaleEngine
+    from inferscale_engine.memory import MemoryItem, MemoryStore
+
+
+def node_for(item: "MemoryItem", *, user_id: str, mode: str) -> TextNode:
+    metadata = item_metadata(item, user_id=user_id)
+    keys = list(metadata)
+    return TextNode(
+        id_=item.id,
+        text=content_of(item, mode),
+        metadata=metadata,
+        excluded_llm_metadata_keys=keys,
+        excluded_embed_metadata_keys=keys,
+    )
+
+
+class InferScaleRetriever(BaseRetriever):
+    """Top-``similarity_top_k`` memories of ``user_id`` for a query, as handle (or text) nodes.
+
+    Example:
+        ```python
+        from llama_index.core.query_engine import RetrieverQueryEngine
+        from inferscale_integrations.llamaindex import InferScaleLLM, InferScaleRetriever
+
+        retriever = InferScaleRetriever(model="smollm2", user_id="alice", similarity_top_k=3)
+        engine = RetrieverQueryEngine.from_args(retriever, llm=InferScaleLLM(model="smollm2", user_id="alice"))
+        print(engine.query("What is my dog's name?"))
+        ```
+    """
+
+    def __init__(
+        self,
+        *,
+        user_id: str = "default",
+        engine: "InferScaleEngine | None" = None,
+        model: str | None = None,
+        similarity_top_k: int = 4,
+        mode: RecallMode = "handles",
+        min_score: float | None = None,
+        engine_options: dict[str, Any] | None = None,
+        callback_manager: CallbackManager | None = None,
+        verbose: bool = False,
+    ) -> None:
+        super().__init__(callback_manager=callback_manager, verbose=verbose)
+        self.user_id = user_id
+        self.similarity_top_k = similarity_top_k
+        self.mode = check_mode(mode)
+        self.min_score = min_score
+        self._engine = engine
+        self._model = model
+        self._engine_options = engine_options or {}
+
+    @property
+    def engine(self) -> "InferScaleEngine":
+        self._engine = resolve_engine(self._engine, self._model, self._engine_options)
+        return self._engine
+
+    @property
+    def store(self) -> "MemoryStore":
+        return self.engine.memory
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        hits = search(
+            self.store, user_id=self.user_id, query=query_bundle.query_str, k=self.similarity_top_k, min_score=self.min_score
+        )
+        return [NodeWithScore(node=node_for(h, user_id=self.user_id, mode=self.mode), score=h.score) for h in hits]
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        return await asyncio.to_thread(self._retrieve, query_bundle)
