@@ -241,7 +241,7 @@ class ChatSession:
     # ------------------------------------------------------------------ memory commands
 
     def remember_text(self, text: str) -> list[Any]:
-        return list(self.store.add([{"role": "user", "content": text}], user_id=self.user_id, metadata={"source": "chat"}))
+        return list(self.store.add(text, user_id=self.user_id, metadata={"source": "chat"}))
 
     def memories(self) -> list[Any]:
         return list(self.store.get_all(user_id=self.user_id))

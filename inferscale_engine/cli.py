@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("path", help="locomo10.json")
     q.add_argument("--conversations", type=int, default=None, metavar="N", help="only the first N conversations")
     q.add_argument("--user-prefix", default="locomo", help="users are PREFIX-<sample_id>-<speaker> (default 'locomo')")
+    q.add_argument("--sliding-group", type=int, default=None, metavar="G", help="encode G turns per prefill (sliding-chunk encoding; default: one per turn)")
+    q.add_argument("--replace", action="store_true", help="first delete what those users already have (re-import)")
     q.set_defaults(func=cmd_memory_import_locomo)
     p.set_defaults(func=lambda args: _subhelp(p))
     return parser
@@ -176,6 +178,29 @@ def _subhelp(p: argparse.ArgumentParser) -> int:
 
 
 # ---------------------------------------------------------------------- logging
+
+
+_LOGGERS = ("inferscale_engine", "inferscale_engine.models", "vllm", "transformers", "sentence_transformers", "httpx", "faiss")
+
+
+def _logging_state() -> list[tuple[logging.Logger, list[logging.Handler], int, bool, list[Any]]]:
+    state = []
+    for name in _LOGGERS:
+        lg = logging.getLogger(name)
+        streams = [getattr(h, "stream", None) for h in lg.handlers]
+        state.append((lg, list(lg.handlers), lg.level, lg.propagate, streams))
+    return state
+
+
+def _restore_logging(state: list[tuple[logging.Logger, list[logging.Handler], int, bool, list[Any]]]) -> None:
+    """Undo :func:`_setup_logging` (``main`` may run inside another program or a test)."""
+    for lg, handlers, level, propagate, streams in state:
+        lg.handlers[:] = handlers
+        lg.setLevel(level)
+        lg.propagate = propagate
+        for h, stream in zip(handlers, streams):
+            if stream is not None and getattr(h, "stream", None) is not stream:
+                h.setStream(stream)
 
 
 def _setup_logging(verbose: int) -> None:
@@ -318,7 +343,7 @@ def cmd_memory_add(args: argparse.Namespace) -> int:
     if metadata is not None and not isinstance(metadata, dict):
         raise ValueError("--metadata must be a JSON object")
     with _make_engine(args) as engine:
-        items = engine.memory.add([{"role": "user", "content": t} for t in args.texts], user_id=args.user, metadata=metadata)
+        items = [i for t in args.texts for i in engine.memory.add(t, user_id=args.user, metadata=metadata)]
         engine.memory.wait_for_encoding()
         _print_items(list(items), args.json)
     return 0
@@ -359,10 +384,10 @@ def cmd_memory_delete(args: argparse.Namespace) -> int:
 
 
 def locomo_conversations(path: str, limit: int | None = None) -> list[dict[str, Any]]:
-    """LoCoMo samples as ``{sample_id, speakers: [a, b], turns: [(speaker, text)]}``.
+    """LoCoMo samples as ``{sample_id, speakers: [a, b], turns: [{speaker, text, dia_id, session, date}]}``.
 
-    Each turn's text is prefixed with its session's date (``[1:56 pm on 8 May, 2023] ...``),
-    the reference setup's way of giving memories time; image turns get their caption.
+    Image turns get their caption appended (``[shares a photo: ...]``), as LoCoMo's own
+    baselines do.
     """
     with open(path) as f:
         data = json.load(f)
@@ -378,15 +403,21 @@ def locomo_conversations(path: str, limit: int | None = None) -> list[dict[str, 
         )
         turns = []
         for num, key in sessions:
-            date = conv.get(f"{key}_date_time", "")
+            date = str(conv.get(f"{key}_date_time", ""))
             for t in conv[key]:
                 text = str(t.get("text", "")).strip()
                 if t.get("blip_caption"):
                     text = f"{text} [shares a photo: {t['blip_caption']}]".strip()
                 if text:
-                    turns.append((str(t["speaker"]), f"[{date}] {text}" if date else text))
+                    turns.append({"speaker": str(t["speaker"]), "text": text, "dia_id": str(t.get("dia_id", "")), "session": num, "date": date})
         out.append({"sample_id": str(sample.get("sample_id", i)), "speakers": [conv["speaker_a"], conv["speaker_b"]], "turns": turns})
     return out
+
+
+def locomo_fact(turn: dict[str, Any]) -> str:
+    """A turn as the fact text of the reference setup: session date first, then who said what."""
+    body = f"{turn['speaker']}: {turn['text']}"
+    return f"[{turn['date']}] {body}" if turn.get("date") else body
 
 
 def locomo_user(prefix: str, sample_id: str, speaker: str) -> str:
@@ -394,20 +425,28 @@ def locomo_user(prefix: str, sample_id: str, speaker: str) -> str:
 
 
 def cmd_memory_import_locomo(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
     conversations = locomo_conversations(args.path, args.conversations)
     total = sum(len(c["turns"]) for c in conversations)
-    _progress(f"{len(conversations)} conversations, {total} turns from {args.path}")
+    _progress(f"{len(conversations)} conversation(s), {total} turns from {args.path}")
     summary = []
     with _make_engine(args) as engine:
         store = engine.memory
-        for conv in tqdm(conversations, desc="conversations", unit="conv", file=sys.stderr):
+        for conv in conversations:
             for speaker in conv["speakers"]:
                 user = locomo_user(args.user_prefix, conv["sample_id"], speaker)
-                own = [(s, t) for s, t in conv["turns"] if s == speaker]
-                items = store.import_conversation(own, user_id=user, progress=True)
-                summary.append({"user_id": user, "memories": len(items) if items is not None else len(own)})
+                own = [t for t in conv["turns"] if t["speaker"] == speaker]
+                if args.replace:
+                    store.delete_all(user_id=user)
+                _progress(f"{user}: {len(own)} turns")
+                # Speaker "" keeps the text as given: the date goes before the speaker's name.
+                items = store.import_conversation(
+                    [("", locomo_fact(t)) for t in own],
+                    user_id=user,
+                    metadata_per_turn=[{"source": "locomo", "dia_id": t["dia_id"], "session": t["session"], "date": t["date"]} for t in own],
+                    sliding_group=args.sliding_group,
+                    progress=True,
+                )
+                summary.append({"user_id": user, "memories": len(items)})
         store.wait_for_encoding()
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -426,7 +465,15 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help(sys.stderr)
         return 2
+    saved = _logging_state()
     _setup_logging(args.verbose)
+    try:
+        return _run(args)
+    finally:
+        _restore_logging(saved)
+
+
+def _run(args: argparse.Namespace) -> int:
     from inferscale_engine.errors import InferScaleError
     from inferscale_engine.models import ModelNotFoundError, ModelPreparationError
 

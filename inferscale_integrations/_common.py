@@ -323,16 +323,13 @@ def expand_handles(text: str, *, store: "MemoryStore", user_id: str) -> str:
 
 
 def fact_text(store: "MemoryStore", handle: str, *, user_id: str) -> str:
-    from inferscale_engine.errors import FactNotFoundError, ForgedHandleError
+    from inferscale_engine.errors import ForgedHandleError
     from inferscale_engine.handles import find_handles
 
     (parsed,) = find_handles(handle)
-    expected = store.handle(parsed.fact_id, user_id=user_id)
-    if expected != parsed.text:
+    # handle() raises FactNotFoundError unless the fact exists and belongs to user_id.
+    if store.handle(parsed.fact_id, user_id=user_id) != parsed.text:
         raise ForgedHandleError(
             f"memory handle {parsed.text} is not valid for this user (forged, altered, or belongs to someone else)"
         )
-    item = store.get(parsed.fact_id)
-    if item is None:
-        raise FactNotFoundError(f"memory handle {parsed.text} names a fact that does not exist")
-    return item.memory
+    return store.get(parsed.fact_id, user_id=user_id).memory

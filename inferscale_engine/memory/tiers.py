@@ -176,6 +176,12 @@ class KVTiers:
                 for p in folder.glob(f".{fact_id}-*.tmp"):
                     _unlink(p)
 
+    def delete_key(self, key: KVKey) -> None:
+        """Free one version of a fact in every tier."""
+        with self._lock:
+            self._drop_memory(key)
+            _unlink(self.path(key))
+
     def path(self, key: KVKey) -> Path:
         fact_id, version = key
         return self.root / fact_id[:2] / f"{fact_id}-{int(version)}.safetensors"

@@ -42,6 +42,7 @@ from inferscale_engine.errors import (
     FactNotFoundError,
     ForgedHandleError,
     HandleError,
+    KVNotReadyError,
     MalformedHandleError,
     StaleKVError,
 )
@@ -91,6 +92,8 @@ def api_error(exc: BaseException) -> APIError:
         return APIError(400, msg, "invalid_request_error", "messages", "invalid_handle")
     if isinstance(exc, ContextOverflowError):
         return APIError(400, msg, "invalid_request_error", "max_tokens", "context_length_exceeded")
+    if isinstance(exc, KVNotReadyError):
+        return APIError(503, msg, "server_error", None, "kv_not_ready")
     if isinstance(exc, EngineClosedError):
         return APIError(503, msg, "server_error", None, "engine_closed")
     if isinstance(exc, ImportError):  # e.g. the memory extra is not installed
@@ -101,6 +104,9 @@ def api_error(exc: BaseException) -> APIError:
     return APIError(500, "internal server error (see the server log)", "server_error", None, "internal_error")
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "bytes", "any"}
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
@@ -108,7 +114,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return "request body is not valid JSON", None
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query")]
+    loc = []
+    for p in first.get("loc", ()):
+        if p in ("body", "query"):
+            continue
+        if isinstance(p, str) and (p in _TYPE_TAGS or any(c in p for c in "[(-")):
+            break  # pydantic names the union member it tried (``str``, ``list[ContentPart]``)
+        loc.append(str(p))
     param = ".".join(loc) or None
     where = f" at '{param}'" if param else ""
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
@@ -150,9 +162,9 @@ def create_app(
     if preload_memory:
         try:
             engine.memory  # noqa: B018  (opens the store once, before requests race for it)
-        except ImportError as exc:
-            memory_error.append(f"memory store unavailable: {exc}")
-            logger.warning("memory endpoints disabled: %s", exc)
+        except Exception as exc:  # serve completions even without a usable store
+            memory_error.append(f"memory store unavailable: {exc.__class__.__name__}: {exc}")
+            logger.warning("memory endpoints disabled: %s", memory_error[0])
 
     # ------------------------------------------------------------------ plumbing
 

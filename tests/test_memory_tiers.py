@@ -1,0 +1,248 @@
+"""KV tiers of the memory store: paged device slab, host tier, disk tier (no engine needed)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+
+import pytest
+import torch
+
+from inferscale_engine.errors import StaleKVError
+from inferscale_engine.kv import FactKV
+from inferscale_engine.memory.tiers import KVMissingError, KVTiers
+
+LAYERS, HEADS, DIM, PT = 3, 2, 8, 4
+FP = "fp-current"
+
+
+def make_kv(n: int, seed: int, dtype: torch.dtype = torch.float32, position: int = 5) -> FactKV:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(LAYERS, n, HEADS, DIM, generator=g).to(dtype)
+    v = torch.randn(LAYERS, n, HEADS, DIM, generator=g).to(dtype)
+    return FactKV(k, v, position)
+
+
+def page_bytes(dtype: torch.dtype = torch.float32) -> int:
+    return LAYERS * 2 * PT * HEADS * DIM * torch.empty((), dtype=dtype).element_size()
+
+
+def fact_bytes(n: int, dtype: torch.dtype = torch.float32) -> int:
+    return 2 * LAYERS * n * HEADS * DIM * torch.empty((), dtype=dtype).element_size()
+
+
+def key(i: int, version: int = 1) -> tuple[str, int]:
+    return (f"{i:016x}", version)
+
+
+def assert_same(a: FactKV, b: FactKV) -> None:
+    assert a.k.dtype == b.k.dtype and a.k.shape == b.k.shape
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    assert a.position == b.position
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_round_trip_every_tier_is_bit_exact(tmp_path, dtype):
+    tiers = KVTiers(tmp_path, device_bytes=page_bytes(dtype) * 64, host_bytes=1 << 20, page_tokens=PT)
+    kvs = {key(i): make_kv(n, i, dtype) for i, n in enumerate([1, 3, 4, 5, 8, 17])}
+    for k, kv in kvs.items():
+        tiers.put(k, kv, FP)
+        assert tiers.where(k) == "device"
+        assert_same(tiers.get(k, FP), kv)  # device
+        tiers.evict(k, to="host")
+        assert tiers.where(k) == "host"
+        assert_same(tiers.get(k, FP), kv)  # host -> device
+        assert tiers.where(k) == "device"
+        tiers.evict(k, to="disk")
+        assert tiers.where(k) == "disk"
+        assert_same(tiers.get(k, FP), kv)  # disk -> device
+        assert tiers.where(k) == "device"
+    # A fresh instance (restart) reads the same bytes from disk.
+    again = KVTiers(tmp_path, device_bytes=page_bytes(dtype) * 64, page_tokens=PT)
+    for k, kv in kvs.items():
+        assert_same(again.get(k, FP), kv)
+
+
+def test_returned_kv_is_a_copy(tmp_path):
+    tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 8, page_tokens=PT)
+    kv = make_kv(6, 0)
+    tiers.put(key(0), kv, FP)
+    got = tiers.get(key(0), FP)
+    got.k.zero_()
+    kv.v.zero_()  # the caller's tensors are not aliased either
+    fresh = tiers.get(key(0), FP)
+    assert not torch.equal(fresh.k, got.k)
+    assert torch.equal(fresh.k, make_kv(6, 0).k) and torch.equal(fresh.v, make_kv(6, 0).v)
+
+
+def test_lru_eviction_and_promotion_under_tiny_capacities(tmp_path):
+    # Device: 4 pages (each fact below takes 2 pages -> 2 facts). Host: room for 2 facts.
+    tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 4, host_bytes=fact_bytes(6) * 2, page_tokens=PT)
+    kvs = {key(i): make_kv(6, i) for i in range(6)}
+    for k, kv in kvs.items():
+        tiers.put(k, kv, FP)
+    where = [tiers.where(key(i)) for i in range(6)]
+    assert where == ["disk", "disk", "host", "host", "device", "device"]
+    s = tiers.stats()
+    assert s["device_pages_used"] == 4 and s["device_pages_total"] == 4
+    assert s["host_bytes"] <= fact_bytes(6) * 2
+    # Using the oldest fact promotes it to the device; the LRU device fact goes to the host,
+    # and the host drops its LRU fact (still on disk).
+    assert_same(tiers.get(key(0), FP), kvs[key(0)])
+    assert [tiers.where(key(i)) for i in range(6)] == ["device", "disk", "disk", "host", "host", "device"]
+    # Touch 5 so that 0 is now the device's LRU.
+    tiers.get(key(5), FP)
+    assert_same(tiers.get(key(2), FP), kvs[key(2)])
+    assert [tiers.where(key(i)) for i in range(6)] == ["host", "disk", "device", "disk", "host", "device"]
+    for k, kv in kvs.items():  # everything still exact wherever it lives
+        assert_same(tiers.get(k, FP), kv)
+    s = tiers.stats()
+    assert s["device_pages_used"] == 4 and s["host_to_device"] >= 1 and s["disk_reads"] >= 1
+
+
+def test_fact_larger_than_the_slab_is_served_from_host_or_disk(tmp_path):
+    tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 2, host_bytes=fact_bytes(40), page_tokens=PT)
+    big = make_kv(20, 1)  # 5 pages > 2
+    tiers.put(key(1), big, FP)
+    assert tiers.where(key(1)) == "host"
+    assert_same(tiers.get(key(1), FP), big)
+    huge = make_kv(60, 2)  # larger than the host tier too: disk only
+    tiers.put(key(2), huge, FP)
+    assert tiers.where(key(2)) == "disk"
+    assert_same(tiers.get(key(2), FP), huge)
+    assert tiers.where(key(2)) == "disk"
+
+
+def test_no_device_tier_at_all(tmp_path):
+    tiers = KVTiers(tmp_path, device_bytes=0, host_bytes=0, page_tokens=PT)
+    kv = make_kv(5, 3)
+    tiers.put(key(3), kv, FP)
+    assert tiers.where(key(3)) == "disk"
+    assert_same(tiers.get(key(3), FP), kv)
+
+
+def test_delete_frees_every_tier(tmp_path):
+    tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 4, host_bytes=fact_bytes(6) * 2, page_tokens=PT)
+    for i in range(6):
+        tiers.put(key(i), make_kv(6, i), FP)
+    tiers.put(key(0, 2), make_kv(6, 10), FP)  # a second version of fact 0
+    placed = {tiers.where(key(i)) for i in range(6)}
+    assert placed == {"device", "host", "disk"}
+    for i in range(6):
+        tiers.delete(key(i)[0])
+        assert tiers.where(key(i)) is None
+        with pytest.raises(KVMissingError):
+            tiers.get(key(i), FP)
+    assert tiers.where(key(0, 2)) is None
+    s = tiers.stats()
+    assert s["device_pages_used"] == 0 and s["device_facts"] == 0
+    assert s["host_facts"] == 0 and s["host_bytes"] == 0
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_delete_key_frees_one_version(tmp_path):
+    tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 8, page_tokens=PT)
+    tiers.put(key(1, 1), make_kv(3, 1), FP)
+    tiers.put(key(1, 2), make_kv(3, 2), FP)
+    tiers.delete_key(key(1, 1))
+    assert tiers.where(key(1, 1)) is None and tiers.where(key(1, 2)) == "device"
+
+
+def test_fingerprint_mismatch_is_refused_in_every_tier(tmp_path):
+    tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 8, host_bytes=1 << 20, page_tokens=PT)
+    kv = make_kv(5, 0)
+    tiers.put(key(0), kv, "fp-old")
+    for tier in ("device", "host", "disk"):
+        tiers.put(key(0), kv, "fp-old")
+        if tier != "device":
+            tiers.evict(key(0), to=tier)  # type: ignore[arg-type]
+        assert tiers.where(key(0)) == tier
+        with pytest.raises(StaleKVError, match="fp-old"):
+            tiers.get(key(0), FP)
+    # The file itself carries the fingerprint.
+    assert tiers.read_metadata(key(0))["fingerprint"] == "fp-old"
+    # Re-encoding under the current fingerprint replaces it.
+    tiers.put(key(0), kv, FP)
+    tiers.drop_memory()
+    assert_same(tiers.get(key(0), FP), kv)
+    assert tiers.read_metadata(key(0))["fingerprint"] == FP
+
+
+def test_disk_file_is_atomic_private_and_self_describing(tmp_path):
+    tiers = KVTiers(tmp_path, device_bytes=0, page_tokens=PT)
+    kv = make_kv(7, 4, position=11)
+    tiers.put(key(4), kv, FP)
+    path = tiers.path(key(4))
+    assert path.exists() and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert not list(tmp_path.rglob("*.tmp"))
+    meta = tiers.read_metadata(key(4))
+    assert meta == {
+        "format": "inferscale-kv/1", "fingerprint": FP, "fact_id": key(4)[0], "kv_version": "1",
+        "position": "11", "num_tokens": "7",
+    }
+
+
+def test_corrupt_or_misplaced_file_is_missing_not_served(tmp_path):
+    tiers = KVTiers(tmp_path, device_bytes=0, page_tokens=PT)
+    tiers.put(key(1), make_kv(4, 1), FP)
+    tiers.path(key(1)).write_bytes(b"garbage")
+    with pytest.raises(KVMissingError):
+        tiers.get(key(1), FP)
+    # A valid file of another fact copied under this name is refused too.
+    tiers.put(key(2), make_kv(4, 2), FP)
+    os.replace(tiers.path(key(2)), tiers.path(key(1)))
+    with pytest.raises(KVMissingError):
+        tiers.get(key(1), FP)
+
+
+def test_sweep_removes_temp_files_and_orphans(tmp_path):
+    tiers = KVTiers(tmp_path, device_bytes=0, page_tokens=PT)
+    for i in range(4):
+        tiers.put(key(i), make_kv(3, i), FP)
+    tiers.put(key(0, 2), make_kv(3, 9), FP)
+    tmp = tiers.path(key(1)).parent / f".{key(1)[0]}-1.deadbeef.tmp"
+    tmp.write_bytes(b"partial")
+    (tmp_path / "README").write_text("not ours")  # unrelated files at the top are left alone
+    kept, removed = tiers.sweep({key(0)[0]: 2, key(1)[0]: 1, key(2)[0]: 1})  # fact 3 is gone, fact 0 is at v2
+    assert kept == {key(0, 2), key(1), key(2)}
+    assert removed == 3  # tmp, fact 0 v1, fact 3
+    assert not tmp.exists() and not tiers.path(key(3)).exists() and not tiers.path(key(0)).exists()
+    assert (tmp_path / "README").exists()
+
+
+def test_concurrent_puts_and_gets(tmp_path):
+    tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 6, host_bytes=fact_bytes(5) * 3, page_tokens=PT)
+    kvs = {key(i): make_kv(5, i) for i in range(24)}
+    errors: list[BaseException] = []
+
+    def worker(offset: int) -> None:
+        try:
+            mine = list(kvs.items())[offset::4]
+            for k, kv in mine:
+                tiers.put(k, kv, FP)
+            for _ in range(3):
+                for k, kv in list(kvs.items()):
+                    if tiers.where(k) is not None:
+                        assert_same(tiers.get(k, FP), kv)
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for k, kv in kvs.items():
+        assert_same(tiers.get(k, FP), kv)
+    s = tiers.stats()
+    assert s["device_pages_used"] <= 6 and s["host_bytes"] <= fact_bytes(5) * 3
+
+
+def test_geometry_mismatch_rejected(tmp_path):
+    tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 4, page_tokens=PT)
+    tiers.put(key(0), make_kv(3, 0), FP)
+    bad = FactKV(torch.zeros(LAYERS + 1, 3, HEADS, DIM), torch.zeros(LAYERS + 1, 3, HEADS, DIM), 0)
+    with pytest.raises(ValueError, match="geometry"):
+        tiers.put(key(1), bad, FP)
