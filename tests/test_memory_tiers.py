@@ -184,7 +184,7 @@ def test_disk_file_is_atomic_private_and_self_describing(tmp_path):
 
 
 def test_corrupt_or_misplaced_file_is_missing_not_served(tmp_path):
-    tiers = KVTiers(tmp_path, device_bytes=0, page_tokens=PT)
+    tiers = KVTiers(tmp_path, device_bytes=0, host_bytes=0, page_tokens=PT)
     tiers.put(key(1), make_kv(4, 1), FP)
     tiers.path(key(1)).write_bytes(b"garbage")
     with pytest.raises(KVMissingError):
