@@ -1,0 +1,82 @@
+"""Fact encoding inside the serving engine: context windows, sliding chunks, bad input."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from inferscale_engine import InferScaleEngine
+from inferscale_engine.encoder import EncodeWindow, context_windows, sliding_windows
+from inferscale_engine.errors import ContextOverflowError, MalformedHandleError
+
+TURNS = [
+    "Caroline: I adopted a dog last spring.",
+    "Melanie: What is the dog's name?",
+    "Caroline: His name is Rex, he is a beagle.",
+    "Melanie: Does he like the park?",
+    "Caroline: He loves it, we go every morning.",
+    "Melanie: I should bring my cat some day.",
+    "Caroline: Rex would chase it, careful!",
+    "Melanie: Ha, fair point.",
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    with InferScaleEngine(model=tiny_llama, device="cpu", dtype="float32", max_model_len=1024) as engine:
+        yield engine
+
+
+def test_capture_keeps_only_the_fact_rows_with_their_positions(engine):
+    ctx, fact = engine.tokenize(TURNS[0] + "\n"), engine.tokenize(TURNS[1])
+    kv = engine.encode_fact(fact, ctx)
+    assert kv.position == len(ctx)
+    assert kv.num_tokens == len(fact)
+    layers = engine.vllm_config.model_config.hf_config.num_hidden_layers
+    assert kv.k.shape[:2] == (layers, len(fact))
+    # Encoding the same window twice is deterministic; another context changes the KV.
+    assert torch.equal(engine.encode_fact(fact, ctx).v, kv.v)
+    assert not torch.allclose(engine.encode_fact(fact, []).v, kv.v)
+
+
+def test_sliding_chunks_equal_context_windows_with_the_same_context(engine):
+    turns = [engine.tokenize(t + "\n") for t in TURNS]
+    # group=len(turns), window=0: turn i sees exactly turns[:i], as context_windows(window=i) does.
+    sliding = engine.encode(sliding_windows(turns, window=0, group=len(turns)))[0]
+    for i, kv in enumerate(sliding):
+        alone = engine.encode(context_windows(turns[: i + 1], window=i))[i][0]
+        assert kv.position == alone.position
+        assert torch.allclose(kv.k, alone.k, atol=1e-4) and torch.allclose(kv.v, alone.v, atol=1e-4)
+
+
+def test_sliding_chunk_encoding_costs_fewer_prefill_tokens(engine):
+    turns = [engine.tokenize(t + "\n") for t in TURNS] * 4
+    per_fact, chunked = context_windows(turns, window=5), sliding_windows(turns, window=5, group=8)
+    tokens = lambda ws: sum(len(w.token_ids) for w in ws)  # noqa: E731
+    assert tokens(chunked) < tokens(per_fact) / 2
+    t0 = time.perf_counter()
+    engine.encode(per_fact)
+    t1 = time.perf_counter()
+    engine.encode(chunked)
+    t2 = time.perf_counter()
+    print(f"\nw=5, {len(turns)} turns: per-fact {tokens(per_fact)} tokens {t1 - t0:.3f}s; "
+          f"sliding(8) {tokens(chunked)} tokens {t2 - t1:.3f}s")
+
+
+def test_bad_input_gets_clear_errors(engine):
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.encode([EncodeWindow((1, 2), ((2, 0),))])
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.encode([EncodeWindow.single([5] * 1024)])
+    with pytest.raises(ContextOverflowError, match="exceeds the model's context"):
+        engine.generate("hello " * 600, max_tokens=600)
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.generate("hello", max_tokens=0)
+    with pytest.raises(MalformedHandleError):
+        engine.generate("remember <<mem:nothex:zz>> please")
+    with pytest.raises(ValueError, match="role"):
+        engine.generate([{"role": "user"}])
+    # The engine is still healthy after all of that.
+    assert engine.generate("hello", max_tokens=3).usage.completion_tokens == 3

@@ -1,0 +1,65 @@
+"""Chunked RoPE against vLLM's own rotary modules: rotating stored keys by a position delta
+equals applying the model's rotary embedding at the serving position."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inferscale_engine.rope import RopeTable, rotate
+
+HEAD = 64
+
+
+def _rope(style: str, partial: float = 1.0):
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+
+    params = {"rope_theta": 500000.0, "rope_type": "default", "partial_rotary_factor": partial}
+    if style == "llama3":
+        params.update(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=256)
+    if style == "yarn":
+        params.update(rope_type="yarn", factor=4.0, original_max_position_embeddings=512)
+    with set_current_vllm_config(VllmConfig()):
+        return get_rope(HEAD, 4096, is_neox_style=style != "gptj", rope_parameters=params, dtype=torch.float32)
+
+
+def _apply(rope, positions: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """vLLM's rotation of ``keys`` ([n, heads, head]) at ``positions``."""
+    n, heads, _ = keys.shape
+    query = torch.zeros(n, heads * HEAD)
+    _, k = rope.forward_native(positions, query, keys.reshape(n, heads * HEAD).clone())
+    return k.view(n, heads, HEAD)
+
+
+@pytest.mark.parametrize("style,partial", [("default", 1.0), ("llama3", 1.0), ("gptj", 1.0), ("default", 0.5), ("yarn", 1.0)])
+def test_delta_rotation_matches_model_rope(style, partial):
+    rope = _rope(style, partial)
+    table = RopeTable.from_module(rope)
+    torch.manual_seed(0)
+    raw = torch.randn(40, 2, HEAD)
+    encoded_at = torch.arange(40) + 7  # encoded after 7 context tokens
+    served_at = torch.arange(40) + 1500  # served much later
+    stored = _apply(rope, encoded_at, raw)
+    moved = rotate(stored[None], served_at - encoded_at, table)[0]
+    assert torch.allclose(moved, _apply(rope, served_at, raw), atol=2e-4, rtol=1e-4)
+    # Backwards too: a fact served earlier than it was encoded.
+    back = rotate(moved[None], encoded_at - served_at, table)[0]
+    assert torch.allclose(back, stored, atol=2e-4, rtol=1e-4)
+
+
+def test_zero_delta_is_bit_identical_and_unrotated_keys_differ():
+    rope = _rope("llama3")
+    table = RopeTable.from_module(rope)
+    keys = torch.randn(3, 12, 2, HEAD, dtype=torch.bfloat16)
+    deltas = torch.tensor([0, 5] * 6)
+    out = rotate(keys, deltas, table)
+    assert torch.equal(out[:, 0::2], keys[:, 0::2])
+    assert not torch.allclose(out[:, 1::2].float(), keys[:, 1::2].float(), atol=1e-2)
+
+
+def test_delta_beyond_table_is_refused():
+    table = RopeTable.from_module(_rope("default"))
+    with pytest.raises(ValueError, match="exceeds"):
+        rotate(torch.randn(1, 1, 1, HEAD), torch.tensor([table.max_delta + 1]), table)
