@@ -126,3 +126,41 @@ class SyntheticWorkload:
 
     def inject_segments(self, picks: list[int], question: list[int]) -> list[Any]:
         return [self.head, *(self.facts[i] for i in picks), question]
+
+
+class SyntheticRetriever:
+    """Retrieval with the store's exact index and an all-MiniLM-L6-v2-shaped encoder.
+
+    Weights are random (timing does not depend on them, and machines without the embedding
+    package can still run it); the encoder runs the question through a 6-layer, 384-wide BERT,
+    mean-pools, normalises, then searches ``facts`` stored vectors with one matmul + top-k.
+    Calling it returns the seconds it took.
+    """
+
+    def __init__(self, device: str, facts: int = 10_000, k: int = 50, seed: int = 0) -> None:
+        import numpy as np
+        import torch
+        from transformers import BertConfig, BertModel
+
+        from inferscale_engine.memory.index import ExactIndex
+
+        torch.manual_seed(seed)
+        self.device, self.k = device, k
+        cfg = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
+        self.encoder = BertModel(cfg).to(device).eval()
+        self.index = ExactIndex(384, device=device)
+        vecs = np.random.default_rng(seed).standard_normal((facts, 384)).astype("float32")
+        self.index.add(list(range(facts)), vecs / np.linalg.norm(vecs, axis=1, keepdims=True))
+
+    def __call__(self, question_ids: list[int]) -> float:
+        import time
+
+        import torch
+
+        start = time.perf_counter()
+        with torch.inference_mode():
+            ids = torch.tensor([[min(t, 30000) for t in question_ids]], device=self.device)
+            hidden = self.encoder(input_ids=ids).last_hidden_state.mean(dim=1)[0]
+            query = torch.nn.functional.normalize(hidden, dim=-1).float().cpu().numpy()
+        self.index.search(query, self.k)
+        return time.perf_counter() - start

@@ -46,8 +46,8 @@ def run_ttft(
             r = retriever(q) if retriever else 0.0
             sample = {
                 "none": ttft([work.head + q], "prompt"),
-                "prompt": ttft(work.prompt_segments(picks, q), "prompt") + r,
-                "inject": ttft(work.inject_segments(picks, q), "inject") + r,
+                "prompt": ttft(work.prompt_segments(picks, q), "prompt"),
+                "inject": ttft(work.inject_segments(picks, q), "inject"),
             }
             # Floor: the prompt call above left head+facts in vLLM's prefix cache; a fresh question
             # over them is the best any injection can do in this engine.
@@ -59,23 +59,34 @@ def run_ttft(
         for m in MODES:
             if k == 0 and m != "none":
                 continue
+            # Memory modes pay for retrieval before the engine sees the request; the floor and
+            # no-memory rows are the engine alone.
+            r = retrieval if m in ("prompt", "inject") else [0.0] * len(times[m])
+            total = [t + dt for t, dt in zip(times[m], r)]
             rows.append({
                 "mode": m, "k": k,
-                "ttft_ms_p50": 1e3 * median(times[m]), "ttft_ms_p95": 1e3 * percentile(times[m], 95),
-                "retrieval_ms_p50": 1e3 * median(retrieval) if m in ("prompt", "inject") else 0.0,
-                "prompt_tokens": head_tokens + k * fact_tokens + question_tokens,
+                "ttft_ms_p50": 1e3 * median(total), "ttft_ms_p95": 1e3 * percentile(total, 95),
+                "retrieval_ms_p50": 1e3 * median(r),
+                "engine_ms_p50": 1e3 * median(times[m]), "engine_ms_p95": 1e3 * percentile(times[m], 95),
+                "prompt_tokens": head_tokens + (k if m != "none" else 0) * fact_tokens + question_tokens,
             })
     return rows
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per k: speed-up of injection over prompt injection and distance from the floor."""
-    by = {(r["mode"], r["k"]): r["ttft_ms_p50"] for r in rows}
+    """Per k: speed-up over prompt injection (both with retrieval) and, engine alone, the
+    distance from the prefix-cache floor."""
+    total = {(r["mode"], r["k"]): r["ttft_ms_p50"] for r in rows}
+    engine = {(r["mode"], r["k"]): r["engine_ms_p50"] for r in rows}
     out = []
     for k in sorted({r["k"] for r in rows if r["k"] > 0}):
-        p, i, f = by.get(("prompt", k)), by.get(("inject", k)), by.get(("floor", k))
-        if p and i and f:
-            out.append({"k": k, "prompt_over_inject": p / i, "inject_over_floor": i / f})
+        if ("inject", k) in total:
+            out.append({
+                "k": k,
+                "prompt_over_inject": total[("prompt", k)] / total[("inject", k)],
+                "engine_prompt_over_inject": engine[("prompt", k)] / engine[("inject", k)],
+                "inject_over_floor": engine[("inject", k)] / engine[("floor", k)],
+            })
     return out
 
 
