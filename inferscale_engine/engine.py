@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, Union
 
 from inferscale_engine.config import EngineConfig
+from inferscale_engine.connector import compat
 from inferscale_engine.connector.bridge import drop_bridge, new_bridge
 from inferscale_engine.connector.plan import InjectionPlan, SpanRef
 from inferscale_engine.encoder import EncodeWindow, encode_windows
@@ -140,6 +141,12 @@ class InferScaleEngine:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
+        if compat.worker_connector_active():
+            # vLLM keeps the KV connector process-global: a second live engine would share it.
+            raise InferScaleError(
+                "another InferScaleEngine is already running in this process; close() it first "
+                "or share it (one in-process vLLM engine per process)"
+            )
         self.bridge = new_bridge()
         cfg = self.config
         args = EngineArgs(
@@ -190,6 +197,7 @@ class InferScaleEngine:
             self._memory.close()
         self.loop.close()
         drop_bridge(self.bridge.id)
+        compat.release_worker_connector()
         del self._vllm
 
     def __enter__(self) -> "InferScaleEngine":

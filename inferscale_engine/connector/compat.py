@@ -94,3 +94,17 @@ def paged_kv_views(layer: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, to
     if kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[3] == heads and kv_cache.shape[4] == dim:
         return kv_cache[0], kv_cache[1]  # (2, B, N, H, D) of earlier flash/triton backends
     return None
+
+
+def worker_connector_active() -> bool:
+    """Whether this process already has a live vLLM KV connector (vLLM keeps it process-global)."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    return kv_transfer_state.has_kv_transfer_group()
+
+
+def release_worker_connector() -> None:
+    """Drop the process-global connector so the next engine in this process builds its own."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    kv_transfer_state.ensure_kv_transfer_shutdown()

@@ -126,7 +126,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             if lo < hi:
                 pieces.append(LoadPiece(span.key, lo - span.position, lo, hi - lo))
         block_ids = compat.single_group_block_ids(blocks.get_block_ids())
-        self._loads.append(LoadRequest(slots=self._slots(block_ids, start, stop), pieces=pieces))
+        self._loads.append(LoadRequest(block_ids, start, stop, pieces))
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = InferScaleConnectorMetadata(loads=self._loads)
@@ -215,24 +215,28 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._step_captures = []
 
     def _inject(self, load: LoadRequest, forward_context: "ForwardContext") -> None:
-        bridge = self._bridge()
-        ks, vs, deltas = [], [], []
+        # Hundreds of spans per request at large k: keep per-span Python work to one slice each.
+        staged = self._bridge().staged
+        ks, vs, deltas, counts = [], [], [], []
         for piece in load.pieces:
-            kv = bridge.staged.get(piece.key)
+            kv = staged.get(piece.key)
             if kv is None:
                 raise RuntimeError(f"span {piece.key!r} was not staged before its request ran")
-            part = kv.rows(piece.row, piece.row + piece.count)
-            ks.append(part.k)
-            vs.append(part.v)
-            deltas.append(torch.full((piece.count,), piece.position - part.position, dtype=torch.long))
-        first_cache = compat.layer_kv_cache(self._layers[0][1], forward_context)
-        device = first_cache.device
+            ks.append(kv.k[:, piece.row : piece.row + piece.count])
+            vs.append(kv.v[:, piece.row : piece.row + piece.count])
+            deltas.append(piece.position - (kv.position + piece.row))
+            counts.append(piece.count)
+        device = compat.layer_kv_cache(self._layers[0][1], forward_context).device
         k = torch.cat(ks, dim=1).to(device, non_blocking=True)
         v = torch.cat(vs, dim=1).to(device, non_blocking=True)
         if k.shape[0] != len(self._layers):
             raise RuntimeError(f"stored KV has {k.shape[0]} layers, the model has {len(self._layers)}")
-        deltas_all = torch.cat(deltas).to(device)
-        slots = torch.tensor(load.slots, dtype=torch.long, device=device)
+        deltas_all = torch.repeat_interleave(
+            torch.tensor(deltas, dtype=torch.long), torch.tensor(counts, dtype=torch.long)
+        ).to(device, non_blocking=True)
+        positions = torch.arange(load.start, load.stop, device=device)
+        blocks = torch.tensor(load.block_ids, dtype=torch.long).to(device, non_blocking=True)
+        slots = blocks[positions // self._block_size] * self._block_size + positions % self._block_size
         if self._fused and device.type == "cuda" and self._inject_fused(k, v, deltas_all, slots, forward_context):
             return
         k = self._rotate(k, deltas_all)

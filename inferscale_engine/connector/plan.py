@@ -90,9 +90,12 @@ class LoadPiece:
 
 @dataclass(slots=True)
 class LoadRequest:
-    """Write ``pieces`` (in order, one row per slot) to cache ``slots``."""
+    """Write ``pieces`` (in order) to prompt positions ``[start, stop)`` of a request whose
+    cache blocks are ``block_ids``; the worker turns positions into slots on the device."""
 
-    slots: list[int]
+    block_ids: list[int]
+    start: int
+    stop: int
     pieces: list[LoadPiece]
 
 
