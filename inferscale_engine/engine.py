@@ -164,7 +164,7 @@ class InferScaleEngine:
                 kv_role="kv_both",
                 kv_connector_extra_config={"bridge_id": self.bridge.id, "fused_rope": cfg.fused_rope},
             ),
-            **cfg.vllm_options,
+            **{"disable_log_stats": True, **cfg.vllm_options},  # periodic stats lines drown a chat UI
         )
         t0 = time.perf_counter()
         self._vllm = LLMEngine.from_engine_args(args)
