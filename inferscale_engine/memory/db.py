@@ -38,6 +38,7 @@ CREATE TABLE IF NOT EXISTS facts (
     hash           TEXT NOT NULL,
     token_ids      BLOB,                               -- int32 LE; what the engine splices in
     context_ids    BLOB,                               -- int32 LE; what the fact is encoded after
+    context_text   TEXT,                               -- the text those ids came from (re-tokenizing)
     context_kind   TEXT NOT NULL DEFAULT 'window',     -- window | explicit | sliding
     context_window INTEGER NOT NULL DEFAULT 0,         -- store window the context was built with
     metadata       TEXT NOT NULL DEFAULT '{}',
@@ -88,6 +89,7 @@ class FactRow:
     text: str
     token_ids: tuple[int, ...] | None
     context_ids: tuple[int, ...] | None
+    context_text: str | None
     context_kind: str
     context_window: int
     metadata: dict[str, Any]
@@ -152,7 +154,7 @@ class MetaDB:
         with self.lock:
             rows = self.conn.execute(
                 "SELECT seq, id, user_id, text, token_ids, context_ids, context_kind, context_window, metadata, "
-                "created_at, updated_at, kv_version, fingerprint, encode_error, embedding "
+                "created_at, updated_at, kv_version, fingerprint, encode_error, embedding, context_text "
                 "FROM facts WHERE deleted=0 ORDER BY seq"
             ).fetchall()
         return [
@@ -160,6 +162,7 @@ class MetaDB:
                 seq=r[0], id=r[1], user_id=r[2], text=r[3], token_ids=blob_to_ids(r[4]), context_ids=blob_to_ids(r[5]),
                 context_kind=r[6], context_window=r[7], metadata=json.loads(r[8]), created_at=r[9], updated_at=r[10],
                 kv_version=r[11], fingerprint=r[12], encode_error=r[13], embedding=blob_to_vec(r[14]),
+                context_text=r[15],
             )
             for r in rows
         ]
@@ -172,11 +175,11 @@ class MetaDB:
     def insert_fact(c: sqlite3.Connection, f: FactRow, text_hash: str) -> int:
         cur = c.execute(
             "INSERT INTO facts(id, user_id, text, hash, token_ids, context_ids, context_kind, context_window, metadata, "
-            "created_at, updated_at, kv_version, fingerprint, embedding) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            "created_at, updated_at, kv_version, fingerprint, embedding, context_text) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (
                 f.id, f.user_id, f.text, text_hash, ids_to_blob(f.token_ids), ids_to_blob(f.context_ids), f.context_kind,
                 f.context_window, json.dumps(f.metadata), f.created_at, f.updated_at, f.kv_version, f.fingerprint,
-                vec_to_blob(f.embedding),
+                vec_to_blob(f.embedding), f.context_text,
             ),
         )
         return int(cur.lastrowid)

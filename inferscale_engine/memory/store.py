@@ -122,7 +122,11 @@ class MemoryStore:
         device_kv_bytes / host_kv_bytes: capacity of the device slab and the host tier.
         page_tokens: tokens per device page.
         encode_queue: bound of the background encode queue (``add`` waits when it is full).
-        encode_batch: most facts per background ``engine.encode`` call (keeps chat interleaved).
+        encode_batch / encode_batch_tokens: most facts / prefill tokens per background
+            ``engine.encode`` call. vLLM serves requests first come first served, so a chat
+            request arriving while the encoder works waits behind at most one such batch.
+            Default: 256 tokens on CPU (where batching buys nothing and chat latency stays
+            within ~20% of idle), 4096 on CUDA.
         resolve_timeout: seconds ``resolve`` waits for a fact that is being encoded.
     """
 
@@ -139,31 +143,36 @@ class MemoryStore:
         page_tokens: int = 16,
         encode_queue: int = 1024,
         encode_batch: int = 32,
+        encode_batch_tokens: int | None = None,
         resolve_timeout: float = 60.0,
     ) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ValueError(f"window must be an integer >= 0, got {window!r}")
         if index not in ("auto", "exact", "faiss"):
             raise ValueError(f"index must be 'auto', 'exact' or 'faiss', got {index!r}")
-        if encode_queue < 1 or encode_batch < 1:
-            raise ValueError("encode_queue and encode_batch must be >= 1")
+        config = getattr(engine, "config", None)
+        self.device: str = str(getattr(config, "device", None) or "cpu")
+        if encode_batch_tokens is None:
+            encode_batch_tokens = 4096 if self.device == "cuda" else 256
+        if encode_queue < 1 or encode_batch < 1 or encode_batch_tokens < 1:
+            raise ValueError("encode_queue, encode_batch and encode_batch_tokens must be >= 1")
         self.engine = engine
         self.path = Path(path).expanduser()
         self.window = window
         self.index_kind: IndexKind = index
         self.encode_batch = encode_batch
+        self.encode_batch_tokens = encode_batch_tokens
         self.resolve_timeout = float(resolve_timeout)
         self.extraction_max_tokens = 512
-        config = getattr(engine, "config", None)
-        self.device: str = str(getattr(config, "device", None) or "cpu")
         self.fingerprint: str | None = f"{engine.fingerprint}-w{window}" if engine is not None else None
         self.max_model_len: int | None = engine.max_model_len if engine is not None else None
 
         self._lock = threading.RLock()
         self._idle = threading.Condition()
         self._inflight = 0
-        self._closed = False
-        self._stopping = False
+        self._closed = False  # the API refuses calls
+        self._stopping = False  # the encoder thread stops after its batch
+        self._db_open = True
         self._facts: dict[str, FactRow] = {}
         self._by_seq: dict[int, str] = {}
         self._user_facts: dict[str, dict[str, None]] = {}  # insertion-ordered fact ids per user
@@ -395,6 +404,7 @@ class MemoryStore:
             for p in self._pending.values():
                 p.event.set()
             self._pending.clear()
+            self._db_open = False
             self._db.close()
         _release_lock(self._lock_fd)
         if dropped:
@@ -446,6 +456,38 @@ class MemoryStore:
                             background=False)
 
     # ------------------------------------------------------------------ extras
+
+    def reencode(self, *, user_id: str | None = None) -> int:
+        """Queue every fact (of ``user_id``, or all) whose KV is missing or stale for background
+        encoding; returns how many. Useful after a model or window change, so that ``resolve``
+        does not encode them one by one on demand."""
+        self._check_open()
+        if self.engine is None:
+            return 0
+        if user_id is not None:
+            user_id = _check_user(user_id)
+        jobs: list[tuple[str, int]] = []
+        stale: list[KVKey] = []
+        with self._lock:
+            ids = list(self._user_facts.get(user_id, ())) if user_id is not None else list(self._facts)
+            rows = []
+            for fact_id in ids:
+                f = self._facts[fact_id]
+                if f.fingerprint == self.fingerprint or fact_id in self._pending:
+                    continue
+                if f.fingerprint is not None:  # stale KV: new version, as in resolve()
+                    stale.append((fact_id, f.kv_version))
+                    f = self._facts[fact_id] = dataclasses.replace(f, kv_version=f.kv_version + 1, fingerprint=None)
+                    rows.append((f.kv_version, fact_id))
+                self._pending[fact_id] = _Pending(f.kv_version, "queued")
+                jobs.append((fact_id, f.kv_version))
+            if rows:
+                with self._db.transaction() as c:
+                    c.executemany("UPDATE facts SET kv_version=?, fingerprint=NULL WHERE id=?", rows)
+        for key in stale:
+            self.tiers.delete_key(key)
+        self._enqueue(jobs)
+        return len(jobs)
 
     @property
     def encoding_errors(self) -> dict[str, str]:
@@ -517,6 +559,23 @@ class MemoryStore:
         if redo or not rows:
             with self._db.transaction() as c:
                 MetaDB.set_meta(c, "embedder", self.embedder.name)
+        if self.engine is not None:
+            # Token ids belong to the tokenizer that made them: another model re-tokenizes facts
+            # and contexts (context ids are rebuilt from the stored context text when encoding).
+            same = self._db.get_meta("tokenizer") == self.engine.fingerprint
+            retok = [f for f in rows if f.token_ids is None or not same]
+            for f in retok:
+                f.token_ids = tuple(int(t) for t in self.engine.tokenize(f.text))
+                f.context_ids = None
+                if len(f.token_ids) >= self.max_model_len:  # type: ignore[operator]
+                    logger.warning("memory %s has %d tokens under this model, more than its context", f.id,
+                                   len(f.token_ids))
+            with self._db.transaction() as c:
+                c.executemany("UPDATE facts SET token_ids=?, context_ids=NULL WHERE id=?",
+                              [(ids_to_blob(f.token_ids), f.id) for f in retok])
+                MetaDB.set_meta(c, "tokenizer", self.engine.fingerprint)
+            if retok:
+                logger.info("re-tokenized %d memories for model %s", len(retok), self.engine.fingerprint)
         by_user: dict[str, list[FactRow]] = {}
         for f in rows:
             self._facts[f.id] = f
@@ -557,7 +616,7 @@ class MemoryStore:
         with self._db.transaction() as c:
             for f in facts:
                 c.execute(
-                    "UPDATE facts SET deleted=1, embedding=NULL, token_ids=NULL, context_ids=NULL, fingerprint=NULL, "
+                    "UPDATE facts SET deleted=1, embedding=NULL, token_ids=NULL, context_ids=NULL, context_text=NULL, fingerprint=NULL, "
                     "updated_at=? WHERE id=?", (now, f.id),
                 )
                 MetaDB.add_history(c, _new_hex(), f.id, f.user_id, "DELETE", f.text, None, now)
@@ -601,13 +660,14 @@ class MemoryStore:
                 break
         return out[::-1]
 
-    def _fit_context(self, prev: list[str], n: int, *, strict: bool) -> tuple[int, ...]:
-        """Token ids of ``"\\n".join(prev) + "\\n"``, dropping the oldest texts until it fits."""
+    def _fit_context(self, prev: list[str], n: int, *, strict: bool) -> tuple[tuple[int, ...], str]:
+        """Ids and text of ``"\\n".join(prev) + "\\n"``, dropping the oldest texts until it fits."""
         assert self.engine is not None and self.max_model_len is not None
         while True:
-            ctx = tuple(int(t) for t in self.engine.tokenize("\n".join(prev) + "\n")) if prev else ()
+            text = "\n".join(prev) + "\n" if prev else ""
+            ctx = tuple(int(t) for t in self.engine.tokenize(text)) if text else ()
             if len(ctx) + n < self.max_model_len:
-                return ctx
+                return ctx, text
             if strict:
                 raise ContextOverflowError(
                     f"context of {len(ctx)} tokens plus a memory of {n} does not fit the model's context "
@@ -616,11 +676,11 @@ class MemoryStore:
             prev = prev[1:]
 
     def _contexts(self, user_id: str, texts: list[str], token_ids: list[tuple[int, ...] | None],
-                  explicit: list[str] | None) -> list[tuple[int, ...] | None]:
+                  explicit: list[str] | None) -> list[tuple[tuple[int, ...] | None, str | None]]:
         if self.engine is None:
-            return [None] * len(texts)
+            return [(None, None)] * len(texts)
         w = self.window
-        out: list[tuple[int, ...] | None] = []
+        out: list[tuple[tuple[int, ...] | None, str | None]] = []
         prior: list[str] = []
         base = list(explicit) if explicit is not None else self._previous_texts(user_id, w)
         for text, ids in zip(texts, token_ids):
@@ -634,7 +694,7 @@ class MemoryStore:
         return out
 
     def _sliding_plan(self, user_id: str, texts: list[str], token_ids: list[tuple[int, ...]], group: int
-                      ) -> tuple[list[tuple[int, ...]], list[tuple[tuple[int, ...], list[tuple[int, int, int]]]]]:
+                      ) -> tuple[list[tuple[tuple[int, ...], str]], list[tuple[tuple[int, ...], list[tuple[int, int, int]]]]]:
         """Sliding-chunk windows (like :func:`~inferscale_engine.encoder.sliding_windows`, with
         ``"\\n"`` between turns): per fact its context ids, and per window its ids and
         ``(fact index, start, length)`` ranges."""
@@ -643,13 +703,14 @@ class MemoryStore:
         prior = self._previous_texts(user_id, w)
         all_texts = prior + texts
         newline = tuple(int(t) for t in self.engine.tokenize("\n"))
-        contexts: list[tuple[int, ...]] = [()] * len(texts)
+        contexts: list[tuple[tuple[int, ...], str]] = [((), "")] * len(texts)
         windows = []
         i = 0
         while i < len(texts):
             at = len(prior) + i
             prev = all_texts[max(0, at - w) : at] if w else []
-            ids = list(self._fit_context(prev, len(token_ids[i]), strict=False))
+            prefix, text = self._fit_context(prev, len(token_ids[i]), strict=False)
+            ids = list(prefix)
             ranges: list[tuple[int, int, int]] = []
             j = i
             while j < len(texts) and j - i < group:
@@ -657,7 +718,9 @@ class MemoryStore:
                 if ranges and len(ids) + len(sep) + len(token_ids[j]) >= self.max_model_len:
                     break
                 ids.extend(sep)
-                contexts[j] = tuple(ids)
+                if sep:
+                    text += texts[j - 1] + "\n"
+                contexts[j] = (tuple(ids), text)
                 ranges.append((j, len(ids), len(token_ids[j])))
                 ids.extend(token_ids[j])
                 j += 1
@@ -691,13 +754,13 @@ class MemoryStore:
             new: list[FactRow] = []
             with self._db.transaction() as c:
                 MetaDB.ensure_user(c, user_id, now)
-                for text, ids, ctx, meta, vec in zip(texts, token_ids, contexts, metas, vecs):
+                for text, ids, (ctx, ctx_text), meta, vec in zip(texts, token_ids, contexts, metas, vecs):
                     fact_id = _new_hex()
                     while fact_id in self._facts:
                         fact_id = _new_hex()
                     f = FactRow(
                         seq=0, id=fact_id, user_id=user_id, text=text, token_ids=ids, context_ids=ctx,
-                        context_kind=kind, context_window=self.window, metadata=meta, created_at=now,
+                        context_text=ctx_text, context_kind=kind, context_window=self.window, metadata=meta, created_at=now,
                         updated_at=now, kv_version=1, fingerprint=None, encode_error=None, embedding=vec,
                     )
                     f.seq = MetaDB.insert_fact(c, f, text_hash(text))
@@ -725,10 +788,18 @@ class MemoryStore:
         if not windows:
             windows = [(tuple(f.context_ids) + tuple(f.token_ids), [(i, len(f.context_ids), len(f.token_ids))])  # type: ignore[arg-type]
                        for i, f in enumerate(new)]
+        # Chunks obey the same limits as the encoder thread, so chat requests interleave.
+        chunks: list[list[tuple[tuple[int, ...], list[tuple[int, int, int]]]]] = [[]]
+        tokens = 0
+        for w in windows:
+            if chunks[-1] and (len(chunks[-1]) >= self.encode_batch or tokens + len(w[0]) > self.encode_batch_tokens):
+                chunks.append([])
+                tokens = 0
+            chunks[-1].append(w)
+            tokens += len(w[0])
         bar = tqdm(total=len(new), desc="encoding memories", unit="fact", disable=not progress)
         try:
-            for start in range(0, len(windows), self.encode_batch):
-                chunk = windows[start : start + self.encode_batch]
+            for chunk in chunks:
                 jobs = []
                 for ids, ranges in chunk:
                     tasks = [(_Task(new[i].id, 1, tuple(new[i].token_ids), ids[:s]), pendings[new[i].id])  # type: ignore[arg-type]
@@ -738,6 +809,10 @@ class MemoryStore:
                 bar.update(sum(len(r) for _, r in chunk))
         finally:
             bar.close()
+            for f in new:  # interrupted: whatever is left is encoded on demand
+                p = pendings[f.id]
+                if p.state != "done":
+                    self._finish(f.id, p, None)
         with self._lock:
             return [self._item(self._facts.get(f.id, f)) for f in new]
 
@@ -795,18 +870,29 @@ class MemoryStore:
                     continue
 
     def _work(self) -> None:
-        """Encoder thread: batch whatever is queued into one engine.encode call."""
+        """Encoder thread: batch what is queued (up to the batch limits) into one engine.encode call."""
+        carry: tuple[str, int] | None = None
         while not self._stopping:
-            try:
-                first = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            batch = [first]
-            while len(batch) < self.encode_batch:
+            if carry is not None:
+                first, carry = carry, None
+            else:
                 try:
-                    batch.append(self._queue.get_nowait())
+                    first = self._queue.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+            batch = [first]
+            tokens = self._job_tokens(first)
+            while len(batch) < self.encode_batch and tokens < self.encode_batch_tokens:
+                try:
+                    job = self._queue.get_nowait()
                 except queue.Empty:
                     break
+                n = self._job_tokens(job)
+                if tokens + n > self.encode_batch_tokens:
+                    carry = job  # first of the next batch
+                    break
+                batch.append(job)
+                tokens += n
             try:
                 jobs = []
                 with self._lock:
@@ -825,24 +911,47 @@ class MemoryStore:
                 with self._idle:
                     self._inflight = max(0, self._inflight - len(batch))
                     self._idle.notify_all()
+        if carry is not None:
+            with self._idle:
+                self._inflight = max(0, self._inflight - 1)
+                self._idle.notify_all()
+
+    def _job_tokens(self, job: tuple[str, int]) -> int:
+        with self._lock:
+            f = self._facts.get(job[0])
+            if f is None or f.token_ids is None:
+                return 0
+            return len(f.token_ids) + len(f.context_ids or ())
 
     def _task(self, f: FactRow) -> _Task:
         """Under the store lock: the inputs to encode ``f`` with now (window contexts follow the window)."""
-        assert f.token_ids is not None
-        if f.context_ids is None or (f.context_kind != "explicit" and f.context_window != self.window):
+        assert f.token_ids is not None and self.max_model_len is not None
+        window_changed = f.context_kind != "explicit" and f.context_window != self.window
+        if window_changed or (f.context_ids is None and f.context_text is None):
+            # The window changed (it is part of the fingerprint): rebuild from the predecessors.
             prev: list[str] = []
             if self.window:
                 ids = list(self._user_facts.get(f.user_id, {}))
                 at = ids.index(f.id) if f.id in ids else len(ids)
                 prev = [self._facts[i].text for i in ids[max(0, at - self.window) : at]]
-            ctx = self._fit_context(prev, len(f.token_ids), strict=False)
-            f.context_ids, f.context_kind, f.context_window = ctx, "window", self.window
-            try:
-                with self._db.transaction() as c:
-                    c.execute("UPDATE facts SET context_ids=?, context_kind='window', context_window=? WHERE id=?",
-                              (ids_to_blob(ctx), self.window, f.id))
-            except Exception:
-                logger.exception("could not record the new context of memory %s", f.id)
+            f.context_ids, f.context_text = self._fit_context(prev, len(f.token_ids), strict=False)
+            f.context_kind, f.context_window = "window", self.window
+        elif f.context_ids is None:
+            # Re-tokenized for another model: the same context text, with its tokenizer.
+            ctx = tuple(int(t) for t in self.engine.tokenize(f.context_text)) if f.context_text else ()  # type: ignore[union-attr]
+            f.context_ids = ctx[max(0, len(ctx) + len(f.token_ids) - self.max_model_len + 1) :]
+        else:
+            return _Task(f.id, f.kv_version, tuple(f.token_ids), tuple(f.context_ids))
+        try:
+            if not self._db_open:
+                raise EngineClosedError("memory store closed")
+            with self._db.transaction() as c:
+                c.execute(
+                    "UPDATE facts SET context_ids=?, context_text=?, context_kind=?, context_window=? WHERE id=?",
+                    (ids_to_blob(f.context_ids), f.context_text, f.context_kind, f.context_window, f.id),
+                )
+        except Exception:
+            logger.exception("could not record the new context of memory %s", f.id)
         return _Task(f.id, f.kv_version, tuple(f.token_ids), tuple(f.context_ids))
 
     def _encode_jobs(self, jobs: list[tuple[EncodeWindow, list[tuple[_Task, _Pending]]]]) -> BaseException | None:
@@ -885,7 +994,7 @@ class MemoryStore:
                 f.fingerprint, f.encode_error = self.fingerprint, None
                 self._encode_errors.pop(f.id, None)
                 rows.append((self.fingerprint, f.id, f.kv_version))
-            if rows and not self._closed:
+            if rows and self._db_open:
                 with self._db.transaction() as c:
                     c.executemany("UPDATE facts SET fingerprint=?, encode_error=NULL WHERE id=? AND kv_version=?", rows)
             for task, p in stored:
@@ -906,7 +1015,7 @@ class MemoryStore:
                     self._encode_errors[f.id] = msg
                     rows.append((msg, f.id))
                 self._finish(task.fact_id, p, exc)
-            if rows and not self._closed:
+            if rows and self._db_open:
                 try:
                     with self._db.transaction() as c:
                         c.executemany("UPDATE facts SET encode_error=? WHERE id=?", rows)
@@ -923,13 +1032,26 @@ class MemoryStore:
 
     def _mark_unencoded(self, key: KVKey) -> None:
         with self._lock:
-            if self._closed:
+            if not self._db_open:
                 return
             f = self._facts.get(key[0])
             if f is not None and f.kv_version == key[1] and f.fingerprint is not None:
                 f.fingerprint = None
                 with self._db.transaction() as c:
                     c.execute("UPDATE facts SET fingerprint=NULL WHERE id=? AND kv_version=?", (key[0], key[1]))
+
+    def _new_kv_version(self, key: KVKey) -> None:
+        with self._lock:
+            f = self._facts.get(key[0])
+            if f is None or f.kv_version != key[1] or not self._db_open:
+                return
+            version = f.kv_version + 1
+            with self._db.transaction() as c:
+                c.execute("UPDATE facts SET kv_version=?, fingerprint=NULL WHERE id=? AND kv_version=?",
+                          (version, key[0], key[1]))
+            self._facts[key[0]] = dataclasses.replace(f, kv_version=version, fingerprint=None)
+            self._retire_pending(key[0])
+        self.tiers.delete_key(key)
 
     def _kv(self, fact_id: str) -> tuple[FactKV, FactRow]:
         """KV of the current version of ``fact_id`` (and that version's record)."""
@@ -944,10 +1066,16 @@ class MemoryStore:
             if snap.fingerprint is not None:
                 try:
                     if snap.fingerprint != self.fingerprint:
-                        raise StaleKVError(f"memory {fact_id} was encoded under fingerprint {snap.fingerprint}")
+                        raise StaleKVError(f"memory {fact_id} was encoded under fingerprint {snap.fingerprint!r}, "
+                                           f"this store serves {self.fingerprint!r}")
                     return self.tiers.get((fact_id, snap.kv_version), self.fingerprint), snap  # type: ignore[arg-type]
-                except (StaleKVError, KVMissingError) as exc:
+                except StaleKVError as exc:
+                    # Other KV content under the same span key could be reused from vLLM's prefix
+                    # cache: re-encode under a new KV version (new key, new file).
                     logger.warning("%s; re-encoding it with the current engine", exc)
+                    self._new_kv_version((fact_id, snap.kv_version))
+                except KVMissingError as exc:  # same fingerprint and context: same KV, same version
+                    logger.warning("%s; re-encoding it", exc)
                     self._mark_unencoded((fact_id, snap.kv_version))
             with self._lock:
                 f = self._facts.get(fact_id)
