@@ -22,7 +22,9 @@ Run:
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime as _dt
+import operator
 import uuid
 import warnings
 from typing import Any
@@ -43,15 +45,34 @@ DEMO = [
 ]
 
 
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
+
+
+def _arith(node: ast.AST) -> float:
+    if isinstance(node, ast.Expression):
+        return _arith(node.body)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_arith(node.left), _arith(node.right))
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+        return _OPS[type(node.op)](_arith(node.operand))
+    raise ValueError("only numbers and + - * / ( ) are allowed")
+
+
 @tool
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression such as '12 * 7' or '(3 + 4) / 2'."""
-    allowed = set("0123456789+-*/(). ")
-    if not expression or set(expression) - allowed:
-        return "error: only numbers and + - * / ( ) are allowed"
     try:
-        return str(eval(expression, {"__builtins__": {}}, {}))  # noqa: S307 - checked characters only
-    except Exception as exc:  # a tool reports errors to the agent instead of raising
+        return str(_arith(ast.parse(expression, mode="eval")))
+    except (SyntaxError, ValueError, ZeroDivisionError) as exc:  # reported to the agent, not raised
         return f"error: {exc}"
 
 

@@ -26,7 +26,11 @@ from langchain_classic.chains import ConversationChain
 from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
 from langchain_core.runnables.history import RunnableWithMessageHistory
 
-from inferscale_integrations.langchain import ChatInferScale, InferScaleChatMessageHistory, InferScaleMemory
+from inferscale_integrations.langchain import (
+    ChatInferScale,
+    InferScaleChatMessageHistory,
+    InferScaleMemory,
+)
 
 warnings.filterwarnings("ignore", message=".*was deprecated.*")  # ConversationChain is a classic API
 

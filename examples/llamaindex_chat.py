@@ -20,7 +20,11 @@ from typing import Any
 from llama_index.core.chat_engine import CondensePlusContextChatEngine, SimpleChatEngine
 
 from inferscale_integrations import get_engine
-from inferscale_integrations.llamaindex import InferScaleLLM, InferScaleMemory, InferScaleRetriever
+from inferscale_integrations.llamaindex import (
+    InferScaleLLM,
+    InferScaleMemory,
+    InferScaleRetriever,
+)
 
 MODEL = "smollm2"
 SYSTEM = (

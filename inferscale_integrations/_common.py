@@ -42,24 +42,21 @@ TURN_KEY = "turn_id"  # facts of one conversation turn share it
 SESSION_KEY = "session_id"  # conversation (thread) the fact was said in
 SOURCE_KEY = "source"  # "langchain" | "llamaindex"
 
-_ENGINES: dict[str, "InferScaleEngine"] = {}
+_ENGINES: dict[str, InferScaleEngine] = {}
 _ENGINES_LOCK = threading.Lock()
 
 
 def _engine_keys(model: str) -> list[str]:
+    """Registry keys of ``model``: the alias (case-insensitive), or the folder and its real path."""
+    from pathlib import Path
+
+    from inferscale_engine.models import MODEL_ALIASES
+
     keys = [model.strip().lower() if _looks_like_alias(model) else model]
-    try:
-        from inferscale_engine.models import MODEL_ALIASES
-
-        if keys[0] in MODEL_ALIASES:
-            return keys
-        from pathlib import Path
-
+    if keys[0] not in MODEL_ALIASES:
         path = Path(model).expanduser()
         if path.is_dir():
             keys.append(str(path.resolve()))
-    except Exception:  # pragma: no cover - best effort only
-        pass
     return keys
 
 
@@ -67,7 +64,7 @@ def _looks_like_alias(model: str) -> bool:
     return "/" not in model and "\\" not in model
 
 
-def get_engine(model: str = "smollm2", **options: Any) -> "InferScaleEngine":
+def get_engine(model: str = "smollm2", **options: Any) -> InferScaleEngine:
     """The process-wide engine for ``model``, built on first use (options apply only then).
 
     Building a vLLM engine takes seconds to minutes and holds the model's weights and a paged
@@ -85,17 +82,37 @@ def get_engine(model: str = "smollm2", **options: Any) -> "InferScaleEngine":
 
         engine = InferScaleEngine(model, **options)
         _register_locked(engine, extra_keys=keys)
+        _close_at_exit(engine)
         return engine
 
 
-def register_engine(engine: "InferScaleEngine") -> "InferScaleEngine":
+def _close_at_exit(engine: InferScaleEngine) -> None:
+    """Engines this factory built are closed at interpreter exit, store first (its encoder
+    thread must not run into a half-torn-down vLLM)."""
+    import atexit
+    import weakref
+
+    ref = weakref.ref(engine)
+
+    def close() -> None:
+        eng = ref()
+        if eng is not None:
+            try:
+                eng.close()
+            except Exception:  # pragma: no cover - exiting anyway
+                logger.debug("closing engine at exit failed", exc_info=True)
+
+    atexit.register(close)
+
+
+def register_engine(engine: InferScaleEngine) -> InferScaleEngine:
     """Make ``engine`` the shared engine of its model (what an explicit ``engine=`` does)."""
     with _ENGINES_LOCK:
         _register_locked(engine)
     return engine
 
 
-def _register_locked(engine: "InferScaleEngine", extra_keys: Iterable[str] = ()) -> None:
+def _register_locked(engine: InferScaleEngine, extra_keys: Iterable[str] = ()) -> None:
     keys = set(extra_keys)
     config = getattr(engine, "config", None)
     if config is not None and isinstance(getattr(config, "model", None), str):
@@ -114,7 +131,7 @@ def forget_engines() -> None:
         _ENGINES.clear()
 
 
-def resolve_engine(engine: "InferScaleEngine | None", model: str | None, options: dict[str, Any] | None = None) -> "InferScaleEngine":
+def resolve_engine(engine: InferScaleEngine | None, model: str | None, options: dict[str, Any] | None = None) -> InferScaleEngine:
     """``engine`` if given (and registered for sharing), else the shared engine of ``model``."""
     if engine is not None:
         register_engine(engine)
@@ -122,7 +139,7 @@ def resolve_engine(engine: "InferScaleEngine | None", model: str | None, options
     return get_engine(model or "smollm2", **(options or {}))
 
 
-def model_name_of(engine: "InferScaleEngine | None", model: str | None) -> str:
+def model_name_of(engine: InferScaleEngine | None, model: str | None) -> str:
     if engine is not None:
         config = getattr(engine, "config", None)
         name = getattr(config, "model", None)
@@ -144,7 +161,7 @@ def new_turn_id() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def role_of(item: "MemoryItem") -> str:
+def role_of(item: MemoryItem) -> str:
     meta = item.metadata or {}
     role = meta.get(ROLE_KEY)
     if isinstance(role, str) and role:
@@ -156,13 +173,67 @@ def role_of(item: "MemoryItem") -> str:
     return "user"
 
 
-def content_of(item: "MemoryItem", mode: str) -> str:
+def content_of(item: MemoryItem, mode: str) -> str:
     """What goes into the prompt for ``item``: its handle, or its text."""
     return item.handle if mode == "handles" else item.memory
 
 
+#: How a fact will sit in prompts, which decides the context it is encoded after:
+#: ``"chat"`` as a chat message's content, ``"buffer"`` as a ``"Human: ..."`` line of a transcript.
+EncodeStyle = Literal["chat", "buffer"]
+_SENTINEL = "\u2063INFERSCALE-FACT\u2063"
+
+
+def _chat_prefix(engine: InferScaleEngine, messages: list[dict[str, str]]) -> str | None:
+    """Chat-template text of ``messages`` up to where the last message's content starts."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    except Exception:  # a template that rejects the role order: fall back to the store's window
+        return None
+    if not isinstance(text, str) or _SENTINEL not in text:
+        return None
+    return text[: text.index(_SENTINEL)]
+
+
+def encode_context(
+    engine: InferScaleEngine,
+    previous: Sequence[tuple[str, str]],
+    role: str,
+    *,
+    style: EncodeStyle = "chat",
+    prefixes: tuple[str, str] = ("Human", "AI"),
+) -> list[str] | None:
+    """The text a new fact is encoded after (the store's explicit ``context``), or None.
+
+    A fact encoded alone starts at position 0, where a model's first token becomes an attention
+    sink: injected in the middle of a prompt, such KV derails small models. So facts are encoded
+    where they will be used: after the chat template's opening (system prompt included) and the
+    ``previous`` turns in the same layout as prompts show them (chat messages, or transcript
+    lines), ending where the fact's own text starts. The store joins context and fact with a
+    newline, which ChatML-style templates have there too.
+    """
+    if style == "chat":
+        messages = [{"role": r, "content": c} for r, c in previous] + [{"role": role, "content": _SENTINEL}]
+        prefix = _chat_prefix(engine, messages)
+    else:
+        human, ai = prefixes
+        lines = [f"{human if r == 'user' else ai if r == 'assistant' else r.capitalize()}: {c}" for r, c in previous]
+        lead = human if role == "user" else ai if role == "assistant" else role.capitalize()
+        head = _chat_prefix(engine, [{"role": "user", "content": _SENTINEL}])
+        if head is None:
+            return None
+        prefix = head + "".join(line + "\n" for line in lines) + f"{lead}: "
+    if not prefix:
+        return None
+    # The store appends "\n" after the context; a prefix already ending in one keeps it exact.
+    return [prefix.removesuffix("\n")]
+
+
 def save_messages(
-    store: "MemoryStore",
+    store: MemoryStore,
     messages: Sequence[tuple[str, str]],
     *,
     user_id: str,
@@ -170,27 +241,48 @@ def save_messages(
     source: str,
     turn_id: str | None = None,
     extra_metadata: dict[str, Any] | None = None,
-) -> list["MemoryItem"]:
+    style: EncodeStyle | None = "chat",
+    prefixes: tuple[str, str] = ("Human", "AI"),
+) -> list[MemoryItem]:
     """Store ``(role, content)`` messages as one fact each; they form one turn.
 
     Each fact's text is the message content exactly, so a handle standing in for the content
-    means the very same tokens; the role and turn live in metadata. The store encodes each new
-    fact after the user's previous turns (its context window) in the background.
+    means the very same tokens; role, turn and session go in metadata. Each fact is encoded in
+    the background after the turns before it in the session (the store's ``window`` of them)
+    laid out as prompts will show them (:func:`encode_context`); ``style=None`` leaves the
+    context to the store (its window of previous facts, newline-joined).
     """
     messages = [(r, c) for r, c in messages if isinstance(c, str) and c.strip()]
     if not messages:
         return []
     turn_id = turn_id or new_turn_id()
+    engine = getattr(store, "engine", None)
+    previous: list[tuple[str, str]] = []
+    if style is not None and engine is not None:
+        window = int(getattr(store, "window", 5))
+        earlier = all_items(store, user_id=user_id, session_id=session_id)
+        turns: list[list[MemoryItem]] = []
+        for item in earlier:
+            if turns and _turn_of(turns[-1][0]) == _turn_of(item):
+                turns[-1].append(item)
+            else:
+                turns.append([item])
+        for turn in turns[-window:] if window else []:
+            previous.extend((role_of(i), i.memory) for i in turn)
     items: list[MemoryItem] = []
     for role, content in messages:
         metadata = {ROLE_KEY: role, TURN_KEY: turn_id, SOURCE_KEY: source, **(extra_metadata or {})}
         if session_id is not None:
             metadata[SESSION_KEY] = session_id
-        items.extend(store.add(content, user_id=user_id, metadata=metadata, infer=False))
+        context = None
+        if style is not None and engine is not None:
+            context = encode_context(engine, previous, role, style=style, prefixes=prefixes)
+        items.extend(store.add(content, user_id=user_id, metadata=metadata, context=context, infer=False))
+        previous.append((role, content))
     return items
 
 
-def all_items(store: "MemoryStore", *, user_id: str, session_id: str | None = None) -> list["MemoryItem"]:
+def all_items(store: MemoryStore, *, user_id: str, session_id: str | None = None) -> list[MemoryItem]:
     """Every fact of ``user_id`` (of one session when given), oldest first."""
     items = list(store.get_all(user_id=user_id))
     if session_id is not None:
@@ -198,9 +290,9 @@ def all_items(store: "MemoryStore", *, user_id: str, session_id: str | None = No
     return _chronological(items)
 
 
-def _chronological(items: list["MemoryItem"]) -> list["MemoryItem"]:
+def _chronological(items: list[MemoryItem]) -> list[MemoryItem]:
     # The store lists facts in insertion order; created_at breaks nothing (a stable sort).
-    def key(item: "MemoryItem") -> Any:
+    def key(item: MemoryItem) -> Any:
         created = getattr(item, "created_at", None)
         return (created is None, _sortable(created))
 
@@ -217,7 +309,7 @@ def _sortable(value: Any) -> Any:
     return str(value)
 
 
-def _turn_of(item: "MemoryItem") -> str:
+def _turn_of(item: MemoryItem) -> str:
     return str((item.metadata or {}).get(TURN_KEY) or item.id)
 
 
@@ -225,12 +317,12 @@ def _turn_of(item: "MemoryItem") -> str:
 class Recalled:
     """One recalled fact, with its search score when it was a hit."""
 
-    item: "MemoryItem"
+    item: MemoryItem
     score: float | None
 
 
 def recall(
-    store: "MemoryStore",
+    store: MemoryStore,
     *,
     user_id: str,
     query: str | None,
@@ -271,15 +363,15 @@ def recall(
 
 
 def search(
-    store: "MemoryStore", *, user_id: str, query: str, k: int, min_score: float | None = None
-) -> list["MemoryItem"]:
+    store: MemoryStore, *, user_id: str, query: str, k: int, min_score: float | None = None
+) -> list[MemoryItem]:
     hits = list(store.search(query, user_id=user_id, k=k)) if k > 0 else []
     if min_score is not None:
         hits = [h for h in hits if h.score is None or h.score >= min_score]
     return hits
 
 
-def item_metadata(item: "MemoryItem", *, user_id: str) -> dict[str, Any]:
+def item_metadata(item: MemoryItem, *, user_id: str) -> dict[str, Any]:
     """Metadata safe to put next to a handle: ids, score, role and times, never the fact text."""
     meta: dict[str, Any] = {
         "fact_id": item.id,
@@ -304,7 +396,7 @@ def item_metadata(item: "MemoryItem", *, user_id: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- expansion
 
 
-def expand_handles(text: str, *, store: "MemoryStore", user_id: str) -> str:
+def expand_handles(text: str, *, store: MemoryStore, user_id: str) -> str:
     """``text`` with every handle replaced by its fact's text (for LLMs that are not InferScale).
 
     Each handle is checked for ``user_id`` exactly as the engine checks it, so a forged or
@@ -322,14 +414,19 @@ def expand_handles(text: str, *, store: "MemoryStore", user_id: str) -> str:
     return "".join(out)
 
 
-def fact_text(store: "MemoryStore", handle: str, *, user_id: str) -> str:
-    from inferscale_engine.errors import ForgedHandleError
+def fact_text(store: MemoryStore, handle: str, *, user_id: str) -> str:
+    from inferscale_engine.errors import FactNotFoundError, ForgedHandleError
     from inferscale_engine.handles import find_handles
 
     (parsed,) = find_handles(handle)
-    # handle() raises FactNotFoundError unless the fact exists and belongs to user_id.
-    if store.handle(parsed.fact_id, user_id=user_id) != parsed.text:
-        raise ForgedHandleError(
-            f"memory handle {parsed.text} is not valid for this user (forged, altered, or belongs to someone else)"
-        )
+    forged = ForgedHandleError(
+        f"memory handle {parsed.text} is not valid for this user (forged, altered, or belongs to someone else)"
+    )
+    try:
+        expected = store.handle(parsed.fact_id, user_id=user_id)
+    except FactNotFoundError:
+        store.get(parsed.fact_id)  # re-raises when the fact does not exist at all
+        raise forged from None  # it exists but is someone else's: what the engine says too
+    if expected != parsed.text:
+        raise forged
     return store.get(parsed.fact_id, user_id=user_id).memory

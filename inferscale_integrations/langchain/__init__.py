@@ -34,7 +34,9 @@ __all__ = [
 
 def __getattr__(name: str):  # the middleware needs the optional `langchain` package
     if name == "InferScaleMemoryMiddleware":
-        from inferscale_integrations.langchain.middleware import InferScaleMemoryMiddleware
+        from inferscale_integrations.langchain.middleware import (
+            InferScaleMemoryMiddleware,
+        )
 
         return InferScaleMemoryMiddleware
     raise AttributeError(name)

@@ -15,9 +15,16 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.chat_history import BaseChatMessageHistory
-from langchain_core.messages import AIMessage, BaseMessage, ChatMessage, HumanMessage, SystemMessage
+from langchain_core.messages import (
+    AIMessage,
+    BaseMessage,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+)
 
 from inferscale_integrations._common import (
+    EncodeStyle,
     RecallMode,
     all_items,
     check_mode,
@@ -35,7 +42,7 @@ if TYPE_CHECKING:
 SOURCE = "langchain"
 
 
-def message_for(item: "MemoryItem", mode: str) -> BaseMessage:
+def message_for(item: MemoryItem, mode: str) -> BaseMessage:
     """A LangChain message standing for ``item`` (content: its handle or its text)."""
     content = content_of(item, mode)
     role = role_of(item)
@@ -72,6 +79,8 @@ class InferScaleChatMessageHistory(BaseChatMessageHistory):
         engine / model: the engine (or model alias) whose memory store keeps the facts.
         mode: ``"handles"`` (default) or ``"text"``.
         recent_turns: return only the last N turns (None: all).
+        encode_style / prefixes: how facts will sit in prompts, so they are encoded in that
+            layout: ``"chat"`` (message contents) or ``"buffer"`` (``"Human: ..."`` lines).
 
     Example:
         ```python
@@ -93,13 +102,17 @@ class InferScaleChatMessageHistory(BaseChatMessageHistory):
         user_id: str = "default",
         session_id: str | None = None,
         *,
-        engine: "InferScaleEngine | None" = None,
+        engine: InferScaleEngine | None = None,
         model: str | None = None,
         mode: RecallMode = "handles",
         recent_turns: int | None = None,
         engine_options: dict[str, Any] | None = None,
+        encode_style: EncodeStyle = "chat",
+        prefixes: tuple[str, str] = ("Human", "AI"),
     ) -> None:
         self.user_id = user_id
+        self.encode_style: EncodeStyle = encode_style
+        self.prefixes = prefixes
         self.session_id = session_id
         self.mode = check_mode(mode)
         self.recent_turns = recent_turns
@@ -109,7 +122,7 @@ class InferScaleChatMessageHistory(BaseChatMessageHistory):
         self._turn_id: str | None = None
 
     @property
-    def engine(self) -> "InferScaleEngine":
+    def engine(self) -> InferScaleEngine:
         if self._engine is None:
             self._engine = resolve_engine(None, self._model, self._engine_options)
         else:
@@ -117,10 +130,10 @@ class InferScaleChatMessageHistory(BaseChatMessageHistory):
         return self._engine
 
     @property
-    def store(self) -> "MemoryStore":
+    def store(self) -> MemoryStore:
         return self.engine.memory
 
-    def items(self) -> list["MemoryItem"]:
+    def items(self) -> list[MemoryItem]:
         """The session's facts, oldest first."""
         items = all_items(self.store, user_id=self.user_id, session_id=self.session_id)
         if self.recent_turns is not None:
@@ -160,7 +173,14 @@ class InferScaleChatMessageHistory(BaseChatMessageHistory):
 
     def _flush(self, turn: list[tuple[str, str]]) -> None:
         save_messages(
-            self.store, turn, user_id=self.user_id, session_id=self.session_id, source=SOURCE, turn_id=self._turn_id
+            self.store,
+            turn,
+            user_id=self.user_id,
+            session_id=self.session_id,
+            source=SOURCE,
+            turn_id=self._turn_id,
+            style=self.encode_style,
+            prefixes=self.prefixes,
         )
 
     async def aadd_messages(self, messages: Sequence[BaseMessage]) -> None:

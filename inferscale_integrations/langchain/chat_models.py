@@ -12,7 +12,10 @@ import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForLLMRun,
+    CallbackManagerForLLMRun,
+)
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
@@ -25,7 +28,10 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, SecretStr
 
 from inferscale_integrations._common import model_name_of, resolve_engine
-from inferscale_integrations.langchain._messages import parse_tool_calls, to_engine_messages
+from inferscale_integrations.langchain._messages import (
+    parse_tool_calls,
+    to_engine_messages,
+)
 
 if TYPE_CHECKING:
     from inferscale_engine import GenerationResult, InferScaleEngine
@@ -35,16 +41,19 @@ PROVIDER = "inferscale"
 _FRAMEWORK_KWARGS = ("ls_structured_output_format", "response_format", "parallel_tool_calls", "strict")
 
 
-def usage_metadata(result: "GenerationResult") -> UsageMetadata:
-    """LangChain usage from the engine's: ``cache_read`` counts prompt tokens not prefilled.
+def usage_metadata(result: GenerationResult) -> UsageMetadata:
+    """LangChain usage from the engine's; the input details split the prompt tokens not prefilled.
 
-    ``input_token_details["cache_read"]`` is what vLLM reports as cached (its prefix cache hits,
-    which include KV the connector supplied); ``input_token_details["injected"]`` is the part of
-    the prompt whose KV was injected from memory.
+    ``input_token_details["injected"]``: prompt tokens whose KV was injected from memory facts
+    (and the static text around them). ``input_token_details["cache_read"]``: the other prompt
+    tokens vLLM's prefix cache already held. vLLM counts injected KV among its cached tokens, so
+    ``cache_read = cached - injected``; the two add up to the tokens that cost no prefill and
+    never exceed ``input_tokens``.
     """
     u = result.usage
-    details = InputTokenDetails(cache_read=int(u.cached_tokens))
-    details["injected"] = int(u.injected_tokens)  # type: ignore[typeddict-unknown-key]
+    injected = int(u.injected_tokens)
+    details = InputTokenDetails(cache_read=max(0, int(u.cached_tokens) - injected))
+    details["injected"] = injected  # type: ignore[typeddict-unknown-key]
     return UsageMetadata(
         input_tokens=int(u.prompt_tokens),
         output_tokens=int(u.completion_tokens),
@@ -53,7 +62,7 @@ def usage_metadata(result: "GenerationResult") -> UsageMetadata:
     )
 
 
-def response_metadata(result: "GenerationResult", model_name: str) -> dict[str, Any]:
+def response_metadata(result: GenerationResult, model_name: str) -> dict[str, Any]:
     return {
         "model_name": model_name,
         "model_provider": PROVIDER,
@@ -145,7 +154,7 @@ class ChatInferScale(BaseChatModel):
             params["ls_stop"] = stop
         return params
 
-    def get_engine(self, model: str | None = None) -> "InferScaleEngine":
+    def get_engine(self, model: str | None = None) -> InferScaleEngine:
         """The engine this model generates with (built or shared on first use)."""
         if model is not None and model != self.model_name:
             return resolve_engine(None, model, self.engine_options)
@@ -159,7 +168,7 @@ class ChatInferScale(BaseChatModel):
 
     def _request(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> tuple["InferScaleEngine", list[dict[str, str]], dict[str, Any], list[str], str]:
+    ) -> tuple[InferScaleEngine, list[dict[str, str]], dict[str, Any], list[str], str]:
         kwargs = dict(kwargs)
         for key in _FRAMEWORK_KWARGS:
             kwargs.pop(key, None)
@@ -187,7 +196,7 @@ class ChatInferScale(BaseChatModel):
         tool_names = [(t.get("function") or t).get("name") for t in tools]
         return engine, engine_messages, sampling, tool_names, model or model_name_of(self.engine, self.model_name)
 
-    def _message(self, result: "GenerationResult", tool_names: list[str], model_name: str) -> AIMessage:
+    def _message(self, result: GenerationResult, tool_names: list[str], model_name: str) -> AIMessage:
         text, calls = parse_tool_calls(result.text, tool_names) if tool_names else (result.text, [])
         return AIMessage(
             content=text,
@@ -234,7 +243,7 @@ class ChatInferScale(BaseChatModel):
             llm_output={"model_name": model_name, "token_usage": message.usage_metadata},
         )
 
-    def _final_chunk(self, text: str, result: "GenerationResult", tool_names: list[str], model_name: str) -> ChatGenerationChunk:
+    def _final_chunk(self, text: str, result: GenerationResult, tool_names: list[str], model_name: str) -> ChatGenerationChunk:
         chunk = AIMessageChunk(
             content=text,
             usage_metadata=usage_metadata(result),
@@ -243,7 +252,7 @@ class ChatInferScale(BaseChatModel):
         )
         return ChatGenerationChunk(message=chunk, generation_info={"finish_reason": result.finish_reason})
 
-    def _tool_chunk(self, result: "GenerationResult", tool_names: list[str], model_name: str) -> ChatGenerationChunk:
+    def _tool_chunk(self, result: GenerationResult, tool_names: list[str], model_name: str) -> ChatGenerationChunk:
         """With tools bound, the answer is parsed whole and sent as one last chunk."""
         import json
 

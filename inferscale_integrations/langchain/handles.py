@@ -35,7 +35,7 @@ class HandleExpander(RunnableSerializable[Any, Any]):
     model: str | None = None
     user_id: str = "default"
 
-    def _engine(self) -> "InferScaleEngine":
+    def _engine(self) -> InferScaleEngine:
         self.engine = resolve_engine(self.engine, self.model)
         return self.engine
 

@@ -12,7 +12,10 @@ from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal
 
-from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForLLMRun,
+    CallbackManagerForLLMRun,
+)
 from langchain_core.language_models.llms import LLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict, Field
@@ -85,7 +88,7 @@ class InferScaleLLM(LLM):
             params["ls_stop"] = stop
         return params
 
-    def get_engine(self, model: str | None = None) -> "InferScaleEngine":
+    def get_engine(self, model: str | None = None) -> InferScaleEngine:
         if model is not None and model != self.model_name:
             return resolve_engine(None, model, self.engine_options)
         if self.engine is None:
@@ -116,7 +119,7 @@ class InferScaleLLM(LLM):
         payload: Any = [{"role": "user", "content": prompt}] if self.chat_template else prompt
         return engine, payload, sampling
 
-    def _generation(self, result: "GenerationResult") -> Generation:
+    def _generation(self, result: GenerationResult) -> Generation:
         return Generation(
             text=result.text,
             generation_info={
@@ -128,7 +131,7 @@ class InferScaleLLM(LLM):
             },
         )
 
-    def _llm_output(self, results: list["GenerationResult"]) -> dict[str, Any]:
+    def _llm_output(self, results: list[GenerationResult]) -> dict[str, Any]:
         return {
             "model_name": model_name_of(self.engine, self.model_name),
             "token_usage": {
@@ -160,7 +163,7 @@ class InferScaleLLM(LLM):
         if self.streaming:
             return super()._generate(prompts, stop=stop, run_manager=run_manager, **kwargs)
 
-        def one(prompt: str) -> "GenerationResult":
+        def one(prompt: str) -> GenerationResult:
             engine, payload, sampling = self._request(prompt, stop, kwargs)
             return engine.generate(payload, **sampling)
 
@@ -182,7 +185,7 @@ class InferScaleLLM(LLM):
         if self.streaming:
             return await super()._agenerate(prompts, stop=stop, run_manager=run_manager, **kwargs)
 
-        async def one(prompt: str) -> "GenerationResult":
+        async def one(prompt: str) -> GenerationResult:
             engine, payload, sampling = await asyncio.to_thread(self._request, prompt, stop, kwargs)
             return await engine.agenerate(payload, **sampling)
 

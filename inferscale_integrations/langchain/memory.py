@@ -30,8 +30,16 @@ from langchain_classic.memory.utils import get_prompt_input_key
 from langchain_core.messages import BaseMessage, get_buffer_string
 from pydantic import ConfigDict, Field, model_validator
 
-from inferscale_integrations._common import RecallMode, check_mode, recall, resolve_engine
-from inferscale_integrations.langchain.chat_history import InferScaleChatMessageHistory, message_for
+from inferscale_integrations._common import (
+    RecallMode,
+    check_mode,
+    recall,
+    resolve_engine,
+)
+from inferscale_integrations.langchain.chat_history import (
+    InferScaleChatMessageHistory,
+    message_for,
+)
 
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
@@ -77,7 +85,7 @@ class InferScaleMemory(BaseChatMemory):
     """Drop search hits scoring below this."""
 
     @model_validator(mode="after")
-    def _wire_history(self) -> "InferScaleMemory":
+    def _wire_history(self) -> InferScaleMemory:
         check_mode(self.mode)
         if not isinstance(self.chat_memory, InferScaleChatMessageHistory):
             self.chat_memory = InferScaleChatMessageHistory(
@@ -87,12 +95,14 @@ class InferScaleMemory(BaseChatMemory):
                 model=self.model,
                 mode=self.mode,
                 engine_options=self.engine_options,
+                encode_style="chat" if self.return_messages else "buffer",
+                prefixes=(self.human_prefix, self.ai_prefix),
             )
         return self
 
     # ------------------------------------------------------------------ store
 
-    def get_engine(self) -> "InferScaleEngine":
+    def get_engine(self) -> InferScaleEngine:
         if self.engine is None:
             self.engine = resolve_engine(None, self.model, self.engine_options)
         else:
@@ -100,7 +110,7 @@ class InferScaleMemory(BaseChatMemory):
         return self.engine
 
     @property
-    def store(self) -> "MemoryStore":
+    def store(self) -> MemoryStore:
         return self.get_engine().memory
 
     # ------------------------------------------------------------------ ConversationBufferMemory API

@@ -16,10 +16,21 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from langchain.agents.middleware import AgentMiddleware, AgentState, ModelRequest, ModelResponse
+from langchain.agents.middleware import (
+    AgentMiddleware,
+    AgentState,
+    ModelRequest,
+    ModelResponse,
+)
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 
-from inferscale_integrations._common import RecallMode, check_mode, recall, resolve_engine, save_messages
+from inferscale_integrations._common import (
+    RecallMode,
+    check_mode,
+    recall,
+    resolve_engine,
+    save_messages,
+)
 from inferscale_integrations.langchain.chat_history import message_for
 
 if TYPE_CHECKING:
@@ -64,7 +75,7 @@ class InferScaleMemoryMiddleware(AgentMiddleware):
         *,
         user_id: str = "default",
         session_id: str | None = None,
-        engine: "InferScaleEngine | None" = None,
+        engine: InferScaleEngine | None = None,
         model: str | None = None,
         mode: RecallMode = "handles",
         k: int = 4,
@@ -84,7 +95,7 @@ class InferScaleMemoryMiddleware(AgentMiddleware):
         self._engine_options = engine_options or {}
 
     @property
-    def store(self) -> "MemoryStore":
+    def store(self) -> MemoryStore:
         self._engine = resolve_engine(self._engine, self._model, self._engine_options)
         return self._engine.memory
 

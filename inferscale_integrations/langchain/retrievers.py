@@ -12,12 +12,22 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForRetrieverRun,
+    CallbackManagerForRetrieverRun,
+)
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field, field_validator
 
-from inferscale_integrations._common import RecallMode, check_mode, content_of, item_metadata, resolve_engine, search
+from inferscale_integrations._common import (
+    RecallMode,
+    check_mode,
+    content_of,
+    item_metadata,
+    resolve_engine,
+    search,
+)
 
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
@@ -51,7 +61,7 @@ class InferScaleRetriever(BaseRetriever):
     def _mode(cls, value: str) -> str:
         return check_mode(value)
 
-    def get_engine(self) -> "InferScaleEngine":
+    def get_engine(self) -> InferScaleEngine:
         if self.engine is None:
             self.engine = resolve_engine(None, self.model, self.engine_options)
         else:
@@ -59,7 +69,7 @@ class InferScaleRetriever(BaseRetriever):
         return self.engine
 
     @property
-    def store(self) -> "MemoryStore":
+    def store(self) -> MemoryStore:
         return self.get_engine().memory
 
     def _get_relevant_documents(

@@ -3,13 +3,24 @@
 * :class:`InferScaleLLM`: ``CustomLLM`` on the co-located engine (chat/complete, stream, async).
 * :class:`InferScaleRetriever`: ``NodeWithScore`` per relevant fact, node text = handle.
 * :class:`InferScaleMemory`: ``BaseMemory`` for chat engines, recalled turns as handles.
+* :class:`InferScaleMemoryBlock`: long-term block for llama-index's ``Memory`` (agents).
 
 See docs/llamaindex.md.
 """
 
 from inferscale_integrations._common import get_engine, register_engine
 from inferscale_integrations.llamaindex.llms import InferScaleLLM
-from inferscale_integrations.llamaindex.memory import InferScaleMemory
+from inferscale_integrations.llamaindex.memory import (
+    InferScaleMemory,
+    InferScaleMemoryBlock,
+)
 from inferscale_integrations.llamaindex.retrievers import InferScaleRetriever
 
-__all__ = ["InferScaleLLM", "InferScaleMemory", "InferScaleRetriever", "get_engine", "register_engine"]
+__all__ = [
+    "InferScaleLLM",
+    "InferScaleMemory",
+    "InferScaleMemoryBlock",
+    "InferScaleRetriever",
+    "get_engine",
+    "register_engine",
+]

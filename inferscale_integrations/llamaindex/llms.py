@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from inferscale_engine import GenerationResult, InferScaleEngine
 
 
-def _usage(result: "GenerationResult") -> dict[str, Any]:
+def _usage(result: GenerationResult) -> dict[str, Any]:
     u = result.usage
     return {
         "prompt_tokens": u.prompt_tokens,
@@ -44,7 +44,7 @@ def _usage(result: "GenerationResult") -> dict[str, Any]:
     }
 
 
-def _extra(result: "GenerationResult", model_name: str) -> dict[str, Any]:
+def _extra(result: GenerationResult, model_name: str) -> dict[str, Any]:
     return {
         "model_name": model_name,
         "finish_reason": result.finish_reason,
@@ -93,7 +93,7 @@ class InferScaleLLM(CustomLLM):
 
     _engine: Any = PrivateAttr(default=None)
 
-    def __init__(self, *, engine: "InferScaleEngine | None" = None, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *, engine: InferScaleEngine | None = None, model: str | None = None, **kwargs: Any) -> None:
         if model is not None:
             kwargs["model_name"] = model
         elif engine is not None and "model_name" not in kwargs:
@@ -106,7 +106,7 @@ class InferScaleLLM(CustomLLM):
         return "InferScaleLLM"
 
     @property
-    def engine(self) -> "InferScaleEngine":
+    def engine(self) -> InferScaleEngine:
         self._engine = resolve_engine(self._engine, self.model_name, self.engine_options)
         return self._engine
 

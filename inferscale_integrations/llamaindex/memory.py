@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.memory.memory import BaseMemoryBlock
 from llama_index.core.memory.types import BaseMemory
 
 from inferscale_integrations._common import (
@@ -40,7 +41,7 @@ SOURCE = "llamaindex"
 _ROLES = {"user": MessageRole.USER, "assistant": MessageRole.ASSISTANT, "system": MessageRole.SYSTEM}
 
 
-def chat_message_for(item: "MemoryItem", mode: str) -> ChatMessage:
+def chat_message_for(item: MemoryItem, mode: str) -> ChatMessage:
     role = _ROLES.get(role_of(item), MessageRole.USER)
     return ChatMessage(role=role, content=content_of(item, mode), additional_kwargs={"fact_id": item.id})
 
@@ -72,7 +73,7 @@ class InferScaleMemory(BaseMemory):
     _engine: Any = PrivateAttr(default=None)
     _pending: list[ChatMessage] = PrivateAttr(default_factory=list)
 
-    def __init__(self, *, engine: "InferScaleEngine | None" = None, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *, engine: InferScaleEngine | None = None, model: str | None = None, **kwargs: Any) -> None:
         if model is not None:
             kwargs["model_name"] = model
         super().__init__(**kwargs)
@@ -84,19 +85,19 @@ class InferScaleMemory(BaseMemory):
         return "InferScaleMemory"
 
     @classmethod
-    def from_defaults(cls, **kwargs: Any) -> "InferScaleMemory":
+    def from_defaults(cls, **kwargs: Any) -> InferScaleMemory:
         kwargs.pop("llm", None)
         kwargs.pop("chat_history", None)
         kwargs.pop("token_limit", None)
         return cls(**kwargs)
 
     @property
-    def engine(self) -> "InferScaleEngine":
+    def engine(self) -> InferScaleEngine:
         self._engine = resolve_engine(self._engine, self.model_name, self.engine_options)
         return self._engine
 
     @property
-    def store(self) -> "MemoryStore":
+    def store(self) -> MemoryStore:
         return self.engine.memory
 
     # ------------------------------------------------------------------ BaseMemory API
@@ -157,3 +158,79 @@ class InferScaleMemory(BaseMemory):
     def wait(self) -> None:
         """Block until every stored fact is encoded."""
         self.store.wait_for_encoding()
+
+
+class InferScaleMemoryBlock(BaseMemoryBlock[list[ChatMessage]]):
+    """Long-term memory block for llama-index's ``Memory`` (agents, chat engines).
+
+    ``Memory`` keeps recent messages as text in its short-term store and flushes older ones into
+    its memory blocks. This block stores what is flushed as facts of ``user_id`` (turn by turn)
+    and, on every ``get``, returns the turns holding the ``k`` facts most relevant to the latest
+    user message as chat messages whose content is a handle (``mode="handles"``) or the text
+    (``mode="text"``); ``Memory`` puts them before the short-term history.
+
+    Example:
+        ```python
+        from llama_index.core.memory import Memory
+
+        memory = Memory.from_defaults(
+            session_id="alice-chat",
+            token_limit=2000,
+            memory_blocks=[InferScaleMemoryBlock(model="smollm2", user_id="alice")],
+        )
+        ```
+    """
+
+    name: str = Field(default="InferScaleMemory")
+    user_id: str = Field(default="default")
+    session_id: str | None = Field(default=None, description="Tag for stored facts (recall spans all sessions).")
+    model_name: str | None = Field(default=None)
+    mode: RecallMode = Field(default="handles")
+    k: int = Field(default=4)
+    min_score: float | None = Field(default=None)
+    engine_options: dict[str, Any] = Field(default_factory=dict)
+
+    _engine: Any = PrivateAttr(default=None)
+
+    def __init__(self, *, engine: InferScaleEngine | None = None, model: str | None = None, **kwargs: Any) -> None:
+        if model is not None:
+            kwargs["model_name"] = model
+        super().__init__(**kwargs)
+        check_mode(self.mode)
+        self._engine = engine
+
+    @property
+    def store(self) -> MemoryStore:
+        self._engine = resolve_engine(self._engine, self.model_name, self.engine_options)
+        return self._engine.memory
+
+    def _get(self, messages: list[ChatMessage] | None) -> list[ChatMessage]:
+        users = [m for m in messages or [] if m.role == MessageRole.USER and m.content]
+        if not users:
+            return []
+        found = recall(
+            self.store, user_id=self.user_id, query=users[-1].content, k=self.k, recent_turns=0, min_score=self.min_score
+        )
+        return [chat_message_for(r.item, self.mode) for r in found]
+
+    async def _aget(self, messages: list[ChatMessage] | None = None, **block_kwargs: Any) -> list[ChatMessage]:
+        import asyncio
+
+        return await asyncio.to_thread(self._get, messages)
+
+    def _put(self, messages: list[ChatMessage]) -> None:
+        turn: list[tuple[str, str]] = []
+        for m in messages:
+            if m.role not in (MessageRole.USER, MessageRole.ASSISTANT) or not m.content:
+                continue
+            if m.role == MessageRole.USER and turn:
+                save_messages(self.store, turn, user_id=self.user_id, session_id=self.session_id, source=SOURCE)
+                turn = []
+            turn.append((m.role.value, m.content))
+        if turn:
+            save_messages(self.store, turn, user_id=self.user_id, session_id=self.session_id, source=SOURCE)
+
+    async def _aput(self, messages: list[ChatMessage]) -> None:
+        import asyncio
+
+        await asyncio.to_thread(self._put, messages)

@@ -20,14 +20,21 @@ from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from inferscale_integrations._common import RecallMode, check_mode, content_of, item_metadata, resolve_engine, search
+from inferscale_integrations._common import (
+    RecallMode,
+    check_mode,
+    content_of,
+    item_metadata,
+    resolve_engine,
+    search,
+)
 
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
     from inferscale_engine.memory import MemoryItem, MemoryStore
 
 
-def node_for(item: "MemoryItem", *, user_id: str, mode: str) -> TextNode:
+def node_for(item: MemoryItem, *, user_id: str, mode: str) -> TextNode:
     metadata = item_metadata(item, user_id=user_id)
     keys = list(metadata)
     return TextNode(
@@ -57,7 +64,7 @@ class InferScaleRetriever(BaseRetriever):
         self,
         *,
         user_id: str = "default",
-        engine: "InferScaleEngine | None" = None,
+        engine: InferScaleEngine | None = None,
         model: str | None = None,
         similarity_top_k: int = 4,
         mode: RecallMode = "handles",
@@ -76,12 +83,12 @@ class InferScaleRetriever(BaseRetriever):
         self._engine_options = engine_options or {}
 
     @property
-    def engine(self) -> "InferScaleEngine":
+    def engine(self) -> InferScaleEngine:
         self._engine = resolve_engine(self._engine, self._model, self._engine_options)
         return self._engine
 
     @property
-    def store(self) -> "MemoryStore":
+    def store(self) -> MemoryStore:
         return self.engine.memory
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
