@@ -47,6 +47,30 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p = add("exactness", "KV injection vs prompt injection of the same tokens (exact context and w=0)")
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
+
+    p = add("locomo", "LoCoMo QA F1: the same retrieval answered by KV injection, pasted memories, full text")
+    p.add_argument("--k", type=_ints, default=[5, 10, 30], help="memories retrieved per speaker")
+    p.add_argument("--w", type=_ints, default=[0, 5, 20], help="context windows (turns) the memories are encoded with")
+    p.add_argument("--conversations", type=int, default=None, help="first N conversations (default: all 10)")
+    p.add_argument("--questions-per-category", type=int, default=None, help="first N questions of each category")
+    p.add_argument("--max-turns", type=int, default=None,
+                   help="first N turns of each conversation, and only questions whose evidence is in them")
+    p.add_argument("--encoding", choices=["window", "sliding"], default="window",
+                   help="window: one prefill per turn after exactly w turns; sliding: one prefill per w turns")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
+    p.add_argument("--workdir", help="stores and cached answers (kept: a rerun resumes); default a temp dir")
+    p.add_argument("--data", help="locomo10.json (default: $INFERSCALE_LOCOMO or ../shared/data/locomo)")
+    p.add_argument("--answers", help="write every question's answers here (JSONL)")
+    p.add_argument("--no-full", action="store_true", help="skip the full-conversation mode")
+    p.add_argument("--exact-control", action="store_true",
+                   help="also answer with every memory encoded after exactly its served prefix (noise floor)")
+
+    p = add("tiers", "TTFT at k facts whose KV is promoted from the device, host or disk tier")
+    p.add_argument("--k", type=_ints, default=[50])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--fact-tokens", type=int, default=28)
+    p.add_argument("--warm-disk", action="store_true", help="leave fact files in the OS page cache")
     return parser
 
 
@@ -90,6 +114,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows = run_throughput(engine, args.users, k=args.k, output_tokens=args.output_tokens)
             env = common.environment(engine)
         common.print_table(rows, ["mode", "users", "k", "req_per_s", "tok_per_s", "ttft_ms_p50", "ttft_ms_p95"])
+    elif args.bench == "locomo":
+        if args.dummy_weights:
+            raise SystemExit("bench locomo needs real weights and a tokenizer (no --dummy-weights)")
+        from inferscale_engine.bench.locomo import plot_locomo, run_locomo, summarize, table_rows
+
+        with engine_from(args) as engine:
+            rows, info = run_locomo(
+                engine, ks=args.k, ws=args.w, data=args.data, conversations=args.conversations,
+                questions_per_category=args.questions_per_category, max_turns=args.max_turns,
+                answers_path=args.answers, encoding=args.encoding, max_tokens=args.max_tokens,
+                concurrency=args.concurrency, workdir=args.workdir, full=not args.no_full,
+                exact_control=args.exact_control,
+            )
+            env = {**common.environment(engine), "locomo": info}
+        common.print_table(table_rows(rows), ["mode", "w", "k", "n_questions", "f1", "multi-hop", "temporal",
+                                              "open-domain", "single-hop", "agree_exact", "agree_f1"])
+        common.print_table(summarize(rows), ["w", "k", "inject_over_prompt", "exact_match", "agreement_f1"])
+        if info.get("exact_control"):
+            print("exact-context control (memories encoded after exactly their served prefix):")
+            common.print_table(
+                [{"k": k, "n_questions": v["n_questions"], "f1": v["f1"],
+                  "agree_exact": (v["agreement"] or {}).get("exact_match"), "agree_f1": (v["agreement"] or {}).get("f1")}
+                 for k, v in info["exact_control"].items()],
+                ["k", "n_questions", "f1", "agree_exact", "agree_f1"])
+        if args.plot:
+            plot_locomo(rows, args.plot, title=f"LoCoMo F1 — {args.model}, {info['questions']} questions")
+    elif args.bench == "tiers":
+        from inferscale_engine.bench.tiers import run_tiers
+
+        with engine_from(args) as engine:
+            rows = run_tiers(engine, args.k, repeats=args.repeats, fact_tokens=args.fact_tokens,
+                             warm_disk=args.warm_disk)
+            env = common.environment(engine)
+        common.print_table(rows, ["tier", "k", "ttft_ms_p50", "ttft_ms_p95", "promote_ms_p50", "inject_ms_p50"])
     else:  # pragma: no cover - argparse enforces the choices
         raise AssertionError(args.bench)
     common.write_json(args.json, args.bench, env, rows)

@@ -59,14 +59,16 @@ class _DeviceEntry:
 
 @dataclass
 class _HostEntry:
-    k: torch.Tensor
-    v: torch.Tensor
+    # The slab's own page layout, [pages, layers, 2, page_tokens, heads, dim]: promotion is then
+    # one contiguous host-to-device copy and one indexed write, whatever the fact's length.
+    pages: torch.Tensor
+    num_tokens: int
     position: int
     fingerprint: str
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.pages.nbytes
 
 
 class KVTiers:
@@ -112,7 +114,7 @@ class KVTiers:
         self._write_file(key, kv, fingerprint)
         with self._lock:
             self._drop_memory(key)
-            self._insert(key, kv.k, kv.v, kv.position, fingerprint)
+            self._insert(key, self._to_pages(kv.k, kv.v), kv.num_tokens, kv.position, fingerprint)
 
     def get(self, key: KVKey, fingerprint: str) -> FactKV:
         """KV of ``key`` on the device, promoting it from host or disk.
@@ -131,7 +133,7 @@ class KVTiers:
                 return got
             if not self.path(key).exists():  # deleted while we read it: serve, but do not cache
                 return FactKV(k.to(self.device), v.to(self.device), position)
-            self._insert(key, k, v, position, fingerprint)
+            self._insert(key, self._to_pages(k, v), k.shape[1], position, fingerprint)
             got = self._get_memory(key, fingerprint)
         if got is None:  # too large for every memory tier: serve straight from the file
             got = FactKV(k.to(self.device), v.to(self.device), position)
@@ -272,40 +274,42 @@ class KVTiers:
             return None
         self._host_used -= host.nbytes
         _check_fingerprint(key, host.fingerprint, fingerprint, "host tier")
-        self._insert(key, host.k, host.v, host.position, host.fingerprint)
+        self._insert(key, host.pages, host.num_tokens, host.position, host.fingerprint)
         entry = self._device.get(key)
         if entry is not None:
             self.counters["host_to_device"] += 1
             k, v = self._read_pages(entry)
             return FactKV(k, v, entry.position)
         # Larger than the slab: served from the host copy (which _insert kept if it fits there).
-        return FactKV(host.k.to(self.device, copy=True), host.v.to(self.device, copy=True), host.position)
+        k, v = self._from_pages(host.pages.to(self.device), host.num_tokens)
+        return FactKV(k, v, host.position)
 
-    def _insert(self, key: KVKey, k: torch.Tensor, v: torch.Tensor, position: int, fingerprint: str) -> None:
-        n = k.shape[1]
-        need = max(1, math.ceil(n / self.page_tokens))
+    def _insert(self, key: KVKey, pages: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
+        need = pages.shape[0]
         if self._slab is not None and need <= self._slab.shape[0]:
             while len(self._free) < need:
                 self._evict_device(next(iter(self._device)))
-            pages = [self._free.pop() for _ in range(need)]
-            self._write_pages(pages, k, v)
-            self._device[key] = _DeviceEntry(pages, n, position, fingerprint)
+            slots = [self._free.pop() for _ in range(need)]
+            index = torch.as_tensor(slots, device=self.device)
+            self._slab.index_copy_(0, index, pages.to(self.device, non_blocking=pages.is_pinned()))
+            self._device[key] = _DeviceEntry(slots, n, position, fingerprint)
         else:  # larger than the whole slab: the host serves it
-            self._insert_host(key, k, v, position, fingerprint)
+            self._insert_host(key, pages, n, position, fingerprint)
 
     def _evict_device(self, key: KVKey) -> None:
         entry = self._device.pop(key)
-        k, v = self._read_pages(entry, device=torch.device("cpu"))
+        index = torch.as_tensor(entry.pages, device=self.device)
+        pages = self._slab.index_select(0, index).to("cpu")  # type: ignore[union-attr]
         self._free.extend(entry.pages)
         self.counters["device_to_host"] += 1
-        self._insert_host(key, k, v, entry.position, entry.fingerprint)
+        self._insert_host(key, pages, entry.num_tokens, entry.position, entry.fingerprint)
 
-    def _insert_host(self, key: KVKey, k: torch.Tensor, v: torch.Tensor, position: int, fingerprint: str) -> None:
-        # Own copy: the caller's tensors (or the pages they came from) may change later.
-        k, v = k.to("cpu", copy=True), v.to("cpu", copy=True)
+    def _insert_host(self, key: KVKey, pages: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
+        # Own copy: the caller's tensor (or the slab pages it came from) may change later.
+        pages = pages.to("cpu", copy=True)
         if self.pin_memory:
-            k, v = k.pin_memory(), v.pin_memory()
-        entry = _HostEntry(k, v, position, fingerprint)
+            pages = pages.pin_memory()
+        entry = _HostEntry(pages, n, position, fingerprint)
         if entry.nbytes > self.host_bytes:
             self.counters["host_drops"] += 1
             return  # the disk has it
@@ -323,24 +327,27 @@ class KVTiers:
         if host is not None:
             self._host_used -= host.nbytes
 
-    def _write_pages(self, pages: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        assert self._slab is not None
-        pt, n = self.page_tokens, k.shape[1]
-        nb = k.device.type == "cpu" and self.device.type == "cuda" and k.is_pinned()
-        for j, p in enumerate(pages):
-            a, b = j * pt, min(n, (j + 1) * pt)
-            self._slab[p, :, 0, : b - a].copy_(k[:, a:b], non_blocking=nb)
-            self._slab[p, :, 1, : b - a].copy_(v[:, a:b], non_blocking=nb)
+    def _to_pages(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``[layers, n, heads, dim]`` K and V as ``[pages, layers, 2, page_tokens, heads, dim]``."""
+        layers, n, heads, dim = k.shape
+        pt = self.page_tokens
+        m = max(1, math.ceil(n / pt))
+        out = torch.zeros((layers, 2, m * pt, heads, dim), dtype=k.dtype, device=k.device)
+        out[:, 0, :n] = k
+        out[:, 1, :n] = v
+        return out.view(layers, 2, m, pt, heads, dim).permute(2, 0, 1, 3, 4, 5).contiguous()
 
-    def _read_pages(self, entry: _DeviceEntry, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _from_pages(pages: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        m, layers, _, pt, heads, dim = pages.shape
+        kv = pages.permute(2, 1, 0, 3, 4, 5).reshape(2, layers, m * pt, heads, dim)[:, :, :n]
+        return kv[0], kv[1]
+
+    def _read_pages(self, entry: _DeviceEntry) -> tuple[torch.Tensor, torch.Tensor]:
         assert self._slab is not None
-        idx = torch.as_tensor(entry.pages, device=self.device)
-        g = self._slab.index_select(0, idx)  # [m, L, 2, pt, H, D], a copy
-        m, layers, _, pt, heads, dim = g.shape
-        kv = g.permute(2, 1, 0, 3, 4, 5).reshape(2, layers, m * pt, heads, dim)[:, :, : entry.num_tokens]
-        if device is not None:
-            kv = kv.to(device)
-        return kv[0].contiguous(), kv[1].contiguous()
+        index = torch.as_tensor(entry.pages, device=self.device)
+        # A copy (index_select), so later slab writes never change KV handed out.
+        return self._from_pages(self._slab.index_select(0, index), entry.num_tokens)
 
     # ------------------------------------------------------------------ disk tier
 

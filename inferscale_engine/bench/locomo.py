@@ -1,0 +1,764 @@
+"""``bench locomo``: LoCoMo question answering, the same retrieval answered three ways.
+
+* ``inject`` – retrieved memories go into the prompt as handles; their KV (encoded at ingest
+  with a context window of ``w`` turns) is injected, only the question is prefilled.
+* ``prompt`` – the very same token ids sent without injection (memories pasted as text, the
+  Mem0 way). Identical tokens for every ``w``: it is computed once per ``k``.
+* ``full``   – the whole conversation pasted as text, where it fits the model's context.
+
+Setup (see ``docs/benchmarks-locomo.md``):
+
+* **Ingest.** Every turn becomes one memory ``"[{session date}] {speaker}: {text}"`` (plus
+  ``" [shares {blip_caption}]"`` when the turn shared a photo), imported in conversation order
+  into one store user per conversation with ``MemoryStore.import_conversation``, one store
+  per ``w``. The store's context window is then exactly "the ``w`` previous turns of the
+  conversation", whoever said them (``--encoding window``: one prefill per turn), or at least
+  ``w`` of them (``--encoding sliding``: one prefill per ``w`` turns, ~``(w+1)/2`` times fewer
+  prefill tokens at large ``w``).
+* **Retrieval** follows the reference (Mem0) LoCoMo setup: top-``k`` memories *per speaker*
+  (``2k`` in all) by cosine similarity to the question, searched in that conversation's store
+  and split by who said the turn – the same ranking a per-speaker store would give. The
+  retrieved turns are listed in conversation order. Retrieval is computed once per question
+  and shared by every mode, ``w`` and ``k``.
+* **Answers**: greedy, ``max_tokens=32``; categories 1-4 (5, adversarial, is skipped).
+* **Score**: token F1 with the upstream LoCoMo scorer (``snap-research/locomo``
+  ``task_eval/evaluation.py``): lower-case, drop punctuation and commas, drop ``a an the and``,
+  Porter-stem, whitespace tokens; category 1 splits gold and prediction on ``,`` and averages
+  the best match per gold sub-answer; category 3 keeps the gold answer before the first ``;``.
+* **Agreement** (inject rows): how often the injected answer equals the prompt answer after
+  normalisation, and their mean token F1.
+
+Rows: ``{mode, w, k, n_questions, f1, f1_by_category, agreement}``. Answers are cached in
+``--workdir`` (stores included), so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import string
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from inferscale_engine.engine import InferScaleEngine
+    from inferscale_engine.memory import MemoryStore
+
+logger = logging.getLogger(__name__)
+
+CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
+SYSTEM = "You answer questions about a conversation from memories.\nMemories:\n"
+INSTRUCTION = "Answer in a few words."
+MODES = ("prompt", "inject", "full")
+ENV_DATA = "INFERSCALE_LOCOMO"
+
+
+def default_data_path() -> Path:
+    """``$INFERSCALE_LOCOMO``, else ``shared/data/locomo/locomo10.json`` next to the repository."""
+    env = os.environ.get(ENV_DATA)
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[3] / "shared" / "data" / "locomo" / "locomo10.json"
+
+
+# ====================================================================== data
+
+
+@dataclass(frozen=True)
+class Turn:
+    index: int  # position in the conversation (0-based)
+    dia_id: str  # "D<session>:<turn>"
+    speaker: str
+    date: str
+    text: str  # the raw turn text, photo caption appended
+
+    @property
+    def memory(self) -> str:
+        """What is stored: ``"[date] speaker: text"``."""
+        return f"[{self.date}] {self.speaker}: {self.text}"
+
+
+@dataclass(frozen=True)
+class Question:
+    index: int  # position in the conversation's ``qa`` list (stable across subsets)
+    question: str
+    answer: str
+    category: int
+    evidence: tuple[str, ...]
+
+
+@dataclass
+class Conversation:
+    sample_id: str
+    speakers: tuple[str, str]
+    turns: list[Turn]
+    questions: list[Question] = field(default_factory=list)
+
+    @property
+    def user_id(self) -> str:
+        return f"locomo-{self.sample_id}"
+
+
+def load_locomo(
+    path: str | os.PathLike | None = None,
+    *,
+    conversations: int | None = None,
+    questions_per_category: int | None = None,
+    max_turns: int | None = None,
+) -> list[Conversation]:
+    """LoCoMo conversations with their category 1-4 questions (first ``questions_per_category``
+    of each category, in dataset order). ``max_turns`` keeps the first turns only, and only
+    the questions whose evidence lies in them (small CI runs)."""
+    path = Path(path) if path else default_data_path()
+    if not path.exists():
+        raise FileNotFoundError(f"LoCoMo data not found at {path} (pass --data or set ${ENV_DATA})")
+    data = json.loads(path.read_text())
+    out = []
+    for sample in data[:conversations] if conversations else data:
+        conv = sample["conversation"]
+        turns: list[Turn] = []
+        n = 1
+        while f"session_{n}" in conv:
+            date = str(conv.get(f"session_{n}_date_time", "")).strip()
+            for t in conv[f"session_{n}"]:
+                text = str(t["text"]).strip()
+                caption = t.get("blip_caption")
+                if caption:
+                    text = f"{text} [shares {str(caption).strip()}]"
+                if text:
+                    turns.append(Turn(len(turns), t["dia_id"], str(t["speaker"]).strip(), date, text))
+            n += 1
+        if max_turns is not None:
+            turns = turns[:max_turns]
+        kept_ids = {t.dia_id for t in turns}
+        per_cat: Counter[int] = Counter()
+        questions = []
+        for i, qa in enumerate(sample["qa"]):
+            cat = int(qa.get("category", 0))
+            if cat not in CATEGORIES or "answer" not in qa:
+                continue
+            evidence = tuple(str(e) for e in qa.get("evidence") or ())
+            if max_turns is not None and (not evidence or not all(e in kept_ids for e in evidence)):
+                continue
+            if questions_per_category is not None and per_cat[cat] >= questions_per_category:
+                continue
+            per_cat[cat] += 1
+            questions.append(Question(i, str(qa["question"]), str(qa["answer"]), cat, evidence))
+        out.append(Conversation(str(sample.get("sample_id", len(out))), (conv["speaker_a"], conv["speaker_b"]),
+                                turns, questions))
+    return out
+
+
+# ====================================================================== scoring (upstream LoCoMo)
+
+
+def _stemmer() -> tuple[Any, str]:
+    try:
+        from nltk.stem import PorterStemmer
+
+        return PorterStemmer().stem, "nltk-porter"
+    except ImportError:  # pragma: no cover - nltk is in the bench environment
+        logger.warning("nltk is not installed: LoCoMo F1 without Porter stemming (not the upstream scorer)")
+        return (lambda w: w), "none"
+
+
+_STEM, STEMMER = _stemmer()
+_ARTICLES = re.compile(r"\b(a|an|the|and)\b")
+_PUNCT = set(string.punctuation)
+
+
+def normalize_answer(s: Any) -> str:
+    """Upstream ``normalize_answer``: drop commas, lower-case, drop punctuation, drop a/an/the/and."""
+    s = str(s).replace(",", "").lower()
+    s = "".join(ch for ch in s if ch not in _PUNCT)
+    return " ".join(_ARTICLES.sub(" ", s).split())
+
+
+def f1_score(prediction: Any, ground_truth: Any) -> float:
+    """Upstream token F1 over Porter-stemmed normalised tokens."""
+    pred = [_STEM(w) for w in normalize_answer(prediction).split()]
+    gold = [_STEM(w) for w in normalize_answer(ground_truth).split()]
+    same = sum((Counter(pred) & Counter(gold)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pred), same / len(gold)
+    return 2 * precision * recall / (precision + recall)
+
+
+def f1_multi(prediction: Any, ground_truth: Any) -> float:
+    """Upstream multi-hop F1: mean over gold sub-answers of the best-matching predicted one."""
+    preds = [p.strip() for p in str(prediction).split(",")]
+    golds = [g.strip() for g in str(ground_truth).split(",")]
+    return float(np.mean([max(f1_score(p, g) for p in preds) for g in golds]))
+
+
+def score(prediction: Any, answer: Any, category: int) -> float:
+    """The upstream per-question score for categories 1-4."""
+    answer = str(answer)
+    if category == 3:
+        answer = answer.split(";")[0].strip()
+    if category == 1:
+        return f1_multi(prediction, answer)
+    if category in (2, 3, 4):
+        return f1_score(prediction, answer)
+    raise ValueError(f"category {category} is not scored here")
+
+
+def agreement(a: Sequence[str], b: Sequence[str]) -> dict[str, float] | None:
+    """Exact match rate after normalisation and mean token F1 between paired answers."""
+    if not a:
+        return None
+    exact, f1s = [], []
+    for x, y in zip(a, b, strict=True):
+        nx, ny = normalize_answer(x), normalize_answer(y)
+        exact.append(nx == ny)
+        f1s.append(1.0 if nx == ny else f1_score(x, y))
+    return {"exact_match": float(np.mean(exact)), "f1": float(np.mean(f1s))}
+
+
+# ====================================================================== embeddings
+
+
+def _cached_embedder(device: str) -> Any:
+    """One embedder for every store of the run, remembering each text's vector: turns are
+    embedded once for all ``w`` (and questions once for all ``k``)."""
+    from inferscale_engine.memory.embedder import Embedder
+
+    class CachedEmbedder(Embedder):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            self.cache: dict[str, np.ndarray] = {}
+
+        def embed(self, texts: Sequence[str], *, progress: bool = False) -> np.ndarray:
+            missing = list(dict.fromkeys(t for t in texts if t not in self.cache))
+            if missing:
+                vecs = super().embed(missing, progress=progress)
+                self.cache.update(zip(missing, vecs))
+            if not texts:
+                return super().embed(texts)
+            return np.stack([self.cache[t] for t in texts]).astype(np.float32, copy=False)
+
+    return CachedEmbedder(device=device)
+
+
+# ====================================================================== the run
+
+
+@dataclass(frozen=True)
+class _Job:
+    conv: Conversation
+    question: Question
+    mode: str  # inject | prompt | full | exact
+    w: int | None
+    k: int | None
+    messages: tuple[tuple[str, str], ...]
+    key: str
+    segments: tuple[Any, ...] | None = None  # resolved segments, sent as they are (exact control)
+
+
+class _AnswerCache:
+    """Answers already computed (JSONL, append-only), so a run can resume."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.data: dict[str, dict[str, Any]] = {}
+        if path is not None and path.exists():
+            for line in path.read_text().splitlines():
+                try:
+                    rec = json.loads(line)
+                    self.data[rec["key"]] = rec
+                except (ValueError, KeyError):
+                    continue  # a line cut short by an interruption
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        return self.data.get(key)
+
+    def put(self, rec: dict[str, Any]) -> None:
+        self.data[rec["key"]] = rec
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+
+def _ids_hash(ids: Sequence[int]) -> str:
+    return hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
+class LocomoBench:
+    """Stores, retrieval and answers of one ``bench locomo`` run."""
+
+    def __init__(
+        self,
+        engine: "InferScaleEngine",
+        conversations: list[Conversation],
+        *,
+        ks: Sequence[int],
+        ws: Sequence[int],
+        encoding: str = "window",
+        max_tokens: int = 32,
+        concurrency: int = 16,
+        workdir: str | os.PathLike | None = None,
+        device_kv_bytes: int = 256 << 20,
+        host_kv_bytes: int = 1 << 30,
+        full: bool = True,
+        exact_control: bool = False,
+    ) -> None:
+        if encoding not in ("window", "sliding"):
+            raise ValueError(f"encoding must be 'window' or 'sliding', got {encoding!r}")
+        if not ks or min(ks) < 1 or not ws or min(ws) < 0:
+            raise ValueError("need k >= 1 and w >= 0")
+        self.engine = engine
+        self.conversations = conversations
+        self.ks, self.ws = sorted(set(ks)), sorted(set(ws))
+        self.encoding = encoding
+        self.max_tokens = max_tokens
+        self.concurrency = max(1, concurrency)
+        self.full = full
+        self.exact_control = exact_control
+        self._own_workdir = workdir is None
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="inferscale-locomo-")).expanduser()
+        self.run_dir = self.workdir / f"{engine.fingerprint}-{encoding}"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.cache = _AnswerCache(self.run_dir / f"answers-t{max_tokens}.jsonl")
+        self.embedder = _cached_embedder(str(engine.config.device))
+        self.stores: dict[int, MemoryStore] = {}
+        self.tier_bytes = (device_kv_bytes, host_kv_bytes)
+        # Seconds per phase that did work, kept in the workdir so a resumed run still reports them.
+        self._timings_path = self.run_dir / "timings.json"
+        self.timings: dict[str, float] = (
+            json.loads(self._timings_path.read_text()) if self._timings_path.exists() else {}
+        )
+        self.full_skipped: dict[str, str] = {}
+
+    # -------------------------------------------------------------- lifecycle
+
+    def close(self) -> None:
+        for store in self.stores.values():
+            store.close()
+        self.stores.clear()
+        if self.engine.fact_source is not None:
+            self.engine.fact_source = None
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> "LocomoBench":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- ingest
+
+    def store(self, w: int) -> "MemoryStore":
+        from inferscale_engine.memory import MemoryStore
+
+        if w not in self.stores:
+            self.stores[w] = MemoryStore(
+                engine=self.engine, path=self.run_dir / f"w{w}", window=w, embedder=self.embedder,
+                index="exact", device_kv_bytes=self.tier_bytes[0], host_kv_bytes=self.tier_bytes[1],
+            )
+        return self.stores[w]
+
+    def ingest(self) -> None:
+        """Import every conversation into the store of every ``w`` (skipping finished imports)."""
+        t0 = time.perf_counter()
+        all_texts = [t.memory for c in self.conversations for t in c.turns]
+        all_texts += [q.question for c in self.conversations for q in c.questions]
+        self.embedder.embed(all_texts, progress=True)
+        self._time("embed_s", t0)
+        for w in self.ws:
+            store = self.store(w)
+            t0 = time.perf_counter()
+            imported = False
+            for conv in self.conversations:
+                have = store.get_all(user_id=conv.user_id)
+                if len(have) == len(conv.turns) and [i.memory for i in have] == [t.memory for t in conv.turns]:
+                    continue  # imported by an earlier run of this workdir
+                if have:
+                    store.delete_all(user_id=conv.user_id)
+                group = w if self.encoding == "sliding" and w > 0 else None
+                logger.info("importing %s (%d turns) at w=%d", conv.sample_id, len(conv.turns), w)
+                store.import_conversation(
+                    [(f"[{t.date}] {t.speaker}", t.text) for t in conv.turns],
+                    user_id=conv.user_id,
+                    metadata_per_turn=[{"turn": t.index, "dia_id": t.dia_id, "speaker": t.speaker} for t in conv.turns],
+                    sliding_group=group,
+                    progress=True,
+                )
+                imported = True
+            store.wait_for_encoding()
+            if imported:
+                self._time(f"ingest_w{w}_s", t0)
+
+    def _time(self, name: str, t0: float) -> None:
+        self.timings[name] = round(time.perf_counter() - t0, 1)
+        self._timings_path.write_text(json.dumps(self.timings, indent=1))
+
+    # -------------------------------------------------------------- retrieval
+
+    def retrieve(self) -> dict[tuple[str, int], list[tuple[int, str]]]:
+        """Per question: every turn ``(index, speaker)`` ranked by similarity (best first)."""
+        store = self.store(self.ws[0])
+        ranking = {}
+        t0 = time.perf_counter()
+        for conv in self.conversations:
+            n = len(conv.turns)
+            for q in conv.questions:
+                hits = store.search(q.question, user_id=conv.user_id, k=min(n, 1000))
+                ranking[(conv.sample_id, q.index)] = [(int(h.metadata["turn"]), h.metadata["speaker"]) for h in hits]
+        self._time("retrieval_s", t0)
+        return ranking
+
+    @staticmethod
+    def pick(ranked: list[tuple[int, str]], speakers: Sequence[str], k: int) -> list[int]:
+        """Top-``k`` turns of each speaker, in conversation order."""
+        chosen: list[int] = []
+        for spk in speakers:
+            chosen += [i for i, s in ranked if s == spk][:k]
+        return sorted(chosen)
+
+    # -------------------------------------------------------------- answering
+
+    def _handles(self, w: int) -> dict[str, dict[int, str]]:
+        store = self.store(w)
+        return {c.sample_id: {int(i.metadata["turn"]): i.handle for i in store.get_all(user_id=c.user_id)}
+                for c in self.conversations}
+
+    @staticmethod
+    def messages(memories: Iterable[str], question: str) -> tuple[tuple[str, str], ...]:
+        return (("system", SYSTEM + "\n".join(memories)), ("user", f"{question} {INSTRUCTION}"))
+
+    def _run_jobs(self, jobs: list[_Job], desc: str, timing: str) -> None:
+        todo = [j for j in jobs if self.cache.get(j.key) is None]
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        bar = tqdm(total=len(todo), desc=desc, unit="q")
+
+        async def one(job: _Job, sem: asyncio.Semaphore) -> None:
+            from inferscale_engine.errors import ContextOverflowError
+
+            async with sem:
+                msgs = [{"role": r, "content": c} for r, c in job.messages]
+                sampling = {"user_id": job.conv.user_id, "max_tokens": self.max_tokens, "temperature": 0.0}
+                try:
+                    if job.segments is not None:
+                        res = await self.engine.agenerate_segments(list(job.segments), mode="inject", **sampling)
+                    else:
+                        res = await self.engine.agenerate(
+                            msgs, mode="prompt" if job.mode == "full" else job.mode, **sampling)
+                except ContextOverflowError as exc:
+                    rec = {"key": job.key, "skipped": str(exc)}
+                else:
+                    rec = {
+                        "key": job.key, "answer": res.text, "prompt_hash": _ids_hash(res.prompt_token_ids),
+                        "prompt_tokens": res.usage.prompt_tokens, "injected_tokens": res.usage.injected_tokens,
+                        "ttft_s": res.ttft_s,
+                    }
+                self.cache.put(rec)
+                bar.update(1)
+
+        async def all_jobs() -> None:
+            sem = asyncio.Semaphore(self.concurrency)
+            await asyncio.gather(*(one(j, sem) for j in todo))
+
+        try:
+            asyncio.run(all_jobs())
+        finally:
+            bar.close()
+        self._time(timing, t0)
+
+    def _key(self, conv: Conversation, q: Question, mode: str, w: int | None, k: int | None) -> str:
+        # The turn count is part of the key: --max-turns changes what retrieval can find.
+        return json.dumps([conv.sample_id, len(conv.turns), q.index, mode, w, k])
+
+    def answer(self) -> None:
+        """Generate every answer the rows need (cached ones are reused)."""
+        ranking = self.retrieve()
+        for w in self.ws:
+            self.engine.fact_source = self.store(w)
+            handles = self._handles(w)
+            jobs = []
+            for conv in self.conversations:
+                for q in conv.questions:
+                    for k in self.ks:
+                        turns = self.pick(ranking[(conv.sample_id, q.index)], conv.speakers, k)
+                        msgs = self.messages((handles[conv.sample_id][i] for i in turns), q.question)
+                        # The prompt answer does not depend on w (same token ids): once, at the first w.
+                        modes = ("prompt", "inject") if w == self.ws[0] else ("inject",)
+                        for mode in modes:
+                            key_w = None if mode == "prompt" else w
+                            jobs.append(_Job(conv, q, mode, key_w, k, msgs, self._key(conv, q, mode, key_w, k)))
+            self._run_jobs([j for j in jobs if j.mode == "prompt"], f"prompt k={','.join(map(str, self.ks))}",
+                           "answer_prompt_s")
+            self._run_jobs([j for j in jobs if j.mode == "inject"], f"inject w={w}", f"answer_inject_w{w}_s")
+        self.engine.fact_source = None
+        if self.exact_control:
+            self._answer_exact(ranking)
+        if self.full:
+            self._answer_full()
+
+    def _answer_exact(self, ranking: dict[tuple[str, int], list[tuple[int, str]]]) -> None:
+        """Control: the same prompts with every memory's KV encoded after exactly the tokens
+        that precede it in the served prompt (separators folded into the memory before them).
+        Injection then computes what the prompt run computes, so its disagreement with the
+        prompt answers is the numeric noise floor (bf16, batch shapes), not the approximation."""
+        from inferscale_engine.encoder import EncodeWindow
+        from inferscale_engine.engine import Span
+
+        w = self.ws[0]
+        self.engine.fact_source = self.store(w)
+        handles = self._handles(w)
+        pending = []
+        for conv in self.conversations:
+            for q in conv.questions:
+                for k in self.ks:
+                    key = self._key(conv, q, "exact", None, k)
+                    if self.cache.get(key) is not None:
+                        continue
+                    turns = self.pick(ranking[(conv.sample_id, q.index)], conv.speakers, k)
+                    msgs = self.messages((handles[conv.sample_id][i] for i in turns), q.question)
+                    segs = self.engine.resolve([{"role": r, "content": c} for r, c in msgs], user_id=conv.user_id)
+                    head, parts, tail = list(segs[0]), segs[1:-1], list(segs[-1])
+                    groups: list[list[int]] = []
+                    for seg in parts:
+                        if isinstance(seg, Span):
+                            groups.append(list(seg.token_ids))
+                        else:
+                            groups[-1].extend(int(t) for t in seg)
+                    ids, ranges = list(head), []
+                    for g in groups:
+                        ranges.append((len(ids), len(g)))
+                        ids.extend(g)
+                    pending.append((conv, q, k, key, msgs, head, groups, tail, EncodeWindow(tuple(ids), tuple(ranges))))
+        self.engine.fact_source = None
+        jobs = []
+        t0 = time.perf_counter()
+        for start in tqdm(range(0, len(pending), 8), desc="exact control: encode", unit="batch"):
+            chunk = pending[start : start + 8]
+            kvs = self.engine.encode([p[-1] for p in chunk])
+            for (conv, q, k, key, msgs, head, groups, tail, _), kv_list in zip(chunk, kvs):
+                tag = hashlib.sha256(key.encode()).hexdigest()[:16]
+                spans = [Span(f"locomo-exact:{tag}:{i}", tuple(g), kv) for i, (g, kv) in enumerate(zip(groups, kv_list))]
+                jobs.append(_Job(conv, q, "exact", None, k, msgs, key, segments=(head, *spans, tail)))
+        if pending:
+            self._time("exact_control_encode_s", t0)
+        self._run_jobs(jobs, "exact control: answer", "exact_control_answer_s")
+
+    def _answer_full(self) -> None:
+        jobs = []
+        for conv in self.conversations:
+            if not conv.questions:
+                continue
+            msgs = self.messages((t.memory for t in conv.turns), conv.questions[0].question)
+            text, _ = self.engine.render([{"role": r, "content": c} for r, c in msgs])
+            n = len(self.engine.tokenize(text))
+            if n + self.max_tokens > self.engine.max_model_len:
+                self.full_skipped[conv.sample_id] = (
+                    f"{n} prompt tokens + {self.max_tokens} > the model's context of {self.engine.max_model_len}"
+                )
+                continue
+            for q in conv.questions:
+                jobs.append(_Job(conv, q, "full", None, None, self.messages((t.memory for t in conv.turns), q.question),
+                                 self._key(conv, q, "full", None, None)))
+        self._run_jobs(jobs, "full conversation", "answer_full_s")
+
+    # -------------------------------------------------------------- rows
+
+    def rows(self) -> list[dict[str, Any]]:
+        out = []
+        for w in self.ws:
+            for k in self.ks:
+                for mode in ("prompt", "inject"):
+                    out.append(self._row(mode, w, k))
+        out.append(self._row("full", None, None))
+        return out
+
+    def _collect(self, mode: str, w: int | None, k: int | None) -> list[tuple[Conversation, Question, dict[str, Any]]]:
+        got = []
+        for conv in self.conversations:
+            for q in conv.questions:
+                rec = self.cache.get(self._key(conv, q, mode, None if mode == "prompt" else w, k))
+                if rec is not None and "answer" in rec:
+                    got.append((conv, q, rec))
+        return got
+
+    def _row(self, mode: str, w: int | None, k: int | None) -> dict[str, Any]:
+        got = self._collect(mode, w, k)
+        by_cat: dict[str, list[float]] = {}
+        scores = []
+        for _, q, rec in got:
+            s = score(rec["answer"], q.answer, q.category)
+            scores.append(s)
+            by_cat.setdefault(str(q.category), []).append(s)
+        agree = None
+        if mode == "inject":
+            ref = {(c.sample_id, q.index): r["answer"] for c, q, r in self._collect("prompt", None, k)}
+            pairs = [(r["answer"], ref[(c.sample_id, q.index)]) for c, q, r in got if (c.sample_id, q.index) in ref]
+            agree = agreement([a for a, _ in pairs], [b for _, b in pairs])
+            mismatched = [
+                c.sample_id for c, q, r in got
+                if (c.sample_id, q.index) in ref and r["prompt_hash"] != self._prompt_hash(c, q, k)
+            ]
+            if mismatched:
+                raise RuntimeError(f"inject and prompt requests differ in token ids ({len(mismatched)} questions)")
+        return {
+            "mode": mode, "w": w, "k": k, "n_questions": len(scores),
+            "f1": float(np.mean(scores)) if scores else None,
+            "f1_by_category": {c: float(np.mean(v)) for c, v in sorted(by_cat.items())},
+            "agreement": agree,
+        }
+
+    def exact_summary(self) -> dict[str, Any] | None:
+        """Per k: agreement of exact-context injection with the prompt answers, and its F1."""
+        if not self.exact_control:
+            return None
+        out = {}
+        for k in self.ks:
+            exact = self._collect("exact", None, k)
+            ref = {(c.sample_id, q.index): r for c, q, r in self._collect("prompt", None, k)}
+            pairs = [(r, ref[(c.sample_id, q.index)]) for c, q, r in exact if (c.sample_id, q.index) in ref]
+            if any(a["prompt_hash"] != b["prompt_hash"] for a, b in pairs):
+                raise RuntimeError("exact-control and prompt requests differ in token ids")
+            scores = [score(r["answer"], q.answer, q.category) for _, q, r in exact]
+            out[str(k)] = {
+                "n_questions": len(scores),
+                "f1": float(np.mean(scores)) if scores else None,
+                "agreement": agreement([a["answer"] for a, _ in pairs], [b["answer"] for _, b in pairs]),
+            }
+        return out
+
+    def _prompt_hash(self, conv: Conversation, q: Question, k: int | None) -> str | None:
+        rec = self.cache.get(self._key(conv, q, "prompt", None, k))
+        return None if rec is None else rec.get("prompt_hash")
+
+    def answers(self) -> list[dict[str, Any]]:
+        """Every question's answers, for inspection (``--answers``)."""
+        out = []
+        for conv in self.conversations:
+            for q in conv.questions:
+                rec: dict[str, Any] = {"sample_id": conv.sample_id, "qa_index": q.index, "category": q.category,
+                                       "question": q.question, "gold": q.answer, "answers": {}}
+                for key, r in self.cache.data.items():
+                    sid, n_turns, qi, mode, w, k = json.loads(key)
+                    if (sid, n_turns, qi) == (conv.sample_id, len(conv.turns), q.index) and "answer" in r:
+                        name = mode if mode == "full" else f"{mode} k={k}" + ("" if w is None else f" w={w}")
+                        rec["answers"][name] = r["answer"]
+                out.append(rec)
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        cats = Counter(q.category for c in self.conversations for q in c.questions)
+        return {
+            "data": str(default_data_path()),
+            "conversations": [c.sample_id for c in self.conversations],
+            "turns": sum(len(c.turns) for c in self.conversations),
+            "questions": sum(cats.values()),
+            "questions_by_category": {str(c): n for c, n in sorted(cats.items())},
+            "encoding": self.encoding,
+            "retrieval": "top-k per speaker (2k memories), listed in conversation order",
+            "max_tokens": self.max_tokens,
+            "concurrency": self.concurrency,
+            "stemmer": STEMMER,
+            "embedder": self.embedder.name,
+            "full_skipped": self.full_skipped,
+            "exact_control": self.exact_summary(),
+            "timings_s": dict(self.timings),
+        }
+
+
+def run_locomo(
+    engine: "InferScaleEngine",
+    *,
+    ks: Sequence[int],
+    ws: Sequence[int],
+    data: str | os.PathLike | None = None,
+    conversations: int | None = None,
+    questions_per_category: int | None = None,
+    max_turns: int | None = None,
+    answers_path: str | os.PathLike | None = None,
+    **options: Any,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows and a description of the run (goes into the JSON's ``env``)."""
+    convs = load_locomo(data, conversations=conversations, questions_per_category=questions_per_category,
+                        max_turns=max_turns)
+    with LocomoBench(engine, convs, ks=ks, ws=ws, **options) as bench:
+        bench.ingest()
+        bench.answer()
+        rows = bench.rows()
+        info = bench.describe()
+        if data:
+            info["data"] = str(data)
+        if answers_path:
+            Path(answers_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(answers_path).write_text("\n".join(json.dumps(a) for a in bench.answers()) + "\n")
+    return rows, info
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (w, k): inject F1 over prompt F1, and the agreement."""
+    prompt = {r["k"]: r["f1"] for r in rows if r["mode"] == "prompt"}
+    out = []
+    for r in rows:
+        if r["mode"] == "inject" and r["f1"] is not None and prompt.get(r["k"]):
+            out.append({"w": r["w"], "k": r["k"], "inject_over_prompt": r["f1"] / prompt[r["k"]],
+                        "exact_match": (r["agreement"] or {}).get("exact_match"),
+                        "agreement_f1": (r["agreement"] or {}).get("f1")})
+    return out
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows flattened for print_table."""
+    out = []
+    for r in rows:
+        flat = {k: v for k, v in r.items() if k not in ("f1_by_category", "agreement")}
+        for c, name in CATEGORIES.items():
+            flat[name] = r["f1_by_category"].get(str(c), "")
+        if r["agreement"]:
+            flat["agree_exact"] = r["agreement"]["exact_match"]
+            flat["agree_f1"] = r["agreement"]["f1"]
+        out.append(flat)
+    return out
+
+
+def plot_locomo(rows: list[dict[str, Any]], path: str, *, title: str) -> None:
+    """F1 vs w per k: inject as lines, prompt as dashed references, full as a dotted one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ks = sorted({r["k"] for r in rows if r["k"] is not None})
+    for i, k in enumerate(ks):
+        color = f"C{i}"
+        pts = sorted((r["w"], r["f1"]) for r in rows if r["mode"] == "inject" and r["k"] == k and r["f1"] is not None)
+        if pts:
+            ax.plot(*zip(*pts), "o-", color=color, label=f"KV injection, k={k}")
+        prompt = [r["f1"] for r in rows if r["mode"] == "prompt" and r["k"] == k and r["f1"] is not None]
+        if prompt:
+            ax.axhline(prompt[0], linestyle="--", color=color, alpha=0.7, label=f"prompt (pasted), k={k}")
+    full = [r["f1"] for r in rows if r["mode"] == "full" and r["f1"] is not None]
+    if full:
+        ax.axhline(full[0], linestyle=":", color="grey", label="full conversation")
+    ax.set_xlabel("context window w (turns)")
+    ax.set_ylabel("LoCoMo token F1 (cat. 1-4)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

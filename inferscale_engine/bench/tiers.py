@@ -1,0 +1,146 @@
+"""``bench tiers``: time to first token at ``k`` facts whose KV comes from the device, host or
+disk tier of a memory store's :class:`~inferscale_engine.memory.tiers.KVTiers`.
+
+Per repeat and tier: every fact is moved down to the tier under test, then the clock runs over
+``tiers.get`` of the ``k`` facts (the promotion to the device, what a store's ``resolve`` does)
+plus an injected request of those spans (``max_tokens=1``). Spans get fresh keys every time so
+vLLM's prefix cache never serves them: each request really injects.
+
+``disk`` reads are cold by default: each fact file's pages are dropped from the OS page cache
+(``posix_fadvise(DONTNEED)``, per file, harmless to other processes) before the timed read;
+``warm_disk=True`` keeps them cached (a disk tier that fits in RAM).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+import time
+from typing import TYPE_CHECKING, Any
+
+from tqdm.auto import tqdm
+
+from inferscale_engine.bench.common import SyntheticWorkload, median, percentile
+
+if TYPE_CHECKING:
+    from inferscale_engine.engine import InferScaleEngine
+
+TIERS = ("device", "host", "disk")
+#: Row of the same prompt with the facts pasted as text (prefilled, nothing injected): the baseline.
+PROMPT = "prompt"
+
+
+def _drop_page_cache(path: os.PathLike) -> None:
+    if not hasattr(os, "posix_fadvise"):  # pragma: no cover - not on Linux
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def run_tiers(
+    engine: "InferScaleEngine",
+    ks: list[int],
+    *,
+    repeats: int = 10,
+    warmup: int = 2,
+    fact_tokens: int = 28,
+    head_tokens: int = 64,
+    question_tokens: int = 24,
+    warm_disk: bool = False,
+    root: str | os.PathLike | None = None,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Rows ``{tier, k, ttft_ms_p50, ttft_ms_p95, promote_ms_p50, inject_ms_p50}``.
+
+    ``ttft_ms`` = promotion + the engine's time to first token; tiers interleave per repeat so
+    drift hits them alike. An extra ``tier="prompt"`` row is the baseline: the same number of
+    facts pasted as text and prefilled (no tier, nothing injected).
+    """
+    import torch
+
+    from inferscale_engine.engine import Span
+    from inferscale_engine.memory.tiers import KVTiers
+
+    kmax = max(ks)
+    # Twice the facts needed: the prompt baseline samples k of them in random order, so vLLM's
+    # prefix cache cannot serve its facts from an earlier repeat.
+    work = SyntheticWorkload.build(engine, pool=max(2 * kmax, 16), fact_tokens=fact_tokens, head_tokens=head_tokens,
+                                   question_tokens=question_tokens, seed=seed)
+    device = "cuda" if engine.config.device == "cuda" else "cpu"
+    cuda = device == "cuda"
+    page_tokens = 16
+    kv0 = work.facts[0].kv
+    bytes_per_token = 2 * kv0.k.nbytes // kv0.num_tokens
+    fact_bytes = math.ceil(fact_tokens / page_tokens) * page_tokens * bytes_per_token
+    # Room for every fact in each memory tier (plus slack): no LRU eviction during a measurement.
+    capacity = 2 * kmax * fact_bytes + (8 << 20)
+    tmp = tempfile.mkdtemp(prefix="inferscale-tiers-", dir=root)
+    tiers = KVTiers(tmp, device=device, device_bytes=capacity, host_bytes=capacity, page_tokens=page_tokens)
+    fp = engine.fingerprint
+    keys = [(f"{i:016x}", 1) for i in range(kmax)]
+    for key, span in zip(keys, work.facts):
+        tiers.put(key, span.kv, fp)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def move_to(tier: str, picked: list[tuple[str, int]]) -> None:
+        for key in picked:
+            if tier == "device":
+                tiers.get(key, fp)  # promotes if it is not there yet
+            else:
+                tiers.evict(key, to=tier)  # type: ignore[arg-type]
+                if tier == "disk" and not warm_disk:
+                    _drop_page_cache(tiers.path(key))
+        sync()
+        where = {tiers.where(key) for key in picked}
+        if where != {tier}:
+            raise RuntimeError(f"facts meant for the {tier} tier sit in {sorted(map(str, where))}")
+
+    rows = []
+    serial = 0
+    try:
+        for k in ks:
+            picked_keys = keys[:k]
+            picked_ids = work.fact_ids[:k]
+            ttft: dict[str, list[float]] = {t: [] for t in (*TIERS, PROMPT)}
+            promote: dict[str, list[float]] = {t: [] for t in (*TIERS, PROMPT)}
+            for rep in tqdm(range(warmup + repeats), desc=f"tiers k={k}", leave=False):
+                for tier in TIERS:
+                    move_to(tier, picked_keys)
+                    question = work.question()
+                    t0 = time.perf_counter()
+                    kvs = [tiers.get(key, fp) for key in picked_keys]
+                    sync()
+                    t_promote = time.perf_counter() - t0
+                    serial += 1
+                    spans = [Span(f"tiers:{serial}:{i}", tuple(ids), kv) for i, (ids, kv) in enumerate(zip(picked_ids, kvs))]
+                    result = engine.generate_segments([work.head, *spans, question], max_tokens=1, mode="inject")
+                    if result.usage.injected_tokens < k * fact_tokens:
+                        raise RuntimeError(f"only {result.usage.injected_tokens} tokens injected for {k} facts")
+                    if rep >= warmup:
+                        ttft[tier].append(t_promote + result.ttft_s)
+                        promote[tier].append(t_promote)
+                segs = work.prompt_segments(work.sample(k), work.question())
+                result = engine.generate_segments(segs, max_tokens=1, mode="prompt")
+                if rep >= warmup:
+                    ttft[PROMPT].append(result.ttft_s)
+                    promote[PROMPT].append(0.0)
+            for tier in (*TIERS, PROMPT):
+                rows.append({
+                    "tier": tier, "k": k,
+                    "ttft_ms_p50": 1e3 * median(ttft[tier]), "ttft_ms_p95": 1e3 * percentile(ttft[tier], 95),
+                    "promote_ms_p50": 1e3 * median(promote[tier]),
+                    "inject_ms_p50": 1e3 * median([a - b for a, b in zip(ttft[tier], promote[tier])]),
+                    "fact_tokens": fact_tokens, "kv_bytes_per_fact": int(bytes_per_token * fact_tokens),
+                    "device": device, "disk_cache": "warm" if warm_disk else "cold",
+                })
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return rows

@@ -1,0 +1,187 @@
+"""The benchmarks' quick variants, as CI runs them: every subcommand end to end through
+``inferscale_engine.bench.__main__.main``, checking the JSON shape and that values are sane.
+
+Nothing here asserts timings. Tiny random-weight models for the timing benches, SmolLM2 for
+LoCoMo (the first 30 turns of one conversation, 2 questions per category).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from inferscale_engine.bench.__main__ import main
+from inferscale_engine.bench.locomo import (
+    CATEGORIES,
+    LocomoBench,
+    _AnswerCache,
+    agreement,
+    default_data_path,
+    f1_multi,
+    f1_score,
+    load_locomo,
+    normalize_answer,
+    score,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+LOCOMO = default_data_path()
+
+
+def _run(tmp_path: Path, name: str, argv: list[str]) -> dict[str, Any]:
+    out = tmp_path / f"{name}.json"
+    assert main([name, *argv, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert set(data) == {"bench", "env", "results"}
+    assert data["bench"] == name
+    assert data["env"]["device"] == "cpu" and data["env"]["torch"]
+    assert data["results"], "no rows"
+    return data
+
+
+def _finite_positive(x: Any) -> bool:
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+def _tiny(path: str) -> list[str]:
+    return ["--model", path, "--device", "cpu", "--max-model-len", "2048"]
+
+
+# ---------------------------------------------------------------------- timing benches (tiny models)
+
+
+def test_exactness_quick(tmp_path, tiny_llama):
+    data = _run(tmp_path, "exactness", [*_tiny(tiny_llama), "--max-tokens", "8"])
+    rows = {r["mode"]: r for r in data["results"]}
+    assert set(rows) == {"exact", "w0"}
+    assert rows["exact"]["greedy_match"] is True
+    assert rows["exact"]["first_divergence"] is None
+    assert rows["exact"]["max_logit_diff"] < 1e-4
+    assert rows["exact"]["injected_tokens"] > 0
+    assert rows["w0"]["max_logit_diff"] >= rows["exact"]["max_logit_diff"]
+
+
+def test_ttft_quick(tmp_path, tiny_llama):
+    plot = tmp_path / "ttft.png"
+    data = _run(tmp_path, "ttft", [*_tiny(tiny_llama), "--ks", "0,5", "--repeats", "2", "--plot", str(plot)])
+    got = {(r["mode"], r["k"]) for r in data["results"]}
+    assert {("none", 0), ("prompt", 5), ("inject", 5), ("floor", 5)} <= got
+    assert {k for _, k in got} == {0, 5}
+    for r in data["results"]:
+        assert _finite_positive(r["ttft_ms_p50"]) and r["ttft_ms_p95"] >= r["ttft_ms_p50"] * 0.999
+    assert plot.stat().st_size > 0
+
+
+def test_throughput_quick(tmp_path, tiny_llama):
+    data = _run(tmp_path, "throughput", [*_tiny(tiny_llama), "--users", "1,4", "--k", "5", "--output-tokens", "4"])
+    got = {(r["mode"], r["users"]) for r in data["results"]}
+    assert got == {(m, u) for m in ("prompt", "inject") for u in (1, 4)}
+    for r in data["results"]:
+        assert r["k"] == 5
+        assert _finite_positive(r["req_per_s"]) and _finite_positive(r["tok_per_s"])
+
+
+def test_tiers_quick(tmp_path, tiny_llama):
+    data = _run(tmp_path, "tiers", [*_tiny(tiny_llama), "--k", "4", "--repeats", "2", "--fact-tokens", "20"])
+    rows = {r["tier"]: r for r in data["results"]}
+    assert set(rows) == {"device", "host", "disk", "prompt"}
+    for tier, r in rows.items():
+        assert r["k"] == 4 and r["device"] == "cpu"
+        assert _finite_positive(r["ttft_ms_p50"]) and r["ttft_ms_p50"] >= r["promote_ms_p50"]
+        assert _finite_positive(r["promote_ms_p50"]) if tier != "prompt" else r["promote_ms_p50"] == 0.0
+
+
+# ---------------------------------------------------------------------- LoCoMo
+
+
+@pytest.mark.skipif(not LOCOMO.exists(), reason=f"LoCoMo data not at {LOCOMO}")
+def test_locomo_quick(tmp_path, smollm2_path):
+    workdir, answers, plot = tmp_path / "work", tmp_path / "answers.jsonl", tmp_path / "locomo.png"
+    data = _run(tmp_path, "locomo", [
+        "--model", smollm2_path, "--device", "cpu", "--conversations", "1", "--questions-per-category", "2",
+        "--max-turns", "30", "--k", "5", "--w", "0,5", "--concurrency", "8",
+        "--workdir", str(workdir), "--answers", str(answers), "--plot", str(plot),
+    ])
+    rows = data["results"]
+    info = data["env"]["locomo"]
+    n = info["questions"]
+    assert n == sum(info["questions_by_category"].values()) and set(info["questions_by_category"]) <= {"1", "2", "3", "4"}
+    assert n >= 4
+    keys = {"mode", "w", "k", "n_questions", "f1", "f1_by_category", "agreement"}
+    assert all(set(r) == keys for r in rows)
+    by = {(r["mode"], r["w"], r["k"]): r for r in rows}
+    assert set(by) == {("prompt", 0, 5), ("inject", 0, 5), ("prompt", 5, 5), ("inject", 5, 5), ("full", None, None)}
+    for (mode, w, k), r in by.items():
+        if mode == "full" and r["n_questions"] == 0:
+            assert info["full_skipped"]
+            continue
+        assert r["n_questions"] == n
+        assert 0.0 <= r["f1"] <= 1.0
+        assert set(r["f1_by_category"]) == set(info["questions_by_category"])
+        if mode == "inject":
+            assert set(r["agreement"]) == {"exact_match", "f1"}
+            assert 0.0 <= r["agreement"]["exact_match"] <= r["agreement"]["f1"] <= 1.0
+        else:
+            assert r["agreement"] is None
+    # The prompt answer does not depend on w: the same tokens, computed once.
+    assert by[("prompt", 0, 5)]["f1"] == by[("prompt", 5, 5)]["f1"]
+    # The 30 turns fit SmolLM2's 8k context, so the full-conversation mode ran.
+    assert by[("full", None, None)]["n_questions"] == n
+    lines = [json.loads(line) for line in answers.read_text().splitlines()]
+    assert len(lines) == n and all({"prompt k=5", "inject k=5 w=0", "inject k=5 w=5", "full"} <= set(a["answers"])
+                                   for a in lines)
+    assert plot.stat().st_size > 0
+    # Every answer is cached in the workdir: a rerun resumes instead of recomputing.
+    cache = next(workdir.glob("*/answers-t32.jsonl"))
+    assert len(cache.read_text().splitlines()) == 4 * n
+
+
+# ---------------------------------------------------------------------- LoCoMo pieces (no model)
+
+
+def test_locomo_scorer_matches_upstream():
+    assert normalize_answer("The Running, dogs and a cat!") == "running dogs cat"
+    assert f1_score("running dogs", "run dog") == 1.0  # Porter stems
+    assert f1_score("", "x") == 0.0
+    assert f1_score("7 May 2023", "May 7, 2023") == 1.0
+    assert math.isclose(f1_score("mental health issues", "mental health"), 0.8)
+    # Multi-hop: mean over gold sub-answers of the best predicted sub-answer.
+    assert math.isclose(f1_multi("psychology, art", "Psychology, counseling certification"), 0.5)
+    assert math.isclose(score("psychology, art", "Psychology, counseling certification", 1), 0.5)
+    # Open-domain keeps the gold answer before ';'.
+    assert score("likely no", "Likely no; she needed support", 3) == 1.0
+    assert score(2022, 2022, 2) == 1.0  # ints are cast to str
+    with pytest.raises(ValueError):
+        score("x", "y", 5)
+    assert agreement(["The dog.", "cat"], ["dog", "cat dog red"]) == {"exact_match": 0.5, "f1": 0.75}
+    assert agreement([], []) is None
+
+
+@pytest.mark.skipif(not LOCOMO.exists(), reason=f"LoCoMo data not at {LOCOMO}")
+def test_locomo_data_and_retrieval_split():
+    conv = load_locomo(conversations=1, questions_per_category=3)[0]
+    assert conv.turns[0].memory.startswith("[1:56 pm on 8 May, 2023] Caroline: ")
+    assert any("[shares a photo of" in t.text for t in conv.turns)
+    cats = [q.category for q in conv.questions]
+    assert set(cats) == set(CATEGORIES) and all(cats.count(c) <= 3 for c in CATEGORIES)
+    short = load_locomo(conversations=1, max_turns=30)[0]
+    ids = {t.dia_id for t in short.turns}
+    assert len(short.turns) == 30 and all(set(q.evidence) <= ids for q in short.questions)
+    ranked = [(4, "A"), (1, "B"), (9, "A"), (2, "A"), (7, "B")]
+    assert LocomoBench.pick(ranked, ("A", "B"), 2) == [1, 4, 7, 9]
+
+
+def test_answer_cache_resumes(tmp_path):
+    path = tmp_path / "answers.jsonl"
+    cache = _AnswerCache(path)
+    cache.put({"key": "a", "answer": "x"})
+    cache.put({"key": "b", "answer": "y"})
+    with path.open("a") as f:
+        f.write('{"key": "c", "ans')  # a line cut short by an interruption
+    again = _AnswerCache(path)
+    assert again.get("a") == {"key": "a", "answer": "x"} and again.get("b") and again.get("c") is None
