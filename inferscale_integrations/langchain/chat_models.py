@@ -156,13 +156,7 @@ class ChatInferScale(BaseChatModel):
 
     def get_engine(self, model: str | None = None) -> InferScaleEngine:
         """The engine this model generates with (built or shared on first use)."""
-        if model is not None and model != self.model_name:
-            return resolve_engine(None, model, self.engine_options)
-        if self.engine is None:
-            self.engine = resolve_engine(None, self.model_name, self.engine_options)
-        else:
-            resolve_engine(self.engine, None)
-        return self.engine
+        return engine_for(self, model)
 
     # ------------------------------------------------------------------ requests
 
@@ -176,22 +170,7 @@ class ChatInferScale(BaseChatModel):
         tools = kwargs.pop("tools", None) or []
         tool_choice = kwargs.pop("tool_choice", None)
         engine = self.get_engine(model)
-        sampling: dict[str, Any] = {
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens if self.max_tokens is not None else 256,
-            "user_id": self.user_id,
-            "mode": self.mode,
-        }
-        if self.top_p is not None:
-            sampling["top_p"] = self.top_p
-        if self.seed is not None:
-            sampling["seed"] = self.seed
-        sampling.update(self.model_kwargs)
-        sampling.update(kwargs)
-        stops = stop if stop is not None else sampling.pop("stop", None) or self.stop
-        sampling.pop("stop", None)
-        if stops:
-            sampling["stop"] = list(stops)
+        sampling = sampling_options(self, stop, kwargs)
         engine_messages = to_engine_messages(messages, tools=tools, tool_choice=tool_choice)
         tool_names = [(t.get("function") or t).get("name") for t in tools]
         return engine, engine_messages, sampling, tool_names, model or model_name_of(self.engine, self.model_name)
@@ -338,3 +317,36 @@ class ChatInferScale(BaseChatModel):
         if tool_choice is not None:
             kwargs["tool_choice"] = tool_choice
         return super().bind(tools=formatted, **kwargs)
+
+
+def engine_for(model: Any, override: str | None = None) -> InferScaleEngine:
+    """The engine of a LangChain InferScale model: its own, or a shared one for ``override``."""
+    if override is not None and override != model.model_name:
+        return resolve_engine(None, override, model.engine_options)
+    if model.engine is None:
+        model.engine = resolve_engine(None, model.model_name, model.engine_options)
+    else:
+        resolve_engine(model.engine, None)
+    return model.engine
+
+
+def sampling_options(model: Any, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Engine keyword arguments: the model's fields, then ``model_kwargs``, then per-call kwargs;
+    an explicit ``stop`` wins over both."""
+    sampling: dict[str, Any] = {
+        "temperature": model.temperature,
+        "max_tokens": model.max_tokens if model.max_tokens is not None else 256,
+        "user_id": model.user_id,
+        "mode": model.mode,
+    }
+    if model.top_p is not None:
+        sampling["top_p"] = model.top_p
+    if model.seed is not None:
+        sampling["seed"] = model.seed
+    sampling.update(model.model_kwargs)
+    sampling.update(kwargs)
+    stops = stop if stop is not None else sampling.pop("stop", None) or model.stop
+    sampling.pop("stop", None)
+    if stops:
+        sampling["stop"] = list(stops)
+    return sampling

@@ -20,8 +20,8 @@ from langchain_core.language_models.llms import LLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict, Field
 
-from inferscale_integrations._common import model_name_of, resolve_engine
-from inferscale_integrations.langchain.chat_models import PROVIDER, usage_metadata
+from inferscale_integrations._common import model_name_of
+from inferscale_integrations.langchain.chat_models import PROVIDER, engine_for, sampling_options, usage_metadata
 
 if TYPE_CHECKING:
     from inferscale_engine import GenerationResult, InferScaleEngine
@@ -89,33 +89,13 @@ class InferScaleLLM(LLM):
         return params
 
     def get_engine(self, model: str | None = None) -> InferScaleEngine:
-        if model is not None and model != self.model_name:
-            return resolve_engine(None, model, self.engine_options)
-        if self.engine is None:
-            self.engine = resolve_engine(None, self.model_name, self.engine_options)
-        else:
-            resolve_engine(self.engine, None)
-        return self.engine
+        """The engine this model generates with (built or shared on first use)."""
+        return engine_for(self, model)
 
     def _request(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         kwargs = dict(kwargs)
         engine = self.get_engine(kwargs.pop("model", None))
-        sampling: dict[str, Any] = {
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-            "user_id": self.user_id,
-            "mode": self.mode,
-        }
-        if self.top_p is not None:
-            sampling["top_p"] = self.top_p
-        if self.seed is not None:
-            sampling["seed"] = self.seed
-        sampling.update(self.model_kwargs)
-        sampling.update(kwargs)
-        stops = stop if stop is not None else sampling.pop("stop", None) or self.stop
-        sampling.pop("stop", None)
-        if stops:
-            sampling["stop"] = list(stops)
+        sampling = sampling_options(self, stop, kwargs)
         payload: Any = [{"role": "user", "content": prompt}] if self.chat_template else prompt
         return engine, payload, sampling
 
