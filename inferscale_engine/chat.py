@@ -29,7 +29,9 @@ from inferscale_engine.errors import ContextOverflowError, HandleError
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+#: Chosen by measurement on SmolLM2-135M (docs/cli.md): with this sentence the model answers
+#: from a single recalled first-person fact 5/5 times, against 3/5 with the bare first one.
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Use what you remember when you answer."
 MEMORY_HEADER = "Things you remember about the user:"
 
 HELP_TEXT = """\
@@ -71,6 +73,28 @@ def with_memories(
     return out
 
 
+def memory_context(engine: Any, system_prompt: str | None = DEFAULT_SYSTEM_PROMPT) -> list[str] | None:
+    """``context`` for ``store.add``: the rendered system message up to the first memory handle.
+
+    That is exactly what precedes a recalled memory in the prompt (the only or first one), so
+    a memory encoded after it is injected with the very KV a prefill would compute. ``None``
+    when the engine has no chat template (the store then encodes after previous memories).
+    """
+    render = getattr(engine, "render", None)
+    if render is None:
+        return None
+    marker = "\u2063INFERSCALE-HANDLE\u2063"
+    try:
+        text, _ = render([{"role": "system", "content": memory_system_message([marker], system_prompt)},
+                          {"role": "user", "content": "."}])
+    except (ValueError, TypeError):
+        logger.debug("no chat template: new memories are encoded after the previous ones")
+        return None
+    head = text[: text.index(marker)]
+    # The store encodes after "\n".join(context) + "\n": give it the head without that "\n".
+    return [head[:-1]] if head.endswith("\n") else None
+
+
 @dataclass
 class TurnResult:
     """What one chat turn did."""
@@ -107,7 +131,16 @@ class ChatSession:
         system_prompt: text before the memories in the system message.
         remember: store each user turn as a memory after replying.
         remember_replies: store the assistant's replies too.
-        min_score: recall only memories whose search score is at least this (``None``: no cut).
+        remember_questions: also store messages that are questions (end with "?"). Off by
+            default: "What is my dog's name?" says nothing about the user, and once stored it
+            is recalled for every later question on the topic, crowding out the facts.
+        min_score: recall only memories whose search score (cosine) is at least this;
+            ``None`` keeps all ``k``. Irrelevant facts confuse small models more than they help.
+
+    Recalled memories go into the system message best-last (nearest the question: small
+    models attend to it most). New memories are encoded after the very text that precedes
+    them when recalled (the rendered system head), so a single recalled memory is injected
+    exactly as if it had been prefilled.
     """
 
     def __init__(
@@ -116,13 +149,14 @@ class ChatSession:
         *,
         user_id: str = "default",
         k: int = 5,
-        history_turns: int = 3,
+        history_turns: int = 2,
         max_tokens: int = 256,
         temperature: float = 0.0,
         system_prompt: str | None = DEFAULT_SYSTEM_PROMPT,
         remember: bool = True,
         remember_replies: bool = False,
-        min_score: float | None = None,
+        remember_questions: bool = False,
+        min_score: float | None = 0.25,
         **sampling: Any,
     ) -> None:
         if k < 0 or history_turns < 0:
@@ -136,10 +170,12 @@ class ChatSession:
         self.system_prompt = system_prompt
         self.remember = remember
         self.remember_replies = remember_replies
+        self.remember_questions = remember_questions
         self.min_score = min_score
         self.sampling = sampling
         self.history: list[tuple[str, str]] = []  # (user, assistant) of this process
         self.last: TurnResult | None = None
+        self._context: list[str] | None | bool = False  # False: not computed yet
 
     @property
     def store(self) -> Any:
@@ -154,7 +190,13 @@ class ChatSession:
         items = list(self.store.search(text, user_id=self.user_id, k=self.k))
         if self.min_score is not None:
             items = [m for m in items if m.score is None or m.score >= self.min_score]
-        return items
+        return items[::-1]  # best last
+
+    def memory_context(self) -> list[str] | None:
+        """The text new memories are encoded after (see :func:`memory_context`)."""
+        if self._context is False:
+            self._context = memory_context(self.engine, self.system_prompt)
+        return self._context  # type: ignore[return-value]
 
     def build_messages(
         self, text: str, recalled: Sequence[Any], *, history_turns: int | None = None
@@ -224,24 +266,34 @@ class ChatSession:
         if self.history_turns and self.history:
             attempts.append((self.build_messages(text, recalled, history_turns=0), recalled))
         if recalled:
-            half = recalled[: len(recalled) // 2]
+            half = recalled[len(recalled) - len(recalled) // 2 :]  # the better half (best last)
             if half:
                 attempts.append((self.build_messages(text, half, history_turns=0), half))
             attempts.append((self.build_messages(text, [], history_turns=0), []))
         return attempts
 
     def _store_turn(self, text: str, reply: str) -> list[Any]:
+        """The user's words as they were typed (first person), the reply as ``"Assistant: ..."``.
+
+        Plain first-person facts worked best with SmolLM2 (4/5 recalled over a five-fact
+        conversation, against 1/5 with the store's ``"User: ..."`` form, which the model
+        starts echoing); see docs/cli.md.
+        """
         if not self.remember:
             return []
-        messages = [{"role": "user", "content": text}]
+        meta = {"source": "chat"}
+        ctx = self.memory_context()
+        items: list[Any] = []
+        if self.remember_questions or not text.rstrip().endswith("?"):
+            items += self.store.add(text, user_id=self.user_id, metadata=meta, context=ctx)
         if self.remember_replies and reply.strip():
-            messages.append({"role": "assistant", "content": reply.strip()})
-        return list(self.store.add(messages, user_id=self.user_id, metadata={"source": "chat"}))
+            items += self.store.add([{"role": "assistant", "content": reply.strip()}], user_id=self.user_id, metadata=meta, context=ctx)
+        return items
 
     # ------------------------------------------------------------------ memory commands
 
     def remember_text(self, text: str) -> list[Any]:
-        return list(self.store.add(text, user_id=self.user_id, metadata={"source": "chat"}))
+        return list(self.store.add(text, user_id=self.user_id, metadata={"source": "chat"}, context=self.memory_context()))
 
     def memories(self) -> list[Any]:
         return list(self.store.get_all(user_id=self.user_id))

@@ -5,11 +5,14 @@ and memories. ``inferscale --help`` and ``inferscale COMMAND --help`` explain ea
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import sys
+import tempfile
 import textwrap
+from collections.abc import Iterator
 from typing import Any
 
 PROG = "inferscale"
@@ -32,7 +35,8 @@ Models are a local Hugging Face folder or an alias (smollm2); nothing is downloa
 CHAT_EPILOG = """\
 Each turn searches your memories for the message (top --k), puts their handles into the
 system message (their KV is injected, not prefilled), adds the last --history exchanges,
-streams the reply, then stores your message as a new memory. Memories survive restarts.
+streams the reply, then stores your message as a new memory (questions are not stored unless
+--remember-questions). Memories survive restarts.
 
 in the chat:
   /memories  /remember TEXT  /forget ID|all  /clear  /help  /quit   (Ctrl-D also quits)
@@ -79,7 +83,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="smollm2", help="local model folder or alias (default: smollm2)")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present, else cpu")
     g.add_argument("--store", default=None, metavar="DIR", help="memory store folder (default: $INFERSCALE_HOME/store or the user data dir)")
-    g.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length (default 4096)")
+    g.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length (default: the model's, 8192 for smollm2)")
     g.add_argument("--dtype", default=None, help="weights/activations dtype, e.g. bfloat16, float32 (default: the model's)")
     g.add_argument("--window", type=int, default=None, metavar="W", help="turns of context each memory is encoded after (default 5)")
 
@@ -92,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=MAIN_EPILOG,
         formatter_class=fmt,
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: vLLM's too, and tracebacks)")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="-v: progress and vLLM warnings; -vv: debug logs and tracebacks")
     parser.add_argument("--version", action="version", version=f"{PROG} 0.1.0")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -101,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_options(p)
     p.add_argument("--user", default=os.environ.get("INFERSCALE_USER", "default"), help="whose memories (default: $INFERSCALE_USER or 'default')")
     p.add_argument("--k", type=int, default=5, help="memories recalled per turn (default 5; 0 = none)")
-    p.add_argument("--history", type=int, default=3, metavar="N", help="previous exchanges sent as plain messages (default 3)")
+    p.add_argument("--min-score", type=float, default=0.25, metavar="S", help="recall only memories at least this similar (cosine, default 0.25; -1 = all k)")
+    p.add_argument("--history", type=int, default=2, metavar="N", help="previous exchanges sent as plain messages (default 2)")
     p.add_argument("--max-tokens", type=int, default=256, help="reply length cap (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--system", default=None, metavar="TEXT", help="system prompt before the memories")
@@ -109,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-usage", action="store_true", help="after each reply: TTFT, memories, injected tokens, speed")
     p.add_argument("--show-memories", action="store_true", help="print the memories recalled for each turn")
     p.add_argument("--remember-replies", action="store_true", help="also store the assistant's replies as memories")
+    p.add_argument("--remember-questions", action="store_true", help="also store messages ending in '?' (default: only statements)")
     p.add_argument("--no-remember", action="store_true", help="do not store new memories (read-only chat)")
     p.set_defaults(func=cmd_chat)
 
@@ -139,9 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("memory", help="add, search, list, delete and import memories", description="Manage the memory store (same store as chat and serve).", epilog=MEMORY_EPILOG, formatter_class=fmt)
     msub = p.add_subparsers(dest="memory_command", metavar="ACTION")
 
-    def mem_parser(name: str, help: str, user: bool = True) -> argparse.ArgumentParser:
+    def mem_parser(name: str, help: str, user: bool = True, model: bool = True) -> argparse.ArgumentParser:
         q = msub.add_parser(name, help=help, description=help, formatter_class=fmt)
-        _engine_options(q)
+        if model:  # adding encodes KV with the model; reading and deleting need no model
+            _engine_options(q)
+        else:
+            q.add_argument("--store", default=None, metavar="DIR", help="memory store folder (default: $INFERSCALE_HOME/store or the user data dir)")
         if user:
             q.add_argument("--user", required=True, help="whose memories")
         q.add_argument("--json", action="store_true", help="print JSON")
@@ -151,13 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("texts", nargs="+", metavar="TEXT")
     q.add_argument("--metadata", default=None, metavar="JSON", help='e.g. \'{"source": "cli"}\'')
     q.set_defaults(func=cmd_memory_add)
-    q = mem_parser("search", "memories most relevant to QUERY")
+    q = mem_parser("search", "memories most relevant to QUERY", model=False)
     q.add_argument("query")
     q.add_argument("--k", type=int, default=5, help="how many (default 5)")
     q.set_defaults(func=cmd_memory_search)
-    q = mem_parser("list", "all memories of a user")
+    q = mem_parser("list", "all memories of a user", model=False)
     q.set_defaults(func=cmd_memory_list)
-    q = mem_parser("delete", "delete memories by id, or --all")
+    q = mem_parser("delete", "delete memories by id, or --all", model=False)
     q.add_argument("ids", nargs="*", metavar="ID")
     q.add_argument("--all", action="store_true", help="delete all of the user's memories")
     q.set_defaults(func=cmd_memory_delete)
@@ -180,48 +189,80 @@ def _subhelp(p: argparse.ArgumentParser) -> int:
 # ---------------------------------------------------------------------- logging
 
 
-_LOGGERS = ("inferscale_engine", "inferscale_engine.models", "vllm", "transformers", "sentence_transformers", "httpx", "faiss")
+_LOGGERS = ("inferscale_engine", "vllm", "transformers", "sentence_transformers", "httpx", "faiss")
 
 
-def _logging_state() -> list[tuple[logging.Logger, list[logging.Handler], int, bool, list[Any]]]:
-    state = []
-    for name in _LOGGERS:
-        lg = logging.getLogger(name)
-        streams = [getattr(h, "stream", None) for h in lg.handlers]
-        state.append((lg, list(lg.handlers), lg.level, lg.propagate, streams))
-    return state
+def _setup_logging(verbose: int) -> Any:
+    """Our progress on stderr; vLLM quiet (and off stdout, which carries the chat) unless -vv.
 
-
-def _restore_logging(state: list[tuple[logging.Logger, list[logging.Handler], int, bool, list[Any]]]) -> None:
-    """Undo :func:`_setup_logging` (``main`` may run inside another program or a test)."""
-    for lg, handlers, level, propagate, streams in state:
-        lg.handlers[:] = handlers
-        lg.setLevel(level)
-        lg.propagate = propagate
-        for h, stream in zip(handlers, streams):
-            if stream is not None and getattr(h, "stream", None) is not stream:
-                h.setStream(stream)
-
-
-def _setup_logging(verbose: int) -> None:
-    """Our progress on stderr; vLLM quiet (and off stdout, which carries the chat) unless -vv."""
-    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "DEBUG" if verbose >= 2 else "WARNING")
-    os.environ.setdefault("TQDM_DISABLE", "0")
+    Returns what :func:`_restore_logging` needs to undo it (``main`` may run inside another
+    program, or a test).
+    """
+    saved = [(lg, list(lg.handlers), lg.level, lg.propagate) for lg in map(logging.getLogger, _LOGGERS)]
+    env = {k: os.environ.get(k) for k in ("VLLM_LOGGING_STREAM", "VLLM_LOGGING_LEVEL")}
+    # vLLM re-applies its logging config from these at its first engine start in a process
+    # (dictConfig); the handler it has from import time is adjusted in place below.
+    os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
+    vllm_level = "DEBUG" if verbose >= 2 else "WARNING" if verbose == 1 else "ERROR"
+    os.environ["VLLM_LOGGING_LEVEL"] = vllm_level
+    redirected = []
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(message)s" if verbose == 0 else "%(levelname)s %(name)s: %(message)s"))
     ours = logging.getLogger("inferscale_engine")
     ours.handlers[:] = [handler]
     ours.setLevel(logging.DEBUG if verbose >= 2 else logging.INFO if verbose == 1 else logging.WARNING)
     ours.propagate = False
-    # vLLM configured its logger at import (the package imports it): move it to stderr and quiet it.
     vllm_logger = logging.getLogger("vllm")
-    vllm_logger.setLevel(logging.DEBUG if verbose >= 2 else logging.WARNING)
+    vllm_logger.setLevel(vllm_level)
     for h in vllm_logger.handlers:
         if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) is sys.stdout:
-            h.setStream(sys.stderr)
+            redirected.append((h, h.setStream(sys.stderr), sys.stderr))
     for name in ("transformers", "sentence_transformers", "httpx", "faiss"):
         logging.getLogger(name).setLevel(logging.DEBUG if verbose >= 2 else logging.WARNING)
+    return saved, redirected, env
+
+
+def _restore_logging(state: Any) -> None:
+    saved, redirected, env = state
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    for lg, handlers, level, propagate in saved:
+        lg.handlers[:] = handlers
+        lg.setLevel(level)
+        lg.propagate = propagate
+    for h, old, new in redirected:
+        if getattr(h, "stream", None) is new and old is not None:
+            h.setStream(old)
+
+
+@contextlib.contextmanager
+def _quiet_stderr(enabled: bool) -> Iterator[None]:
+    """Hold back what native code and libraries write to fd 2 (startup chatter) in a terminal.
+
+    Replayed if the block fails, so no diagnostic is lost.
+    """
+    if not enabled:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            if not ok:
+                tmp.seek(0)
+                sys.stderr.write(tmp.read().decode(errors="replace"))
+                sys.stderr.flush()
 
 
 def _progress(msg: str) -> None:
@@ -243,6 +284,14 @@ def _make_engine(args: argparse.Namespace, **extra: Any) -> Any:
     return InferScaleEngine(model=args.model, device=args.device, store_path=args.store, **options)
 
 
+def _open_store(args: argparse.Namespace) -> Any:
+    """The store without a model (search, list, delete need no vLLM: seconds, not tens)."""
+    from inferscale_engine.config import default_store_path
+    from inferscale_engine.memory import MemoryStore
+
+    return MemoryStore(None, args.store or default_store_path())
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     from inferscale_engine.chat import DEFAULT_SYSTEM_PROMPT, ChatSession, run_repl
 
@@ -251,9 +300,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         _progress(f"Loading {args.model} ... (first start prepares the model; later ones take ~10-20 s)")
-    engine = _make_engine(args)
+    with _quiet_stderr(interactive and not args.verbose):
+        engine = _make_engine(args)
+        try:
+            engine.memory  # noqa: B018  (open the store and its embedder before the first turn)
+        except BaseException:
+            engine.close()
+            raise
     try:
-        engine.memory  # noqa: B018  (open the store and its embedder before the first turn)
         session = ChatSession(
             engine,
             user_id=args.user,
@@ -264,6 +318,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             system_prompt=args.system if args.system is not None else DEFAULT_SYSTEM_PROMPT,
             remember=not args.no_remember,
             remember_replies=args.remember_replies,
+            remember_questions=args.remember_questions,
+            min_score=None if args.min_score < -0.99 else args.min_score,
         )
         n = len(session.memories()) if interactive else 0
         banner = (
@@ -350,22 +406,21 @@ def cmd_memory_add(args: argparse.Namespace) -> int:
 
 
 def cmd_memory_search(args: argparse.Namespace) -> int:
-    with _make_engine(args) as engine:
-        _print_items(list(engine.memory.search(args.query, user_id=args.user, k=args.k)), args.json)
+    with _open_store(args) as store:
+        _print_items(list(store.search(args.query, user_id=args.user, k=args.k)), args.json)
     return 0
 
 
 def cmd_memory_list(args: argparse.Namespace) -> int:
-    with _make_engine(args) as engine:
-        _print_items(list(engine.memory.get_all(user_id=args.user)), args.json)
+    with _open_store(args) as store:
+        _print_items(list(store.get_all(user_id=args.user)), args.json)
     return 0
 
 
 def cmd_memory_delete(args: argparse.Namespace) -> int:
     if args.all == bool(args.ids):
         raise ValueError("give memory ids or --all (not both)")
-    with _make_engine(args) as engine:
-        store = engine.memory
+    with _open_store(args) as store:
         if args.all:
             n = store.delete_all(user_id=args.user)
         else:
@@ -392,7 +447,7 @@ def locomo_conversations(path: str, limit: int | None = None) -> list[dict[str, 
     with open(path) as f:
         data = json.load(f)
     if not isinstance(data, list):
-        raise ValueError(f"{path}: expected a JSON list of LoCoMo samples")
+        raise ValueError(f"{path}: expected a JSON list of LoCoMo samples")  # noqa: TRY004  (bad file, not a bad call)
     out = []
     for i, sample in enumerate(data[: limit if limit is not None else len(data)]):
         conv = sample.get("conversation") if isinstance(sample, dict) else None
@@ -465,8 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help(sys.stderr)
         return 2
-    saved = _logging_state()
-    _setup_logging(args.verbose)
+    saved = _setup_logging(args.verbose)
     try:
         return _run(args)
     finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import operator
 import os
 import threading
 import time
@@ -226,11 +227,14 @@ class InferScaleEngine:
     def render(self, prompt_or_messages: str | Messages) -> tuple[str, bool]:
         """Prompt text and whether it came from the chat template."""
         if isinstance(prompt_or_messages, str):
-            return prompt_or_messages, False
+            return _check_unicode(prompt_or_messages, "prompt"), False
+        if isinstance(prompt_or_messages, (bytes, bytearray, dict)) or not hasattr(prompt_or_messages, "__iter__"):
+            raise TypeError(f"prompt must be a string or a list of chat messages, got {type(prompt_or_messages).__name__}")
         messages = [dict(m) for m in prompt_or_messages]
         for m in messages:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError("each chat message needs string 'role' and 'content'")
+            _check_unicode(m["content"], "chat message content")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.config.model!r} has no chat template; pass a prompt string")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -381,15 +385,22 @@ class InferScaleEngine:
             raise ValueError(f"mode must be 'inject' or 'prompt', got {mode!r}")
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        spans, tail = self._layout(segments)
-        token_ids = [t for s in spans for t in s.token_ids] + tail
-        if not token_ids:
+        if sampling.get("seed") is not None:
+            # vLLM does not check the range; torch would raise inside the engine step and fail
+            # every request in flight, not just this one.
+            _check_seed(sampling["seed"])
+        # Checked before the layout, which may encode heads and separators: a prompt that cannot
+        # run costs no engine work.
+        n = sum(len(s.token_ids) if isinstance(s, Span) else len(s) for s in segments)
+        if not n:
             raise ValueError("empty prompt")
-        if len(token_ids) + max_tokens > self.max_model_len:
+        if n + max_tokens > self.max_model_len:
             raise ContextOverflowError(
-                f"prompt of {len(token_ids)} tokens ({sum(len(s.token_ids) for s in spans)} from memory) "
+                f"prompt of {n} tokens ({sum(len(s.token_ids) for s in segments if isinstance(s, Span))} from memory) "
                 f"plus max_tokens={max_tokens} exceeds the model's context of {self.max_model_len}"
             )
+        spans, tail = self._layout(segments)
+        token_ids = [t for s in spans for t in s.token_ids] + tail
         extra: dict[str, Any] = {}
         prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
         plan = None
@@ -495,6 +506,24 @@ class _Accumulator:
         return StreamDelta(text, result)
 
 
+def _check_seed(seed: Any) -> None:
+    try:
+        ok = not isinstance(seed, bool) and -(2**63) <= operator.index(seed) < 2**64
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
+
+
+def _check_unicode(text: str, what: str) -> str:
+    """``text`` if it is valid Unicode (tokenizers reject lone surrogates with an obscure TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid UTF-8 text ({exc.reason} at position {exc.start})") from None
+    return text
+
+
 def _configure_vllm_environment(cfg: EngineConfig) -> None:
     """Settings vLLM reads from the environment; must be in place before its engine starts."""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") not in (None, "0"):
@@ -531,5 +560,10 @@ def _fingerprint(model_path: str, vllm_config: Any) -> str:
     config_file = Path(model_path) / "config.json"
     config_hash = hashlib.sha256(config_file.read_bytes()).hexdigest() if config_file.exists() else model_path
     weights = sorted(p.name + str(p.stat().st_size) for p in Path(model_path).glob("*.safetensors"))
-    src = json.dumps([config_hash, weights, str(mc.dtype), str(vllm_config.cache_config.cache_dtype)])
+    # The rope settings vLLM actually uses: engine options (hf_overrides) can change them
+    # without touching config.json.
+    hf = getattr(mc, "hf_config", None)
+    rope = {k: getattr(hf, k, None) for k in ("rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor")}
+    src = json.dumps([config_hash, weights, str(mc.dtype), str(vllm_config.cache_config.cache_dtype), rope],
+                     sort_keys=True, default=str)
     return hashlib.sha256(src.encode()).hexdigest()[:16]

@@ -14,7 +14,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from inferscale_engine.chat import MEMORY_HEADER, ChatSession, memory_system_message, run_repl, with_memories
+from inferscale_engine.chat import (
+    MEMORY_HEADER,
+    ChatSession,
+    memory_system_message,
+    run_repl,
+    with_memories,
+)
 from inferscale_engine.errors import ContextOverflowError
 
 
@@ -134,7 +140,11 @@ def test_remember_flags():
     ChatSession(engine, remember=False).send("secret")
     assert engine.memory.items == []
     ChatSession(engine, remember_replies=True).send("hello")
-    assert [i.memory for i in engine.memory.items] == ["hello", "Your dog is Rex."]
+    assert [i.memory for i in engine.memory.items] == ["hello", "Your dog is Rex."]  # fake store: no "Assistant:" prefix
+    ChatSession(engine).send("What is my dog's name? ")
+    assert len(engine.memory.items) == 2  # questions are not facts
+    ChatSession(engine, remember_questions=True).send("What is my dog's name?")
+    assert engine.memory.items[-1].memory == "What is my dog's name?"
 
 
 def test_overflow_retries_with_less_context():

@@ -739,6 +739,8 @@ class MemoryStore:
         sliding_group: int | None = None,
         background: bool = True,
     ) -> list[MemoryItem]:
+        for t in texts:  # speakers and imported turns too, not only checked contents
+            _check_utf8(t, "memory text")
         token_ids = [self._tokenize_fact(t) for t in texts]
         vecs = self.embedder.embed(texts, progress=progress)
         now = _now()
@@ -1136,6 +1138,15 @@ def _check_text(text: Any, what: str = "memory text") -> str:
         raise TypeError(f"{what} must be a string, got {type(text).__name__}")
     if not text.strip():
         raise ValueError(f"{what} is empty")
+    return _check_utf8(text, what)
+
+
+def _check_utf8(text: str, what: str) -> str:
+    """Lone surrogates cannot be tokenized, embedded or stored: refuse them with a clear error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid UTF-8 text ({exc.reason} at position {exc.start})") from None
     return text
 
 
@@ -1182,7 +1193,7 @@ def _check_context(context: Any) -> list[str] | None:
     if isinstance(context, str) or not isinstance(context, (list, tuple)) \
             or not all(isinstance(c, str) for c in context):
         raise TypeError("context must be a list of strings")
-    return list(context)
+    return [_check_utf8(c, "context") for c in context]
 
 
 def _load_secret(path: Path) -> bytes:

@@ -35,7 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inferscale_engine.chat import with_memories
+from inferscale_engine.chat import memory_context, with_memories
 from inferscale_engine.errors import (
     ContextOverflowError,
     EngineClosedError,
@@ -65,6 +65,8 @@ class APIError(Exception):
     """An error response: HTTP status plus OpenAI's error object."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> None:
+        # Client text quoted in a message may hold lone surrogates, which JSON cannot encode as UTF-8.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -162,7 +164,7 @@ def create_app(
     if preload_memory:
         try:
             engine.memory  # noqa: B018  (opens the store once, before requests race for it)
-        except Exception as exc:  # serve completions even without a usable store
+        except Exception as exc:  # noqa: BLE001  (serve completions even without a usable store)
             memory_error.append(f"memory store unavailable: {exc.__class__.__name__}: {exc}")
             logger.warning("memory endpoints disabled: %s", memory_error[0])
 
@@ -281,7 +283,7 @@ def create_app(
         except StopAsyncIteration:
             metrics.in_flight.dec()
             raise APIError(500, "generation produced no output", "server_error")
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001  (re-raised, mapped when an Exception)
             metrics.in_flight.dec()
             await agen.aclose()
             raise api_error(exc) if isinstance(exc, Exception) else exc
@@ -329,7 +331,7 @@ def create_app(
                 if include_usage:
                     yield "data: " + json.dumps({"id": rid, "object": obj, "created": now, "model": model_name, "choices": [], "usage": usage_of(result)}) + "\n\n"
             yield "data: [DONE]\n\n"
-        except Exception as exc:  # after the 200 went out: report in-band, as OpenAI does
+        except Exception as exc:  # noqa: BLE001  (after the 200 went out: report in-band, as OpenAI does)
             err = api_error(exc)
             metrics.errors.labels(err.code or err.type).inc()
             yield f"data: {json.dumps(err.body())}\n\n"
@@ -368,7 +370,7 @@ def create_app(
                     found = await asyncio.to_thread(store().search, query, user_id=user, k=req.memory_k)
                 except Exception as exc:
                     raise api_error(exc) from exc
-                messages = with_memories(messages, [m.handle for m in found])
+                messages = with_memories(messages, [m.handle for m in reversed(found)])  # best last
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         segments, max_tokens = await prepare(messages, user, requested, param)
@@ -418,6 +420,13 @@ def create_app(
 
         return deco
 
+    head_context: list[Any] = []
+
+    def default_context() -> list[str] | None:
+        if not head_context:
+            head_context.append(memory_context(engine))
+        return head_context[0]
+
     def owned(fact_id: str, user_id: str) -> Any:
         """The memory if it exists and belongs to ``user_id``; 404 otherwise (no existence leak)."""
         not_found = APIError(404, f"memory {fact_id!r} not found for user {user_id!r}", "not_found_error", None, "memory_not_found")
@@ -445,7 +454,8 @@ def create_app(
             messages = [{"role": m.role, "content": call(m.text)} for m in req.messages]
         if not messages or not any(m["content"].strip() for m in messages):
             raise APIError(400, "nothing to remember: messages are empty", param="messages")
-        items = call(store().add, messages, user_id=req.user_id, metadata=req.metadata, infer=req.infer)
+        context = req.context if "context" in req.model_fields_set else default_context()
+        items = call(store().add, messages, user_id=req.user_id, metadata=req.metadata, infer=req.infer, context=context)
         return {"results": [{**i.to_dict(), "event": "ADD"} for i in items]}
 
     @route("POST", "/v1/memories/search/")

@@ -8,7 +8,7 @@ a 400 by :func:`unsupported`.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
@@ -24,7 +24,7 @@ class ContentPart(_Lenient):
 
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: Union[StrictStr, list[ContentPart], None] = None
+    content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
 
     def text(self) -> str:
@@ -52,7 +52,7 @@ class _SamplingRequest(_Lenient):
     n: StrictInt | None = Field(default=None, ge=1)
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    stop: Union[StrictStr, list[StrictStr], None] = None
+    stop: StrictStr | list[StrictStr] | None = None
     seed: StrictInt | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -81,7 +81,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Union[StrictStr, list[StrictStr]]
+    prompt: StrictStr | list[StrictStr]
     echo: StrictBool | None = None
     logprobs: StrictInt | None = None
     suffix: StrictStr | None = None
@@ -92,10 +92,13 @@ class CompletionRequest(_SamplingRequest):
 
 
 class MemoryAddRequest(_Lenient):
-    messages: Union[StrictStr, list[ChatMessage]]
+    messages: StrictStr | list[ChatMessage]
     user_id: StrictStr = Field(min_length=1)
     metadata: dict[str, Any] | None = None
     infer: StrictBool = False
+    #: InferScale extension: texts the new facts' KV is encoded after (default: the system head
+    #: that ``memory_k`` and ``inferscale chat`` put before recalled memories).
+    context: list[StrictStr] | None = None
 
 
 class MemorySearchRequest(_Lenient):
