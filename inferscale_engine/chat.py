@@ -322,6 +322,13 @@ class ChatSession:
             wait()
 
 
+def warm_up(store: Any) -> None:
+    """Load the store's embedder now (it loads lazily, with a progress bar, on first use)."""
+    embedder = getattr(store, "embedder", None)
+    if embedder is not None and hasattr(embedder, "embed"):
+        embedder.embed(["warm-up"])
+
+
 def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
     yield first
     yield from rest

@@ -293,7 +293,12 @@ def _open_store(args: argparse.Namespace) -> Any:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from inferscale_engine.chat import DEFAULT_SYSTEM_PROMPT, ChatSession, run_repl
+    from inferscale_engine.chat import (
+        DEFAULT_SYSTEM_PROMPT,
+        ChatSession,
+        run_repl,
+        warm_up,
+    )
 
     if args.k < 0 or args.history < 0 or args.max_tokens < 1:
         raise ValueError("--k and --history must be >= 0 and --max-tokens >= 1")
@@ -303,7 +308,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     with _quiet_stderr(interactive and not args.verbose):
         engine = _make_engine(args)
         try:
-            engine.memory  # noqa: B018  (open the store and its embedder before the first turn)
+            warm_up(engine.memory)  # open the store and load its embedder before the first turn
         except BaseException:
             engine.close()
             raise

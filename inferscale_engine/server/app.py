@@ -35,7 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inferscale_engine.chat import memory_context, with_memories
+from inferscale_engine.chat import memory_context, warm_up, with_memories
 from inferscale_engine.errors import (
     ContextOverflowError,
     EngineClosedError,
@@ -163,7 +163,7 @@ def create_app(
     memory_error: list[str] = []
     if preload_memory:
         try:
-            engine.memory  # noqa: B018  (opens the store once, before requests race for it)
+            warm_up(engine.memory)  # open the store and load its embedder before requests race for it
         except Exception as exc:  # noqa: BLE001  (serve completions even without a usable store)
             memory_error.append(f"memory store unavailable: {exc.__class__.__name__}: {exc}")
             logger.warning("memory endpoints disabled: %s", memory_error[0])
