@@ -30,7 +30,8 @@ from inferscale_engine.bench.locomo import (
 
 pytestmark = pytest.mark.timeout(600)
 
-LOCOMO = default_data_path()
+# The full data set next to the repository when present, else the excerpt shipped with the tests.
+LOCOMO = default_data_path() if default_data_path().exists() else Path(__file__).parent / "data" / "locomo_excerpt.json"
 
 
 def _run(tmp_path: Path, name: str, argv: list[str]) -> dict[str, Any]:
@@ -103,7 +104,7 @@ def test_tiers_quick(tmp_path, tiny_llama):
 def test_locomo_quick(tmp_path, smollm2_path):
     workdir, answers, plot = tmp_path / "work", tmp_path / "answers.jsonl", tmp_path / "locomo.png"
     data = _run(tmp_path, "locomo", [
-        "--model", smollm2_path, "--device", "cpu", "--conversations", "1", "--questions-per-category", "2",
+        "--model", smollm2_path, "--device", "cpu", "--data", str(LOCOMO), "--conversations", "1", "--questions-per-category", "2",
         "--max-turns", "30", "--k", "5", "--w", "0,5", "--concurrency", "8",
         "--workdir", str(workdir), "--answers", str(answers), "--plot", str(plot),
     ])
@@ -164,12 +165,12 @@ def test_locomo_scorer_matches_upstream():
 
 @pytest.mark.skipif(not LOCOMO.exists(), reason=f"LoCoMo data not at {LOCOMO}")
 def test_locomo_data_and_retrieval_split():
-    conv = load_locomo(conversations=1, questions_per_category=3)[0]
+    conv = load_locomo(LOCOMO, conversations=1, questions_per_category=3)[0]
     assert conv.turns[0].memory.startswith("[1:56 pm on 8 May, 2023] Caroline: ")
     assert any("[shares a photo of" in t.text for t in conv.turns)
     cats = [q.category for q in conv.questions]
     assert set(cats) == set(CATEGORIES) and all(cats.count(c) <= 3 for c in CATEGORIES)
-    short = load_locomo(conversations=1, max_turns=30)[0]
+    short = load_locomo(LOCOMO, conversations=1, max_turns=30)[0]
     ids = {t.dia_id for t in short.turns}
     assert len(short.turns) == 30 and all(set(q.evidence) <= ids for q in short.questions)
     ranked = [(4, "A"), (1, "B"), (9, "A"), (2, "A"), (7, "B")]
