@@ -8,7 +8,6 @@ ties the two together; one bridge per engine.
 
 from __future__ import annotations
 
-import threading
 import uuid
 from dataclasses import dataclass, field
 
@@ -51,7 +50,6 @@ class Bridge:
     captures: dict[str, CaptureBuffer] = field(default_factory=dict)
     # Rotary table per attention layer name (filled by the engine from the model's own modules).
     ropes: dict[str, RopeTable] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _BRIDGES: dict[str, Bridge] = {}
