@@ -24,7 +24,7 @@ from inferscale_integrations._common import model_name_of
 from inferscale_integrations.langchain.chat_models import PROVIDER, engine_for, sampling_options, usage_metadata
 
 if TYPE_CHECKING:
-    from inferscale_engine import GenerationResult, InferScaleEngine
+    from inferscale_engine import GenerationResult, InferScaleEngine, StreamDelta
 
 
 class InferScaleLLM(LLM):
@@ -111,6 +111,12 @@ class InferScaleLLM(LLM):
             },
         )
 
+    def _chunk(self, delta: StreamDelta) -> GenerationChunk | None:
+        """A streamed piece; the last one carries the generation info, empty pieces are skipped."""
+        if delta.result is not None:
+            return GenerationChunk(text=delta.text, generation_info=self._generation(delta.result).generation_info)
+        return GenerationChunk(text=delta.text) if delta.text else None
+
     def _llm_output(self, results: list[GenerationResult]) -> dict[str, Any]:
         return {
             "model_name": model_name_of(self.engine, self.model_name),
@@ -181,12 +187,8 @@ class InferScaleLLM(LLM):
     ) -> Iterator[GenerationChunk]:
         engine, payload, sampling = self._request(prompt, stop, kwargs)
         for delta in engine.stream(payload, **sampling):
-            if delta.result is not None:
-                info = self._generation(delta.result).generation_info
-                chunk = GenerationChunk(text=delta.text, generation_info=info)
-            elif delta.text:
-                chunk = GenerationChunk(text=delta.text)
-            else:
+            chunk = self._chunk(delta)
+            if chunk is None:
                 continue
             if run_manager:
                 run_manager.on_llm_new_token(chunk.text, chunk=chunk)
@@ -201,12 +203,8 @@ class InferScaleLLM(LLM):
     ) -> AsyncIterator[GenerationChunk]:
         engine, payload, sampling = await asyncio.to_thread(self._request, prompt, stop, kwargs)
         async for delta in engine.astream(payload, **sampling):
-            if delta.result is not None:
-                info = self._generation(delta.result).generation_info
-                chunk = GenerationChunk(text=delta.text, generation_info=info)
-            elif delta.text:
-                chunk = GenerationChunk(text=delta.text)
-            else:
+            chunk = self._chunk(delta)
+            if chunk is None:
                 continue
             if run_manager:
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)

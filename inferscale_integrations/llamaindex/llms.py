@@ -148,14 +148,19 @@ class InferScaleLLM(CustomLLM):
 
     # ------------------------------------------------------------------ chat
 
+    def _chat_response(self, text: str, result: GenerationResult | None, delta: str | None = None) -> ChatResponse:
+        """A chat response so far; usage and raw details ride on the one with the final result."""
+        return ChatResponse(
+            message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
+            delta=delta,
+            raw=_extra(result, self.metadata.model_name) if result else None,
+            additional_kwargs=_usage(result) if result else {},
+        )
+
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         result = self.engine.generate(to_engine_messages(messages), **self._sampling(kwargs))
-        return ChatResponse(
-            message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
-            raw=_extra(result, self.metadata.model_name),
-            additional_kwargs=_usage(result),
-        )
+        return self._chat_response(result.text, result)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
@@ -165,13 +170,7 @@ class InferScaleLLM(CustomLLM):
             text = ""
             for delta in engine.stream(payload, **sampling):
                 text += delta.text
-                extra = _extra(delta.result, self.metadata.model_name) if delta.result else None
-                yield ChatResponse(
-                    message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
-                    delta=delta.text,
-                    raw=extra,
-                    additional_kwargs=_usage(delta.result) if delta.result else {},
-                )
+                yield self._chat_response(text, delta.result, delta.text)
 
         return gen()
 
@@ -179,11 +178,7 @@ class InferScaleLLM(CustomLLM):
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         engine = await asyncio.to_thread(lambda: self.engine)
         result = await engine.agenerate(to_engine_messages(messages), **self._sampling(kwargs))
-        return ChatResponse(
-            message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
-            raw=_extra(result, self.metadata.model_name),
-            additional_kwargs=_usage(result),
-        )
+        return self._chat_response(result.text, result)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
@@ -194,13 +189,7 @@ class InferScaleLLM(CustomLLM):
             text = ""
             async for delta in engine.astream(payload, **sampling):
                 text += delta.text
-                extra = _extra(delta.result, self.metadata.model_name) if delta.result else None
-                yield ChatResponse(
-                    message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
-                    delta=delta.text,
-                    raw=extra,
-                    additional_kwargs=_usage(delta.result) if delta.result else {},
-                )
+                yield self._chat_response(text, delta.result, delta.text)
 
         return gen()
 
