@@ -139,6 +139,15 @@ def resolve_engine(engine: InferScaleEngine | None, model: str | None, options: 
     return get_engine(model or "smollm2", **(options or {}))
 
 
+def own_engine(owner: Any, model: str | None) -> InferScaleEngine:
+    """``owner.engine``, built (or shared) from ``model`` on first use, registered for sharing."""
+    if owner.engine is None:
+        owner.engine = resolve_engine(None, model, owner.engine_options)
+    else:
+        resolve_engine(owner.engine, None)
+    return owner.engine
+
+
 def model_name_of(engine: InferScaleEngine | None, model: str | None) -> str:
     if engine is not None:
         config = getattr(engine, "config", None)

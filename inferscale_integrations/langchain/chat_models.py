@@ -27,7 +27,7 @@ from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field, SecretStr
 
-from inferscale_integrations._common import model_name_of, resolve_engine
+from inferscale_integrations._common import model_name_of, own_engine, resolve_engine
 from inferscale_integrations.langchain._messages import (
     parse_tool_calls,
     to_engine_messages,
@@ -323,11 +323,7 @@ def engine_for(model: Any, override: str | None = None) -> InferScaleEngine:
     """The engine of a LangChain InferScale model: its own, or a shared one for ``override``."""
     if override is not None and override != model.model_name:
         return resolve_engine(None, override, model.engine_options)
-    if model.engine is None:
-        model.engine = resolve_engine(None, model.model_name, model.engine_options)
-    else:
-        resolve_engine(model.engine, None)
-    return model.engine
+    return own_engine(model, model.model_name)
 
 
 def sampling_options(model: Any, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -21,7 +21,12 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict, Field
 
 from inferscale_integrations._common import model_name_of
-from inferscale_integrations.langchain.chat_models import PROVIDER, engine_for, sampling_options, usage_metadata
+from inferscale_integrations.langchain.chat_models import (
+    PROVIDER,
+    engine_for,
+    sampling_options,
+    usage_metadata,
+)
 
 if TYPE_CHECKING:
     from inferscale_engine import GenerationResult, InferScaleEngine, StreamDelta

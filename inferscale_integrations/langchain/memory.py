@@ -33,8 +33,8 @@ from pydantic import ConfigDict, Field, model_validator
 from inferscale_integrations._common import (
     RecallMode,
     check_mode,
+    own_engine,
     recall,
-    resolve_engine,
 )
 from inferscale_integrations.langchain.chat_history import (
     InferScaleChatMessageHistory,
@@ -103,11 +103,7 @@ class InferScaleMemory(BaseChatMemory):
     # ------------------------------------------------------------------ store
 
     def get_engine(self) -> InferScaleEngine:
-        if self.engine is None:
-            self.engine = resolve_engine(None, self.model, self.engine_options)
-        else:
-            resolve_engine(self.engine, None)
-        return self.engine
+        return own_engine(self, self.model)
 
     @property
     def store(self) -> MemoryStore:

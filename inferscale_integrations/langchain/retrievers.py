@@ -25,7 +25,7 @@ from inferscale_integrations._common import (
     check_mode,
     content_of,
     item_metadata,
-    resolve_engine,
+    own_engine,
     search,
 )
 
@@ -62,11 +62,7 @@ class InferScaleRetriever(BaseRetriever):
         return check_mode(value)
 
     def get_engine(self) -> InferScaleEngine:
-        if self.engine is None:
-            self.engine = resolve_engine(None, self.model, self.engine_options)
-        else:
-            resolve_engine(self.engine, None)
-        return self.engine
+        return own_engine(self, self.model)
 
     @property
     def store(self) -> MemoryStore:
