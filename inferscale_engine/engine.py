@@ -69,9 +69,9 @@ Segment = Union[Span, Sequence[int]]
 
 
 class FactSource(Protocol):
-    """Turns a handle in a request of ``user_id`` into the span to inject (the memory store)."""
+    """Turns the handles of a request of ``user_id`` into the spans to inject (the memory store)."""
 
-    def resolve(self, handle: Handle, user_id: str) -> Span: ...
+    def resolve_many(self, handles: Sequence[Handle], user_id: str) -> list[Span]: ...
 
 
 @dataclass
@@ -344,7 +344,7 @@ class InferScaleEngine:
         pieces, handles = split_on_handles(text)
         if handles:
             source = self.fact_source or self.memory
-            spans = [source.resolve(h, user_id) for h in handles]
+            spans = source.resolve_many(handles, user_id)
         else:
             spans = []
         segments: list[Segment] = [self.tokenize(pieces[0], add_special_tokens=not is_chat)]

@@ -2,15 +2,29 @@
 # Engine-core measurements on the lent H200 (device tool), one call:
 #   run(command="bash scripts/h200_core.sh", carry=[".gpu"])
 # Random-weight Llama-3.1-8B shape (load_format=dummy), bf16, vLLM 0.26.0, CUDA graphs on.
+# STEPS picks what runs (default: all, in this order; ~9 min).
 set -uo pipefail
 source .gpu/device-env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 scripts/make_configs.py "$OUT/models"
+STEPS=${STEPS:-kernel query exactness ttft tiers throughput}
+python3 scripts/make_configs.py "$OUT/models" > /dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
 M=$OUT/models/llama-3.1-8b
-python3 -m inferscale_engine.bench.kernel --ks 5,50,200 --json "$OUT/kernel.json" 2>&1 | tail -5
-python3 -m inferscale_engine.bench exactness --model "$M" --dummy-weights --dtype bfloat16 --max-model-len 4096 \
-    --json "$OUT/exactness-llama8b.json" > "$OUT/exactness.log" 2>&1; tail -4 "$OUT/exactness.log"
-python3 -m inferscale_engine.bench ttft --model "$M" --dummy-weights --dtype bfloat16 --max-model-len 8192 \
-    --ks ${KS:-0,5,50} --repeats ${REPEATS:-20} --json "$OUT/ttft-llama8b.json" --plot "$OUT/ttft-llama8b.png" > "$OUT/ttft.log" 2>&1
-tail -14 "$OUT/ttft.log"
+ARGS="--model $M --dummy-weights --dtype bfloat16"
+for step in $STEPS; do
+  echo "== $step $(date +%T)"
+  case $step in
+    kernel) python3 -m inferscale_engine.bench.kernel --ks 5,50,200 --json "$OUT/kernel.json" 2>&1 | tail -4 ;;
+    query) python3 scripts/h200_query_encoder.py 2>&1 | tail -4 ;;
+    exactness) python3 -m inferscale_engine.bench exactness $ARGS --max-model-len 4096 \
+        --json "$OUT/exactness-llama8b.json" > "$OUT/exactness.log" 2>&1; tail -4 "$OUT/exactness.log" ;;
+    ttft) python3 -m inferscale_engine.bench ttft $ARGS --max-model-len 16384 --ks ${KS:-0,5,10,20,50,100,200} \
+        --repeats ${REPEATS:-20} --json "$OUT/ttft-llama-3.1-8b.json" --plot "$OUT/ttft-llama-3.1-8b.png" > "$OUT/ttft.log" 2>&1
+      tail -30 "$OUT/ttft.log" | grep -v "it/s" ;;
+    tiers) python3 -m inferscale_engine.bench tiers $ARGS --max-model-len 8192 --k 50 \
+        --json "$OUT/tiers-llama-3.1-8b.json" > "$OUT/tiers.log" 2>&1; tail -6 "$OUT/tiers.log" ;;
+    throughput) python3 -m inferscale_engine.bench throughput $ARGS --max-model-len 8192 --users 1,10,50,100 --k 50 \
+        --json "$OUT/throughput-llama-3.1-8b.json" > "$OUT/throughput.log" 2>&1; tail -10 "$OUT/throughput.log" ;;
+    profile) python3 scripts/h200_profile.py "$M" 2>&1 | grep "k=" ;;
+  esac
+done

@@ -300,11 +300,13 @@ def test_injection_equals_prompt_when_context_matches(make_store, engine):
 
     # Negative control: the same handle served with noise for V must change the output.
     class Noisy:
-        def resolve(self, handle, user_id):
-            span = store.resolve(handle, user_id)
+        def resolve_many(self, handles, user_id):
             g = torch.Generator().manual_seed(0)
-            noise = torch.randn(span.kv.v.shape, generator=g).to(span.kv.v.dtype) * 5
-            return Span(span.key + ":noise", span.token_ids, FactKV(span.kv.k, noise, span.kv.position), span.text)
+            spans = []
+            for span in store.resolve_many(handles, user_id):
+                noise = torch.randn(span.kv.v.shape, generator=g).to(span.kv.v.dtype) * 5
+                spans.append(Span(span.key + ":noise", span.token_ids, FactKV(span.kv.k, noise, span.kv.position), span.text))
+            return spans
 
     engine.fact_source = Noisy()
     noisy = engine.generate(prompt, user_id="u", max_tokens=16, first_logprobs=5)

@@ -76,9 +76,39 @@ def test_returned_kv_is_a_copy(tmp_path):
     assert torch.equal(fresh.k, make_kv(6, 0).k) and torch.equal(fresh.v, make_kv(6, 0).v)
 
 
+def test_get_many_gathers_one_copy_and_serves_host_hits_in_place(tmp_path):
+    tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 64, host_bytes=1 << 20, page_tokens=PT,
+                    background_promotion=True)
+    kvs = {key(i): make_kv(n, i, position=i) for i, n in enumerate([1, 4, 5, 9, 3])}
+    for k, kv in kvs.items():
+        tiers.put(k, kv, FP)
+    tiers.evict(key(1), to="host")
+    tiers.evict(key(3), to="disk")
+    order = [key(3), key(0), key(1), key(4), key(2), key(0)]  # repeats and every tier
+    got = tiers.get_many(order, FP)
+    for k, kv in zip(order, got):
+        assert_same(kv, kvs[k])
+    # Device hits are views of one fresh buffer, not of the slab.
+    device_hits = [got[1], got[3], got[4]]
+    assert len({kv.k.untyped_storage().data_ptr() for kv in device_hits}) == 1
+    assert all(kv.k.untyped_storage().data_ptr() != tiers._slab.untyped_storage().data_ptr() for kv in got)
+    # The host hit was served from the host copy, then promoted behind the caller's back.
+    tiers.wait_for_promotions()
+    assert tiers.where(key(1)) == "device" and tiers.stats()["host_to_device"] == 1
+    assert_same(got[2], kvs[key(1)])  # what was handed out is unchanged by the promotion
+    assert_same(tiers.get(key(1), FP), kvs[key(1)])
+
+
+def test_get_many_fails_whole_on_a_missing_key(tmp_path):
+    tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 8, page_tokens=PT)
+    tiers.put(key(0), make_kv(3, 0), FP)
+    with pytest.raises(KVMissingError):
+        tiers.get_many([key(0), key(9)], FP)
+
+
 def test_lru_eviction_and_promotion_under_tiny_capacities(tmp_path):
     # Device: 4 pages (each fact below takes 2 pages -> 2 facts). Host: room for 2 facts (the
-    # host keeps the slab's page layout, so it counts whole pages too).
+    # host keeps whole pages' worth of rows too).
     tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 4, host_bytes=page_bytes() * 4, page_tokens=PT)
     kvs = {key(i): make_kv(6, i) for i in range(6)}
     for k, kv in kvs.items():

@@ -2,8 +2,9 @@
 disk tier of a memory store's :class:`~inferscale_engine.memory.tiers.KVTiers`.
 
 Per repeat and tier: every fact is moved down to the tier under test, then the clock runs over
-``tiers.get`` of the ``k`` facts (the promotion to the device, what a store's ``resolve`` does)
-plus an injected request of those spans (``max_tokens=1``). Spans get fresh keys every time so
+``tiers.get_many`` of the ``k`` facts (what a store's ``resolve_many`` does: one gather from the
+device slab; host facts are read in place over PCIe by the injection, layer by layer, and
+promoted in the background) plus an injected request of those spans (``max_tokens=1``). Spans get fresh keys every time so
 vLLM's prefix cache never serves them: each request really injects.
 
 ``disk`` reads are cold by default: each fact file's pages are dropped from the OS page cache
@@ -55,9 +56,11 @@ def run_tiers(
     root: str | os.PathLike | None = None,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
-    """Rows ``{tier, k, ttft_ms_p50, ttft_ms_p95, promote_ms_p50, inject_ms_p50}``.
+    """Rows ``{tier, k, ttft_ms_p50, ttft_ms_p95, promote_ms_p50, inject_ms_p50, tier_answers_differ}``.
 
-    ``ttft_ms`` = promotion + the engine's time to first token; tiers interleave per repeat so
+    ``ttft_ms`` = reading the facts (``get_many``, what a store's ``resolve_many`` does) + the
+    engine's time to first token; ``tier_answers_differ`` counts repeats whose greedy token was
+    not the same from every tier (must be 0). Tiers interleave per repeat so
     drift hits them alike. An extra ``tier="prompt"`` row is the baseline: the same number of
     facts pasted as text and prefilled (no tier, nothing injected).
     """
@@ -98,6 +101,7 @@ def run_tiers(
                 tiers.evict(key, to=tier)  # type: ignore[arg-type]
                 if tier == "disk" and not warm_disk:
                     _drop_page_cache(tiers.path(key))
+        tiers.wait_for_promotions()
         sync()
         where = {tiers.where(key) for key in picked}
         if where != {tier}:
@@ -111,22 +115,28 @@ def run_tiers(
             picked_ids = work.fact_ids[:k]
             ttft: dict[str, list[float]] = {t: [] for t in (*TIERS, PROMPT)}
             promote: dict[str, list[float]] = {t: [] for t in (*TIERS, PROMPT)}
+            mismatches = 0
             for rep in tqdm(range(warmup + repeats), desc=f"tiers k={k}", leave=False):
+                question = work.question()
+                answers = set()
                 for tier in TIERS:
                     move_to(tier, picked_keys)
-                    question = work.question()
                     t0 = time.perf_counter()
-                    kvs = [tiers.get(key, fp) for key in picked_keys]
+                    kvs = tiers.get_many(picked_keys, fp)
                     sync()
                     t_promote = time.perf_counter() - t0
                     serial += 1
                     spans = [Span(f"tiers:{serial}:{i}", tuple(ids), kv) for i, (ids, kv) in enumerate(zip(picked_ids, kvs))]
                     result = engine.generate_segments([work.head, *spans, question], max_tokens=1, mode="inject")
+                    tiers.wait_for_promotions()
                     if result.usage.injected_tokens < k * fact_tokens:
                         raise RuntimeError(f"only {result.usage.injected_tokens} tokens injected for {k} facts")
+                    answers.add(tuple(result.token_ids))
                     if rep >= warmup:
                         ttft[tier].append(t_promote + result.ttft_s)
                         promote[tier].append(t_promote)
+                # Same KV bytes from every tier: the same greedy token, or a tier serves wrong KV.
+                mismatches += len(answers) > 1
                 segs = work.prompt_segments(work.sample(k), work.question())
                 result = engine.generate_segments(segs, max_tokens=1, mode="prompt")
                 if rep >= warmup:
@@ -140,6 +150,7 @@ def run_tiers(
                     "inject_ms_p50": 1e3 * median([a - b for a, b in zip(ttft[tier], promote[tier])]),
                     "fact_tokens": fact_tokens, "kv_bytes_per_fact": int(bytes_per_token * fact_tokens),
                     "device": device, "disk_cache": "warm" if warm_disk else "cold",
+                    "tier_answers_differ": mismatches,
                 })
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -38,6 +39,7 @@ from inferscale_engine.connector.plan import (
     LoadRequest,
     parse_params,
 )
+from inferscale_engine.connector.table import InjectionTable, SpanRows
 from inferscale_engine.rope import rotate
 
 if TYPE_CHECKING:
@@ -64,7 +66,8 @@ class InferScaleConnector(KVConnectorBase_V1):
             raise ValueError("InferScaleConnector needs kv_connector_extra_config={'bridge_id': ...}")
         self._bridge_id: str = extra["bridge_id"]
         self._fused = bool(extra.get("fused_rope", True))
-        self._fused_views: tuple[list[torch.Tensor], list[torch.Tensor]] | bool | None = None
+        # Triton writer's per-layer K/V cache addresses and one view, once known (False: unusable).
+        self._fused_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | bool | None = None
         self._block_size = self._find_block_size(vllm_config, kv_cache_config)
 
         # Scheduler half.
@@ -76,14 +79,18 @@ class InferScaleConnector(KVConnectorBase_V1):
         # Worker half.
         self._bridge_obj: Bridge | None = None
         self._layers: list[tuple[str, Any]] = []
+        self._layer_index: dict[str, int] = {}
         self._writers: dict[str, Any] = {}
         self._step = 0
         self._step_captures: list[CaptureSlots] = []
         self._matched_step = -1
         self._matches: list[tuple[CaptureBuffer, torch.Tensor, torch.Tensor]] = []
+        self._side_stream: torch.cuda.Stream | None = None
+        self._layer_events: list[torch.cuda.Event] | None = None
+        self._in_flight: Any = None  # what this step's side-stream launches read
 
     @staticmethod
-    def _find_block_size(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> int:
+    def _find_block_size(vllm_config: "VllmConfig", kv_cache_config: KVCacheConfig | None) -> int:
         if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
             return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
         return int(vllm_config.cache_config.block_size)
@@ -176,6 +183,7 @@ class InferScaleConnector(KVConnectorBase_V1):
     def _install(self, forward_context: "ForwardContext") -> None:
         """Wrap every attention layer's KV write once, to see what vLLM writes."""
         self._layers = compat.attention_layers(forward_context)
+        self._layer_index = {name: i for i, (name, _) in enumerate(self._layers)}
         for index, (name, layer) in enumerate(self._layers):
             original = layer.impl.do_kv_cache_update
             self._writers[name] = original
@@ -198,11 +206,15 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._install(forward_context)
         self._step += 1
         self._step_captures = meta.captures
-        for load in meta.loads:
-            self._inject(load, forward_context)
+        # The previous forward waited on every layer's event, so its host reads are done.
+        self._layer_events, self._in_flight = None, None
+        if meta.loads:
+            self._inject(meta.loads, forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        pass  # start_load_kv writes every layer before the forward pass begins
+        # Only host-tier injections run layer by layer, overlapped with the forward pass.
+        if self._layer_events is not None:
+            torch.cuda.current_stream().wait_event(self._layer_events[self._layer_index[layer_name]])
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         pass  # captures happen in the wrapped KV write, which sees K/V before the cache layout
@@ -214,60 +226,91 @@ class InferScaleConnector(KVConnectorBase_V1):
         super().clear_connector_metadata()
         self._step_captures = []
 
-    def _inject(self, load: LoadRequest, forward_context: "ForwardContext") -> None:
-        # Hundreds of spans per request at large k: keep per-span Python work to one slice each.
+    def _inject(self, loads: list[LoadRequest], forward_context: "ForwardContext") -> None:
+        # Hundreds of spans per step at large k: per span, one dict lookup and one small record.
         staged = self._bridge().staged
-        ks, vs, deltas, counts = [], [], [], []
-        for piece in load.pieces:
-            kv = staged.get(piece.key)
-            if kv is None:
-                raise RuntimeError(f"span {piece.key!r} was not staged before its request ran")
-            ks.append(kv.k[:, piece.row : piece.row + piece.count])
-            vs.append(kv.v[:, piece.row : piece.row + piece.count])
-            deltas.append(piece.position - (kv.position + piece.row))
-            counts.append(piece.count)
+        num_layers = len(self._layers)
+        parts: list[SpanRows] = []
+        for load in loads:
+            for piece in load.pieces:
+                kv = staged.get(piece.key)
+                if kv is None:
+                    raise RuntimeError(f"span {piece.key!r} was not staged before its request ran")
+                if kv.k.shape[0] != num_layers:
+                    raise RuntimeError(f"stored KV has {kv.k.shape[0]} layers, the model has {num_layers}")
+                parts.append(SpanRows(kv, piece.row, piece.count, piece.position - (kv.position + piece.row)))
+        slots = np.concatenate([self._load_slots(load) for load in loads])
         device = compat.layer_kv_cache(self._layers[0][1], forward_context).device
-        k = torch.cat(ks, dim=1).to(device, non_blocking=True)
-        v = torch.cat(vs, dim=1).to(device, non_blocking=True)
-        if k.shape[0] != len(self._layers):
-            raise RuntimeError(f"stored KV has {k.shape[0]} layers, the model has {len(self._layers)}")
-        deltas_all = torch.repeat_interleave(
-            torch.tensor(deltas, dtype=torch.long), torch.tensor(counts, dtype=torch.long)
-        ).to(device, non_blocking=True)
-        positions = torch.arange(load.start, load.stop, device=device)
-        blocks = torch.tensor(load.block_ids, dtype=torch.long).to(device, non_blocking=True)
-        slots = blocks[positions // self._block_size] * self._block_size + positions % self._block_size
-        if self._fused and device.type == "cuda" and self._inject_fused(k, v, deltas_all, slots, forward_context):
-            return
-        k = self._rotate(k, deltas_all)
-        for index, (name, layer) in enumerate(self._layers):
-            cache = compat.layer_kv_cache(layer, forward_context)
-            self._writers[name](layer, k[index].to(cache.dtype), v[index].to(cache.dtype), cache, slots)
+        if self._fused and device.type == "cuda" and self._fused_ready(forward_context):
+            self._inject_fused(parts, slots, device)
+        else:
+            self._inject_torch(parts, slots, device, forward_context)
 
-    def _inject_fused(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        deltas: torch.Tensor,
-        slots: torch.Tensor,
-        forward_context: "ForwardContext",
-    ) -> bool:
-        """Rotate and scatter with one Triton launch for all layers; False if the layout is unknown."""
-        from inferscale_engine.rope_triton import rotate_and_scatter
+    def _load_slots(self, load: LoadRequest) -> np.ndarray:
+        bs = self._block_size
+        positions = np.arange(load.start, load.stop)
+        return np.asarray(load.block_ids, dtype=np.int64)[positions // bs] * bs + positions % bs
 
-        if self._fused_views is None:  # caches never move once allocated: find their views once
+    def _fused_ready(self, forward_context: "ForwardContext") -> bool:
+        """Whether the Triton writer knows this cache layout (per-layer rope or an unknown layout
+        go the torch way); found once, since caches never move once allocated."""
+        if self._fused_views is None:
+            from inferscale_engine.rope_triton import cache_pointers
+
             views = [compat.paged_kv_views(layer, compat.layer_kv_cache(layer, forward_context)) for _, layer in self._layers]
             ropes = self._bridge().ropes
             one_table = len({id(ropes[name]) for name, _ in self._layers}) == 1
-            # Per-layer rope or an unknown layout: the torch path handles those.
-            self._fused_views = (
-                ([kc for kc, _ in views], [vc for _, vc in views]) if one_table and all(views) else False
-            )
-        if not self._fused_views:
-            return False
-        table = self._bridge().ropes[self._layers[0][0]]
-        rotate_and_scatter(k, v, deltas, slots, table, *self._fused_views)
-        return True
+            if one_table and all(views):
+                device = views[0][0].device
+                keys, values = [kc for kc, _ in views], [vc for _, vc in views]
+                self._fused_views = (cache_pointers(keys, device), cache_pointers(values, device), keys[0])
+            else:
+                self._fused_views = False
+        return bool(self._fused_views)
+
+    def _inject_fused(self, parts: list[SpanRows], slots: np.ndarray, device: torch.device) -> None:
+        from inferscale_engine.rope_triton import inject_rows
+
+        assert self._fused_views
+        key_ptrs, value_ptrs, view = self._fused_views
+        table = InjectionTable.build(parts, slots, device)
+        rope = self._bridge().ropes[self._layers[0][0]]
+        if not table.reads_host:
+            inject_rows(table, rope, key_ptrs, value_ptrs, view, range(len(self._layers)))
+            return
+        # Host-tier spans cross PCIe: write layer by layer on a side stream, so layer i's copy
+        # overlaps the forward pass of the layers before it (wait_for_layer_load waits on it).
+        compute = torch.cuda.current_stream(device)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device)
+        side = self._side_stream
+        side.wait_stream(compute)  # the request's blocks may still be read by earlier work
+        events = []
+        with torch.cuda.stream(side):
+            for index in range(len(self._layers)):
+                inject_rows(table, rope, key_ptrs, value_ptrs, view, range(index, index + 1))
+                event = torch.cuda.Event()
+                event.record(side)
+                events.append(event)
+        for t in (table.data, *table.keepalive):
+            t.record_stream(side)
+        self._layer_events, self._in_flight = events, (table, parts)
+
+    def _inject_torch(
+        self, parts: list[SpanRows], slots: np.ndarray, device: torch.device, forward_context: "ForwardContext"
+    ) -> None:
+        """Reference path (CPU, or layouts the Triton writer does not know): gather, rotate,
+        write through the backend's own KV write op."""
+        k = torch.cat([p.kv.k[:, p.row : p.row + p.count].to(device) for p in parts], dim=1)
+        v = torch.cat([p.kv.v[:, p.row : p.row + p.count].to(device) for p in parts], dim=1)
+        deltas = torch.repeat_interleave(
+            torch.tensor([p.delta for p in parts], dtype=torch.long), torch.tensor([p.count for p in parts])
+        ).to(device)
+        slot_mapping = torch.from_numpy(slots).to(device)
+        k = self._rotate(k, deltas)
+        for index, (name, layer) in enumerate(self._layers):
+            cache = compat.layer_kv_cache(layer, forward_context)
+            self._writers[name](layer, k[index].to(cache.dtype), v[index].to(cache.dtype), cache, slot_mapping)
 
     def _rotate(self, k: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         ropes = self._bridge().ropes

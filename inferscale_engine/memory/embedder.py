@@ -44,6 +44,7 @@ class Embedder:
             self._model = model
             self.name = getattr(model, "inferscale_name", None) or _object_name(model)
         self._dim: int | None = None
+        self._query_encoder: Any = None  # CUDA-graphed single-query path, when the model allows
 
     @property
     def model(self) -> Any:
@@ -74,6 +75,9 @@ class Embedder:
         if not texts:
             return np.zeros((0, self._dim or 0), dtype=np.float32)
         model = self.model
+        if len(texts) == 1 and self._graphable(model):
+            with self._lock:
+                return self._embed_query(model, texts[0])
         with self._lock, torch.inference_mode():
             if _is_sentence_transformer(model):
                 out = model.encode(
@@ -89,6 +93,31 @@ class Embedder:
         vecs = vecs / np.maximum(norms, 1e-12)
         self._dim = vecs.shape[1]
         return np.ascontiguousarray(vecs, dtype=np.float32)
+
+
+    def _graphable(self, model: Any) -> bool:
+        """A search's one query goes through a CUDA graph when the model is a plain mean-pooled
+        transformer (MiniLM and its kind) on a CUDA device."""
+        if not str(self.device).startswith("cuda") or not _is_sentence_transformer(model):
+            return False
+        names = [type(m).__name__ for m in model]
+        if names not in (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"]):
+            return False
+        pooling = model[1].get_config_dict()
+        if "pooling_mode" in pooling:  # sentence-transformers >= 6
+            return pooling["pooling_mode"] == "mean"
+        modes = {k for k, v in pooling.items() if k.startswith("pooling_mode_") and v is True}
+        return modes == {"pooling_mode_mean_tokens"}
+
+    def _embed_query(self, model: Any, text: str) -> np.ndarray:
+        from inferscale_engine.memory.query_graph import GraphedQueryEncoder
+
+        if self._query_encoder is None:
+            self._query_encoder = GraphedQueryEncoder(model[0].auto_model)
+        ids = model.tokenizer(text, truncation=True, max_length=model.max_seq_length)["input_ids"]
+        vec = self._query_encoder(ids).cpu().numpy()[None]
+        self._dim = vec.shape[1]
+        return np.ascontiguousarray(vec, dtype=np.float32)
 
 
 def _is_sentence_transformer(model: Any) -> bool:

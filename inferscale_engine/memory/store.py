@@ -350,22 +350,41 @@ class MemoryStore:
         Waits for a fact that is being encoded, at most ``resolve_timeout`` seconds
         (:class:`KVNotReadyError`).
         """
+        return self.resolve_many([handle], user_id)[0]
+
+    def resolve_many(self, handles: Sequence[Handle | str], user_id: str) -> list["Span"]:
+        """:meth:`resolve` for every handle of one request, reading their KV in one batch."""
         from inferscale_engine.engine import Span
 
         self._check_open()
         user_id = _check_user(user_id)
-        fact_id = self._codec.verify(handle, user_id)
+        fact_ids = [self._codec.verify(h, user_id) for h in handles]
         with self._lock:
-            fact = self._facts.get(fact_id)
-            if fact is None:
-                raise FactNotFoundError(f"memory {fact_id} does not exist (never did, or was deleted)")
-            if fact.user_id != user_id:  # cannot happen with a valid MAC; checked anyway
-                raise ForgedHandleError(f"memory {fact_id} does not belong to this user")
+            facts = []
+            for fact_id in fact_ids:
+                fact = self._facts.get(fact_id)
+                if fact is None:
+                    raise FactNotFoundError(f"memory {fact_id} does not exist (never did, or was deleted)")
+                if fact.user_id != user_id:  # cannot happen with a valid MAC; checked anyway
+                    raise ForgedHandleError(f"memory {fact_id} does not belong to this user")
+                facts.append(dataclasses.replace(fact))
         if self.engine is None:
             raise InferScaleError("this memory store has no engine, so it has no KV to serve")
-        kv, fact = self._kv(fact_id)
-        assert fact.token_ids is not None
-        return Span(key=f"fact:{fact.id}:{fact.kv_version}", token_ids=tuple(fact.token_ids), kv=kv, text=fact.text)
+        kvs: list[FactKV | None] = [None] * len(facts)
+        ready = [i for i, f in enumerate(facts) if f.fingerprint == self.fingerprint]
+        try:
+            got = self.tiers.get_many([(facts[i].id, facts[i].kv_version) for i in ready], self.fingerprint)  # type: ignore[arg-type]
+            for i, kv in zip(ready, got):
+                kvs[i] = kv
+        except (KVMissingError, StaleKVError):
+            pass  # the fact-by-fact path below repairs (re-encodes) what is missing or stale
+        spans = []
+        for fact, kv in zip(facts, kvs):
+            if kv is None:  # not encoded yet, or its KV needs repair
+                kv, fact = self._kv(fact.id)
+            assert fact.token_ids is not None
+            spans.append(Span(key=f"fact:{fact.id}:{fact.kv_version}", token_ids=tuple(fact.token_ids), kv=kv, text=fact.text))
+        return spans
 
     def wait_for_encoding(self, timeout: float | None = None) -> None:
         """Block until every queued fact has been encoded (or failed); ``TimeoutError`` after ``timeout``."""

@@ -4,7 +4,10 @@
   ``[num_pages, layers, 2, page_tokens, kv_heads, head_dim]``: a fact of ``n`` tokens takes
   ``ceil(n / page_tokens)`` pages from a free list, so nothing is allocated per fact. On a CPU
   engine the "device" is the CPU and the slab is an ordinary tensor.
-* **Host tier** – per-fact CPU tensors (pinned when CUDA is available, for fast promotion).
+* **Host tier** – per-fact CPU tensors ``[2, layers, pages * page_tokens, kv_heads, head_dim]``
+  (pinned when CUDA is available). On CUDA a host hit is served where it lies: the injection
+  kernel reads pinned memory over PCIe, layer by layer, overlapped with the forward pass, and
+  the fact is promoted to the device in the background.
 * **Disk tier** – one safetensors file per fact version, written atomically (temp file in the
   same folder, fsync, ``os.replace``, fsync of the folder) and carrying the model fingerprint
   in its metadata. Disk is write-through and unbounded: every encoded fact has its file before
@@ -12,9 +15,10 @@
 
 Memory tiers are exclusive and LRU: a ``put`` or a promotion lands on the device; the device
 evicts its least recently used fact to the host, the host drops its least recently used fact
-(the disk still holds it). ``get`` promotes to the device and returns a *copy* gathered from
-the pages, so a span in flight never sees its pages reused. Bytes are never converted: KV
-read back from any tier is ``torch.equal`` to what was put.
+(the disk still holds it). ``get_many`` returns device-tier facts as views of *one copy*
+gathered from the slab for all of them (two kernels whatever ``k``), so a span in flight never
+sees its pages reused. Bytes are never converted: KV read back from any tier is
+``torch.equal`` to what was put.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import re
 import threading
 import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext as _no_stream
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,16 +65,19 @@ class _DeviceEntry:
 
 @dataclass
 class _HostEntry:
-    # The slab's own page layout, [pages, layers, 2, page_tokens, heads, dim]: promotion is then
-    # one contiguous host-to-device copy and one indexed write, whatever the fact's length.
-    pages: torch.Tensor
+    # [2, layers, pages * page_tokens, heads, dim]: K and V are plain strided views the injection
+    # kernel reads in place, and promotion is one contiguous host-to-device copy.
+    block: torch.Tensor
     num_tokens: int
     position: int
     fingerprint: str
 
     @property
     def nbytes(self) -> int:
-        return self.pages.nbytes
+        return self.block.nbytes
+
+    def kv(self) -> FactKV:
+        return FactKV(self.block[0, :, : self.num_tokens], self.block[1, :, : self.num_tokens], self.position)
 
 
 class KVTiers:
@@ -83,6 +92,7 @@ class KVTiers:
         host_bytes: int = 2 << 30,
         page_tokens: int = 16,
         pin_memory: bool | None = None,
+        background_promotion: bool | None = None,
     ) -> None:
         if page_tokens < 1:
             raise ValueError(f"page_tokens must be >= 1, got {page_tokens}")
@@ -95,6 +105,12 @@ class KVTiers:
         self.host_bytes = int(host_bytes)
         self.page_tokens = int(page_tokens)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        # Host hits served in place need pinned memory; promoting them synchronously would put
+        # the PCIe copy back on the request's path.
+        if background_promotion is None:
+            background_promotion = self.device.type == "cuda" and self.pin_memory
+        self.background_promotion = background_promotion
+        self._promoter: ThreadPoolExecutor | None = None
         self._lock = threading.RLock()
         self._geometry: tuple[int, int, int, torch.dtype] | None = None  # layers, kv heads, head dim, dtype
         self._slab: torch.Tensor | None = None
@@ -114,30 +130,55 @@ class KVTiers:
         self._write_file(key, kv, fingerprint)
         with self._lock:
             self._drop_memory(key)
-            self._insert(key, self._to_pages(kv.k, kv.v), kv.num_tokens, kv.position, fingerprint)
+            self._insert(key, self._to_block(kv.k, kv.v), kv.num_tokens, kv.position, fingerprint)
 
     def get(self, key: KVKey, fingerprint: str) -> FactKV:
-        """KV of ``key`` on the device, promoting it from host or disk.
+        """KV of ``key`` (see :meth:`get_many`)."""
+        return self.get_many([key], fingerprint)[0]
 
-        Raises :class:`KVMissingError` when no tier has it and :class:`StaleKVError` when the
-        stored KV was made under another model fingerprint.
+    def get_many(self, keys: list[KVKey], fingerprint: str) -> list[FactKV]:
+        """KV of each key, for injection: device-tier facts as views of one gathered copy,
+        host-tier facts in place (promoted to the device, in the background on CUDA), disk-tier
+        facts read and cached on the device.
+
+        Raises :class:`KVMissingError` when no tier has a key and :class:`StaleKVError` when
+        its stored KV was made under another model fingerprint.
         """
+        out: list[FactKV | None] = [None] * len(keys)
+        promote: list[KVKey] = []
         with self._lock:
-            got = self._get_memory(key, fingerprint)
-        if got is not None:
-            return got
-        k, v, position = self._read_file(key, fingerprint)
-        with self._lock:
-            got = self._get_memory(key, fingerprint)  # another thread may have loaded it meanwhile
-            if got is not None:
-                return got
-            if not self.path(key).exists():  # deleted while we read it: serve, but do not cache
-                return FactKV(k.to(self.device), v.to(self.device), position)
-            self._insert(key, self._to_pages(k, v), k.shape[1], position, fingerprint)
-            got = self._get_memory(key, fingerprint)
-        if got is None:  # too large for every memory tier: serve straight from the file
-            got = FactKV(k.to(self.device), v.to(self.device), position)
-        return got
+            on_device: list[tuple[int, _DeviceEntry]] = []
+            for i, key in enumerate(keys):
+                entry = self._device.get(key)
+                if entry is not None:
+                    _check_fingerprint(key, entry.fingerprint, fingerprint, "device tier")
+                    self._device.move_to_end(key)
+                    on_device.append((i, entry))
+                    continue
+                host = self._host.get(key)
+                if host is not None:
+                    _check_fingerprint(key, host.fingerprint, fingerprint, "host tier")
+                    self._host.move_to_end(key)
+                    if self.background_promotion:
+                        out[i] = host.kv()
+                        promote.append(key)
+                    else:
+                        out[i] = self._promote(key)
+            for (i, _), kv in zip(on_device, self._read_device([e for _, e in on_device])):
+                out[i] = kv
+        if promote:
+            if self._promoter is None:
+                self._promoter = ThreadPoolExecutor(1, thread_name_prefix="inferscale-promote")
+            self._promoter.submit(self._promote_all, promote)
+        for i, key in enumerate(keys):
+            if out[i] is None:
+                out[i] = self._get_from_disk(key, fingerprint)
+        return out  # type: ignore[return-value]
+
+    def wait_for_promotions(self) -> None:
+        """Block until every background promotion queued so far has landed (tests, benchmarks)."""
+        if self._promoter is not None:
+            self._promoter.submit(lambda: None).result()
 
     def where(self, key: KVKey) -> Tier | None:
         """The fastest tier holding ``key``."""
@@ -262,54 +303,85 @@ class KVTiers:
             elif geometry != self._geometry:
                 raise ValueError(f"KV geometry {geometry} does not match this store's {self._geometry}")
 
-    def _get_memory(self, key: KVKey, fingerprint: str) -> FactKV | None:
-        entry = self._device.get(key)
-        if entry is not None:
-            _check_fingerprint(key, entry.fingerprint, fingerprint, "device tier")
-            self._device.move_to_end(key)
-            k, v = self._read_pages(entry)
-            return FactKV(k, v, entry.position)
-        host = self._host.pop(key, None)
-        if host is None:
-            return None
-        self._host_used -= host.nbytes
-        _check_fingerprint(key, host.fingerprint, fingerprint, "host tier")
-        self._insert(key, host.pages, host.num_tokens, host.position, host.fingerprint)
-        entry = self._device.get(key)
-        if entry is not None:
-            self.counters["host_to_device"] += 1
-            k, v = self._read_pages(entry)
-            return FactKV(k, v, entry.position)
-        # Larger than the slab: served from the host copy (which _insert kept if it fits there).
-        k, v = self._from_pages(host.pages.to(self.device), host.num_tokens)
-        return FactKV(k, v, host.position)
+    def _get_from_disk(self, key: KVKey, fingerprint: str) -> FactKV:
+        k, v, position = self._read_file(key, fingerprint)
+        with self._lock:
+            if key in self._device or key in self._host:  # another thread loaded it meanwhile
+                return self.get_many([key], fingerprint)[0]
+            if not self.path(key).exists():  # deleted while we read it: serve, but do not cache
+                return FactKV(k.to(self.device), v.to(self.device), position)
+            self._insert(key, self._to_block(k, v), k.shape[1], position, fingerprint)
+            entry = self._device.get(key)
+            if entry is not None:
+                return self._read_device([entry])[0]
+        # Too large for the slab: served from the file (the host tier may keep a copy).
+        return FactKV(k.to(self.device), v.to(self.device), position)
 
-    def _insert(self, key: KVKey, pages: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
-        need = pages.shape[0]
+    def _promote(self, key: KVKey) -> FactKV:
+        """Move a host-tier fact to the device and return its KV (lock held)."""
+        host = self._host.pop(key)
+        self._host_used -= host.nbytes
+        self._insert(key, host.block, host.num_tokens, host.position, host.fingerprint)
+        entry = self._device.get(key)
+        if entry is None:  # larger than the slab: _insert kept it on the host
+            return host.kv().to(self.device)
+        self.counters["host_to_device"] += 1
+        return self._read_device([entry])[0]
+
+    def _promote_all(self, keys: list[KVKey]) -> None:
+        try:
+            stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            with self._lock, (torch.cuda.stream(stream) if stream is not None else _no_stream()):
+                for key in keys:
+                    if key in self._host:  # not deleted or dropped meanwhile
+                        self._promote(key)
+                if stream is not None:
+                    stream.synchronize()
+        except Exception:  # a cache fill: the host copy (or the disk) still serves the fact
+            logger.exception("background promotion of %d facts failed", len(keys))
+
+    def _read_device(self, entries: list[_DeviceEntry]) -> list[FactKV]:
+        """Every entry's KV as views of one copy of their pages (lock held): one gather and one
+        relayout for all, and later slab writes never change KV handed out."""
+        if not entries:
+            return []
+        assert self._slab is not None
+        index = torch.as_tensor([p for e in entries for p in e.pages], device=self.device)
+        block = self._pages_to_block(self._slab.index_select(0, index))
+        out, start = [], 0
+        for e in entries:
+            rows = block[:, :, start : start + e.num_tokens]
+            out.append(FactKV(rows[0], rows[1], e.position))
+            start += len(e.pages) * self.page_tokens
+        return out
+
+    def _insert(self, key: KVKey, block: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
+        need = block.shape[2] // self.page_tokens
         if self._slab is not None and need <= self._slab.shape[0]:
             while len(self._free) < need:
                 self._evict_device(next(iter(self._device)))
             slots = [self._free.pop() for _ in range(need)]
             index = torch.as_tensor(slots, device=self.device)
-            self._slab.index_copy_(0, index, pages.to(self.device, non_blocking=pages.is_pinned()))
+            on_device = block.to(self.device, non_blocking=block.is_pinned())  # one contiguous copy
+            self._slab.index_copy_(0, index, self._block_to_pages(on_device))
             self._device[key] = _DeviceEntry(slots, n, position, fingerprint)
         else:  # larger than the whole slab: the host serves it
-            self._insert_host(key, pages, n, position, fingerprint)
+            self._insert_host(key, block, n, position, fingerprint)
 
     def _evict_device(self, key: KVKey) -> None:
         entry = self._device.pop(key)
         index = torch.as_tensor(entry.pages, device=self.device)
-        pages = self._slab.index_select(0, index).to("cpu")  # type: ignore[union-attr]
+        block = self._pages_to_block(self._slab.index_select(0, index)).to("cpu")  # type: ignore[union-attr]
         self._free.extend(entry.pages)
         self.counters["device_to_host"] += 1
-        self._insert_host(key, pages, entry.num_tokens, entry.position, entry.fingerprint)
+        self._insert_host(key, block, entry.num_tokens, entry.position, entry.fingerprint)
 
-    def _insert_host(self, key: KVKey, pages: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
+    def _insert_host(self, key: KVKey, block: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
         # Own copy: the caller's tensor (or the slab pages it came from) may change later.
-        pages = pages.to("cpu", copy=True)
+        block = block.to("cpu", copy=True)
         if self.pin_memory:
-            pages = pages.pin_memory()
-        entry = _HostEntry(pages, n, position, fingerprint)
+            block = block.pin_memory()
+        entry = _HostEntry(block, n, position, fingerprint)
         if entry.nbytes > self.host_bytes:
             self.counters["host_drops"] += 1
             return  # the disk has it
@@ -327,27 +399,24 @@ class KVTiers:
         if host is not None:
             self._host_used -= host.nbytes
 
-    def _to_pages(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``[layers, n, heads, dim]`` K and V as ``[pages, layers, 2, page_tokens, heads, dim]``."""
+    def _to_block(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``[layers, n, heads, dim]`` K and V as one ``[2, layers, pages * page_tokens, heads, dim]``."""
         layers, n, heads, dim = k.shape
-        pt = self.page_tokens
-        m = max(1, math.ceil(n / pt))
-        out = torch.zeros((layers, 2, m * pt, heads, dim), dtype=k.dtype, device=k.device)
-        out[:, 0, :n] = k
-        out[:, 1, :n] = v
-        return out.view(layers, 2, m, pt, heads, dim).permute(2, 0, 1, 3, 4, 5).contiguous()
+        m = max(1, math.ceil(n / self.page_tokens))
+        out = torch.zeros((2, layers, m * self.page_tokens, heads, dim), dtype=k.dtype, device=k.device)
+        out[0, :, :n] = k
+        out[1, :, :n] = v
+        return out
+
+    def _block_to_pages(self, block: torch.Tensor) -> torch.Tensor:
+        """``[2, layers, m * page_tokens, heads, dim]`` as the slab's ``[m, layers, 2, page_tokens, heads, dim]`` (a view)."""
+        _, layers, rows, heads, dim = block.shape
+        return block.view(2, layers, rows // self.page_tokens, self.page_tokens, heads, dim).permute(2, 1, 0, 3, 4, 5)
 
     @staticmethod
-    def _from_pages(pages: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _pages_to_block(pages: torch.Tensor) -> torch.Tensor:
         m, layers, _, pt, heads, dim = pages.shape
-        kv = pages.permute(2, 1, 0, 3, 4, 5).reshape(2, layers, m * pt, heads, dim)[:, :, :n]
-        return kv[0], kv[1]
-
-    def _read_pages(self, entry: _DeviceEntry) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self._slab is not None
-        index = torch.as_tensor(entry.pages, device=self.device)
-        # A copy (index_select), so later slab writes never change KV handed out.
-        return self._from_pages(self._slab.index_select(0, index), entry.num_tokens)
+        return pages.permute(2, 1, 0, 3, 4, 5).reshape(2, layers, m * pt, heads, dim)
 
     # ------------------------------------------------------------------ disk tier
 

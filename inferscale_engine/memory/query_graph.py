@@ -1,0 +1,90 @@
+"""One query's embedding on CUDA as a CUDA-graph replay.
+
+A search embeds one short query, and at that size a 6-layer encoder run eagerly is all Python and
+kernel-launch overhead (milliseconds on an H200 for what the GPU does in microseconds). This
+captures the encoder + mean pooling + L2 normalisation once per padded length and replays it.
+Any model whose forward fails to capture (data-dependent control flow) runs eagerly instead.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from torch import nn
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    io: torch.Tensor  # [2, bucket]: token ids, attention mask
+    out: torch.Tensor  # [dim], unit length
+
+
+def _embed(model: "nn.Module", ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state[0]
+    weights = mask[0].to(hidden.dtype)[:, None]
+    pooled = (hidden * weights).sum(0) / weights.sum().clamp_min(1)
+    return torch.nn.functional.normalize(pooled.float(), dim=-1)
+
+
+class GraphedQueryEncoder:
+    """``encoder(token_ids) -> [dim]`` unit-length fp32 embedding on the model's device: a
+    BERT-style ``model`` (``input_ids``/``attention_mask`` in, ``last_hidden_state`` out)
+    followed by mean pooling over real tokens, as sentence-transformers' MiniLM does. Graphs
+    on CUDA; elsewhere (and past the longest bucket) the same computation runs eagerly."""
+
+    def __init__(self, model: "nn.Module") -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        # Eager attention: only arithmetic on the mask, nothing that syncs during capture.
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation("eager")
+        self._graphs: dict[int, _Graph | None] = {}
+
+    def __call__(self, token_ids: list[int]) -> torch.Tensor:
+        n = len(token_ids)
+        bucket = next((b for b in BUCKETS if b >= n), None)
+        host = torch.zeros(2, bucket or n, dtype=torch.long)
+        host[0, :n] = torch.tensor(token_ids, dtype=torch.long)
+        host[1, :n] = 1
+        graph = self._graph(bucket) if bucket is not None and self.device.type == "cuda" else None
+        with torch.inference_mode():
+            if graph is None:
+                io = host.to(self.device)
+                return _embed(self.model, io[0:1], io[1:2])
+            graph.io.copy_(host, non_blocking=False)
+            graph.graph.replay()
+            return graph.out.clone()
+
+    def _graph(self, bucket: int) -> _Graph | None:
+        if bucket not in self._graphs:
+            self._graphs[bucket] = self._capture(bucket)
+        return self._graphs[bucket]
+
+    def _capture(self, bucket: int) -> _Graph | None:
+        io = torch.zeros(2, bucket, dtype=torch.long, device=self.device)
+        io[:, 0] = 1
+        try:
+            with torch.inference_mode():
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # warm up kernels and allocator outside the capture
+                        _embed(self.model, io[0:1], io[1:2])
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = _embed(self.model, io[0:1], io[1:2])
+            return _Graph(graph, io, out)
+        except Exception as exc:  # a forward that cannot be captured still embeds, eagerly
+            logger.warning("query encoder runs eagerly for %d-token queries: CUDA graph capture failed: %s", bucket, exc)
+            return None

@@ -1,0 +1,40 @@
+"""One query's embedding on the GPU: eager encoder vs the store's CUDA-graphed path (diagnostic).
+
+usage: python scripts/h200_query_encoder.py   (random-weight all-MiniLM-L6-v2 shape)
+"""
+
+import json
+import time
+
+import torch
+from transformers import BertConfig, BertModel
+
+from inferscale_engine.memory.query_graph import GraphedQueryEncoder, _embed
+
+cfg = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
+torch.manual_seed(0)
+model = BertModel(cfg).cuda().eval()
+graphed = GraphedQueryEncoder(model)
+rows = []
+for n in (12, 24, 60):
+    ids = torch.randint(1000, 30000, (n,)).tolist()
+    with torch.inference_mode():
+        eager = _embed(model, torch.tensor([ids], device="cuda"), torch.ones(1, n, dtype=torch.long, device="cuda"))
+    got = graphed(ids)
+
+    def timed(fn, reps=50):
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn().cpu()
+        return (time.perf_counter() - t) / reps * 1e3
+
+    def eager_fn():
+        with torch.inference_mode():
+            return _embed(model, torch.tensor([ids], device="cuda"), torch.ones(1, n, dtype=torch.long, device="cuda"))
+
+    rows.append({"tokens": n, "eager_ms": timed(eager_fn), "graphed_ms": timed(lambda: graphed(ids)),
+                 "max_abs_diff": (got - eager).abs().max().item(), "graphs": sorted(k for k, g in graphed._graphs.items() if g)})
+    print(json.dumps(rows[-1]), flush=True)
