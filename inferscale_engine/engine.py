@@ -92,7 +92,7 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str | None
     usage: Usage
-    ttft_s: float
+    ttft_s: float  # from the start of the request's preparation (layout, plan) to its first token
     latency_s: float
     prompt_token_ids: list[int] = field(repr=False, default_factory=list)
     #: Log-probabilities of the first generated token ({token id: logprob}) when asked for.
@@ -112,6 +112,7 @@ class _Prepared:
     prompt: dict[str, Any]
     plan: InjectionPlan | None
     staged: list[Span]
+    started: float  # perf_counter() when preparation began: TTFT counts the layout and plan too
 
 
 class InferScaleEngine:
@@ -324,7 +325,7 @@ class InferScaleEngine:
         prepared, params = await asyncio.to_thread(self._prepare, segments, user_id, **kwargs)
         try:
             state = _Accumulator(prepared)
-            async for out, t in self.loop.aiterate(prepared.prompt, params):
+            async for out, t in self.loop.aiterate(prepared.prompt, params, prepared.started):
                 delta = state.update(out, t)
                 if delta is not None:
                     yield delta
@@ -380,6 +381,7 @@ class InferScaleEngine:
     ) -> tuple[_Prepared, Any]:
         from vllm import SamplingParams
 
+        started = time.perf_counter()
         self._check_open()
         if mode not in ("inject", "prompt"):
             raise ValueError(f"mode must be 'inject' or 'prompt', got {mode!r}")
@@ -424,7 +426,7 @@ class InferScaleEngine:
         )
         staged = spans if plan else []
         self._stage(staged)
-        return _Prepared(prompt, plan, staged), params
+        return _Prepared(prompt, plan, staged, started), params
 
     def _layout(self, segments: Sequence[Segment]) -> tuple[list[Span], list[int]]:
         """Spans covering everything up to the last fact, and the computed tail after it."""
@@ -460,7 +462,7 @@ class InferScaleEngine:
     def _stream(self, prepared: _Prepared, params: Any) -> Iterator[StreamDelta]:
         try:
             state = _Accumulator(prepared)
-            for out, t in self.loop.iterate(prepared.prompt, params):
+            for out, t in self.loop.iterate(prepared.prompt, params, prepared.started):
                 delta = state.update(out, t)
                 if delta is not None:
                     yield delta

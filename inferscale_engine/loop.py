@@ -74,10 +74,11 @@ class EngineLoop:
         outputs = list(self.iterate(prompt, params))
         return outputs[-1][0], outputs[0][1]
 
-    def iterate(self, prompt: dict[str, Any], params: "SamplingParams"):
-        """Yield ``(output, seconds since submit)`` as vLLM produces them."""
+    def iterate(self, prompt: dict[str, Any], params: "SamplingParams", start: float | None = None):
+        """Yield ``(output, seconds since start)`` as vLLM produces them; ``start``: a
+        ``time.perf_counter()`` reading, the submission by default."""
         inbox: queue.SimpleQueue = queue.SimpleQueue()
-        start = time.perf_counter()
+        start = time.perf_counter() if start is None else start
         request_id = self.submit(prompt, params, lambda out, t: inbox.put((out, t)))
         try:
             while True:
@@ -91,10 +92,10 @@ class EngineLoop:
             self.abort(request_id)
             raise
 
-    async def aiterate(self, prompt: dict[str, Any], params: "SamplingParams"):
+    async def aiterate(self, prompt: dict[str, Any], params: "SamplingParams", start: float | None = None):
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
-        start = time.perf_counter()
+        start = time.perf_counter() if start is None else start
         request_id = self.submit(prompt, params, lambda out, t: loop.call_soon_threadsafe(inbox.put_nowait, (out, t)))
         finished = False
         try:

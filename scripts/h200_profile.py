@@ -31,7 +31,12 @@ def patch():
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCore
 
+    from inferscale_engine.engine import InferScaleEngine
+
     C.InferScaleConnector._inject = timed("inject(sync)", C.InferScaleConnector._inject, sync=True)
+    C.InferScaleConnector.get_num_new_matched_tokens = timed("sched.match", C.InferScaleConnector.get_num_new_matched_tokens)
+    C.InferScaleConnector.update_state_after_alloc = timed("sched.alloc", C.InferScaleConnector.update_state_after_alloc)
+    InferScaleEngine._prepare = timed("engine.prepare", InferScaleEngine._prepare)
     Scheduler.schedule = timed("schedule", Scheduler.schedule)
     Scheduler.update_from_output = timed("update_from_output", Scheduler.update_from_output)
     EngineCore.step = timed("core.step", EngineCore.step)
@@ -47,8 +52,8 @@ if __name__ == "__main__":
     fused = len(sys.argv) < 3 or sys.argv[2] != "unfused"
     eng = InferScaleEngine(model=sys.argv[1], device="cuda", dtype="bfloat16", load_format="dummy",
                            skip_tokenizer_init=True, fused_rope=fused)
-    work = SyntheticWorkload.build(eng, pool=200)
-    for k in (50,):
+    work = SyntheticWorkload.build(eng, pool=400)
+    for k in (50, 200):
         for mode in ("inject", "floor", "prompt"):
             ttfts = []
             measured: dict[str, list[float]] = defaultdict(list)

@@ -30,7 +30,14 @@ class _Graph:
 
 
 def _embed(model: "nn.Module", ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state[0]
+    if hasattr(model, "embeddings") and hasattr(model, "encoder"):
+        # BERT-style: build the additive mask here; transformers' own mask helpers inspect the
+        # mask's values (a device sync, which a CUDA graph capture refuses) in some releases.
+        hidden = model.embeddings(input_ids=ids)
+        additive = (1.0 - mask[:, None, None, :].to(hidden.dtype)) * torch.finfo(hidden.dtype).min
+        hidden = model.encoder(hidden, attention_mask=additive)[0][0]
+    else:
+        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state[0]
     weights = mask[0].to(hidden.dtype)[:, None]
     pooled = (hidden * weights).sum(0) / weights.sum().clamp_min(1)
     return torch.nn.functional.normalize(pooled.float(), dim=-1)
@@ -45,9 +52,6 @@ class GraphedQueryEncoder:
     def __init__(self, model: "nn.Module") -> None:
         self.model = model
         self.device = next(model.parameters()).device
-        # Eager attention: only arithmetic on the mask, nothing that syncs during capture.
-        if hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation("eager")
         self._graphs: dict[int, _Graph | None] = {}
 
     def __call__(self, token_ids: list[int]) -> torch.Tensor:
