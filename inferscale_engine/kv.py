@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -20,6 +21,9 @@ class FactKV:
     k: torch.Tensor
     v: torch.Tensor
     position: int
+    #: CUDA event recorded after the copy that produced ``k``/``v`` was queued (a promotion
+    #: still in flight); whoever reads them on the device waits on it there, not on the host.
+    ready: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.k.dim() != 4 or self.k.shape[:3] != self.v.shape[:3]:
@@ -40,8 +44,9 @@ class FactKV:
             self.k.to(device, non_blocking=non_blocking),
             self.v.to(device, non_blocking=non_blocking),
             self.position,
+            self.ready,
         )
 
     def rows(self, start: int, stop: int) -> "FactKV":
         """Tokens ``[start, stop)`` of this span (a view)."""
-        return FactKV(self.k[:, start:stop], self.v[:, start:stop], self.position + start)
+        return FactKV(self.k[:, start:stop], self.v[:, start:stop], self.position + start, self.ready)

@@ -2,10 +2,9 @@
 and scatter keys and values straight into a paged KV cache, reading every span where it lies.
 
 Same math as the torch version (fp32 rotation, table from :class:`RopeTable`); the torch version
-stays the reference and the CPU path. Sources are addressed through a per-span pointer table,
-so spans are never gathered into one buffer first, and a span in pinned host memory is read
-over PCIe in place (CUDA's unified addressing makes its pointer valid on the device). The
-cache must be viewable as ``[blocks, block_size, heads, head_dim]`` per K and V
+stays the reference and the CPU path. Sources are addressed through a per-span pointer table
+(:class:`~inferscale_engine.connector.table.InjectionTable`), so spans are never gathered into
+one buffer first. The cache must be viewable as ``[blocks, block_size, heads, head_dim]`` per K and V
 (``compat.paged_kv_views`` finds those views, whatever their strides).
 """
 
@@ -21,9 +20,11 @@ from inferscale_engine.connector.table import InjectionTable
 from inferscale_engine.rope import RopeTable
 
 
-@triton.jit
+# Row and span counts change with every step: specialising on them (divisibility by 16) would
+# compile a new variant mid-serving.
+@triton.jit(do_not_specialize=["N", "P"])
 def _inject_rows(
-    TABLE, N, P, LAYER0,
+    TABLE, N, P,
     COS, SIN, KC_PTRS, VC_PTRS,
     s_cb, s_cn, s_ch,
     BLOCK_SIZE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
@@ -31,7 +32,7 @@ def _inject_rows(
 ):
     # One program moves one token row of one layer, all heads. TABLE: InjectionTable's layout.
     row = tl.program_id(0)
-    layer = LAYER0 + tl.program_id(1)
+    layer = tl.program_id(1)
     span = tl.load(TABLE + row)
     src_row = tl.load(TABLE + N + row)
     slot = tl.load(TABLE + 2 * N + row)
@@ -82,21 +83,20 @@ def inject_rows(
     key_caches: torch.Tensor,
     value_caches: torch.Tensor,
     cache_view: torch.Tensor,
-    layers: range,
 ) -> None:
-    """Rotate and write ``table``'s rows into ``layers`` of the paged cache, in one launch.
+    """Rotate and write ``table``'s rows into every layer of the paged cache, in one launch.
 
     ``key_caches``/``value_caches`` are int64 device tensors of each layer's K/V view address;
     ``cache_view`` is one such ``[blocks, block_size, heads, head_dim]`` view (all share its
     strides, dtype and unit stride on the last axis).
     """
-    if table.rows == 0 or not len(layers):
+    if table.rows == 0:
         return
     if rope.max_delta < table.max_delta:
         raise ValueError("position delta exceeds the rotary table")
     _, block_size, heads, dim = cache_view.shape
-    _inject_rows[(table.rows, len(layers))](
-        table.data, table.rows, table.spans, layers.start,
+    _inject_rows[(table.rows, len(key_caches))](
+        table.data, table.rows, table.spans,
         rope.cos, rope.sin, key_caches, value_caches,
         cache_view.stride(0), cache_view.stride(1), cache_view.stride(2),
         BLOCK_SIZE=block_size, H=heads, D=dim, ROT=rope.rotary_dim, NEOX=rope.is_neox_style,

@@ -24,7 +24,7 @@ def test_rows_address_their_span_where_it_lies():
     slots = np.arange(100, 111, dtype=np.int64)[::-1].copy()
     table = InjectionTable.build(parts, slots, torch.device("cpu"))
 
-    assert (table.rows, table.spans, table.max_delta, table.reads_host) == (11, 3, 7, False)
+    assert (table.rows, table.spans, table.max_delta, table.keepalive) == (11, 3, 7, [])
     data = table.data.numpy()
     n, p = table.rows, table.spans
     span_of_row, row_in_span, slot = data[:n], data[n : 2 * n], data[2 * n : 3 * n]

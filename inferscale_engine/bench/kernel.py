@@ -1,6 +1,5 @@
 """``python -m inferscale_engine.bench.kernel``: the fused injection kernel against the GPU's
-memory bandwidth, against the unfused path (gather, torch rotation, scatter copy), and with its
-spans in pinned host memory read over PCIe.
+memory bandwidth and against the unfused path (gather, torch rotation, scatter copy).
 
 Checks correctness first (every path == the torch reference, bit for bit after the cast), then
 times one injection of ``k`` separately stored facts into every layer of a Llama-3.1-8B-shaped
@@ -39,7 +38,6 @@ def run(k: int, fact_tokens: int, layers: int, heads: int, dim: int, block_size:
     key_ptrs, value_ptrs = cache_pointers([kc for kc, _ in views], dev), cache_pointers([vc for _, vc in views], dev)
     facts = [FactKV(torch.randn(layers, fact_tokens, heads, dim, dtype=dtype, device=dev),
                     torch.randn(layers, fact_tokens, heads, dim, dtype=dtype, device=dev), 0) for _ in range(k)]
-    host_facts = [FactKV(f.k.cpu().pin_memory(), f.v.cpu().pin_memory(), 0) for f in facts]
     span_deltas = np.random.default_rng(0).integers(-500, 3000, k)
     slots_np = np.random.default_rng(1).permutation(blocks * block_size)[:n].astype(np.int64)
     slots = torch.from_numpy(slots_np).to(dev)
@@ -49,12 +47,7 @@ def run(k: int, fact_tokens: int, layers: int, heads: int, dim: int, block_size:
         return [SpanRows(f, 0, fact_tokens, int(d)) for f, d in zip(source, span_deltas)]
 
     def fused() -> None:
-        inject_rows(InjectionTable.build(parts(facts), slots_np, dev), rope, key_ptrs, value_ptrs, views[0][0], range(layers))
-
-    def host_layerwise() -> None:
-        table = InjectionTable.build(parts(host_facts), slots_np, dev)
-        for layer in range(layers):
-            inject_rows(table, rope, key_ptrs, value_ptrs, views[0][0], range(layer, layer + 1))
+        inject_rows(InjectionTable.build(parts(facts), slots_np, dev), rope, key_ptrs, value_ptrs, views[0][0])
 
     def unfused() -> None:
         rotated = rotate(torch.cat([f.k for f in facts], dim=1), deltas, rope)
@@ -67,7 +60,7 @@ def run(k: int, fact_tokens: int, layers: int, heads: int, dim: int, block_size:
     want_k = rotate(torch.cat([f.k for f in facts], dim=1), deltas, rope)
     want_v = torch.cat([f.v for f in facts], dim=1)
     checks = {}
-    for name, fn in (("fused", fused), ("host", host_layerwise), ("unfused", unfused)):
+    for name, fn in (("fused", fused), ("unfused", unfused)):
         for c in caches:
             c.zero_()
         fn()
@@ -91,15 +84,13 @@ def run(k: int, fact_tokens: int, layers: int, heads: int, dim: int, block_size:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / repeats * 1e3  # us
 
-    fused_us, host_us, unfused_us = timed(fused), timed(host_layerwise), timed(unfused)
+    fused_us, unfused_us = timed(fused), timed(unfused)
     moved = 4 * layers * n * heads * dim * facts[0].k.element_size()  # read K,V + write K,V
-    over_pcie = moved // 2
     return {
         "k": k, "rows": n, "layers": layers, "kv_heads": heads, "head_dim": dim,
         "bytes_moved": moved,
-        "fused_us": fused_us, "unfused_us": unfused_us, "host_layerwise_us": host_us,
+        "fused_us": fused_us, "unfused_us": unfused_us,
         "fused_GBps": moved / fused_us / 1e3, "unfused_GBps": moved / unfused_us / 1e3,
-        "host_pcie_GBps": over_pcie / host_us / 1e3,
         "checks": checks,
     }
 

@@ -3,8 +3,8 @@ disk tier of a memory store's :class:`~inferscale_engine.memory.tiers.KVTiers`.
 
 Per repeat and tier: every fact is moved down to the tier under test, then the clock runs over
 ``tiers.get_many`` of the ``k`` facts (what a store's ``resolve_many`` does: one gather from the
-device slab; host facts are read in place over PCIe by the injection, layer by layer, and
-promoted in the background) plus an injected request of those spans (``max_tokens=1``). Spans get fresh keys every time so
+device slab; host facts promoted by asynchronous copies the injection waits for on the device)
+plus an injected request of those spans (``max_tokens=1``). Spans get fresh keys every time so
 vLLM's prefix cache never serves them: each request really injects.
 
 ``disk`` reads are cold by default: each fact file's pages are dropped from the OS page cache
@@ -58,8 +58,8 @@ def run_tiers(
 ) -> list[dict[str, Any]]:
     """Rows ``{tier, k, ttft_ms_p50, ttft_ms_p95, promote_ms_p50, inject_ms_p50, tier_answers_differ}``.
 
-    ``ttft_ms`` = reading the facts (``get_many``, what a store's ``resolve_many`` does) + the
-    engine's time to first token; ``tier_answers_differ`` counts repeats whose greedy token was
+    ``ttft_ms`` = reading the facts (``get_many``, what a store's ``resolve_many`` does; its
+    host time is ``promote_ms``) + the engine's time to first token; ``tier_answers_differ`` counts repeats whose greedy token was
     not the same from every tier (must be 0). Tiers interleave per repeat so
     drift hits them alike. An extra ``tier="prompt"`` row is the baseline: the same number of
     facts pasted as text and prefilled (no tier, nothing injected).
@@ -101,7 +101,6 @@ def run_tiers(
                 tiers.evict(key, to=tier)  # type: ignore[arg-type]
                 if tier == "disk" and not warm_disk:
                     _drop_page_cache(tiers.path(key))
-        tiers.wait_for_promotions()
         sync()
         where = {tiers.where(key) for key in picked}
         if where != {tier}:
@@ -122,13 +121,11 @@ def run_tiers(
                 for tier in TIERS:
                     move_to(tier, picked_keys)
                     t0 = time.perf_counter()
-                    kvs = tiers.get_many(picked_keys, fp)
-                    sync()
+                    kvs = tiers.get_many(picked_keys, fp)  # host copies may still be in flight: no sync
                     t_promote = time.perf_counter() - t0
                     serial += 1
                     spans = [Span(f"tiers:{serial}:{i}", tuple(ids), kv) for i, (ids, kv) in enumerate(zip(picked_ids, kvs))]
                     result = engine.generate_segments([work.head, *spans, question], max_tokens=1, mode="inject")
-                    tiers.wait_for_promotions()
                     if result.usage.injected_tokens < k * fact_tokens:
                         raise RuntimeError(f"only {result.usage.injected_tokens} tokens injected for {k} facts")
                     answers.add(tuple(result.token_ids))

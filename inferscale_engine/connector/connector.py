@@ -79,15 +79,11 @@ class InferScaleConnector(KVConnectorBase_V1):
         # Worker half.
         self._bridge_obj: Bridge | None = None
         self._layers: list[tuple[str, Any]] = []
-        self._layer_index: dict[str, int] = {}
         self._writers: dict[str, Any] = {}
         self._step = 0
         self._step_captures: list[CaptureSlots] = []
         self._matched_step = -1
         self._matches: list[tuple[CaptureBuffer, torch.Tensor, torch.Tensor]] = []
-        self._side_stream: torch.cuda.Stream | None = None
-        self._layer_events: list[torch.cuda.Event] | None = None
-        self._in_flight: Any = None  # what this step's side-stream launches read
 
     @staticmethod
     def _find_block_size(vllm_config: "VllmConfig", kv_cache_config: KVCacheConfig | None) -> int:
@@ -183,7 +179,6 @@ class InferScaleConnector(KVConnectorBase_V1):
     def _install(self, forward_context: "ForwardContext") -> None:
         """Wrap every attention layer's KV write once, to see what vLLM writes."""
         self._layers = compat.attention_layers(forward_context)
-        self._layer_index = {name: i for i, (name, _) in enumerate(self._layers)}
         for index, (name, layer) in enumerate(self._layers):
             original = layer.impl.do_kv_cache_update
             self._writers[name] = original
@@ -206,15 +201,11 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._install(forward_context)
         self._step += 1
         self._step_captures = meta.captures
-        # The previous forward waited on every layer's event, so its host reads are done.
-        self._layer_events, self._in_flight = None, None
         if meta.loads:
             self._inject(meta.loads, forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Only host-tier injections run layer by layer, overlapped with the forward pass.
-        if self._layer_events is not None:
-            torch.cuda.current_stream().wait_event(self._layer_events[self._layer_index[layer_name]])
+        pass  # start_load_kv queues every layer's writes before the forward pass
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         pass  # captures happen in the wrapped KV write, which sees K/V before the cache layout
@@ -231,6 +222,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         staged = self._bridge().staged
         num_layers = len(self._layers)
         parts: list[SpanRows] = []
+        pending = {}  # promotions still copying, by event
         for load in loads:
             for piece in load.pieces:
                 kv = staged.get(piece.key)
@@ -238,9 +230,13 @@ class InferScaleConnector(KVConnectorBase_V1):
                     raise RuntimeError(f"span {piece.key!r} was not staged before its request ran")
                 if kv.k.shape[0] != num_layers:
                     raise RuntimeError(f"stored KV has {kv.k.shape[0]} layers, the model has {num_layers}")
+                if kv.ready is not None:
+                    pending[id(kv.ready)] = kv.ready
                 parts.append(SpanRows(kv, piece.row, piece.count, piece.position - (kv.position + piece.row)))
         slots = np.concatenate([self._load_slots(load) for load in loads])
         device = compat.layer_kv_cache(self._layers[0][1], forward_context).device
+        for event in pending.values():  # on the device: the host never waits for a promotion
+            torch.cuda.current_stream(device).wait_event(event)
         if self._fused and device.type == "cuda" and self._fused_ready(forward_context):
             self._inject_fused(parts, slots, device)
         else:
@@ -275,26 +271,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         key_ptrs, value_ptrs, view = self._fused_views
         table = InjectionTable.build(parts, slots, device)
         rope = self._bridge().ropes[self._layers[0][0]]
-        if not table.reads_host:
-            inject_rows(table, rope, key_ptrs, value_ptrs, view, range(len(self._layers)))
-            return
-        # Host-tier spans cross PCIe: write layer by layer on a side stream, so layer i's copy
-        # overlaps the forward pass of the layers before it (wait_for_layer_load waits on it).
-        compute = torch.cuda.current_stream(device)
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device)
-        side = self._side_stream
-        side.wait_stream(compute)  # the request's blocks may still be read by earlier work
-        events = []
-        with torch.cuda.stream(side):
-            for index in range(len(self._layers)):
-                inject_rows(table, rope, key_ptrs, value_ptrs, view, range(index, index + 1))
-                event = torch.cuda.Event()
-                event.record(side)
-                events.append(event)
-        for t in (table.data, *table.keepalive):
-            t.record_stream(side)
-        self._layer_events, self._in_flight = events, (table, parts)
+        inject_rows(table, rope, key_ptrs, value_ptrs, view)
 
     def _inject_torch(
         self, parts: list[SpanRows], slots: np.ndarray, device: torch.device, forward_context: "ForwardContext"

@@ -8,15 +8,14 @@ The scheduler half turns them into :class:`InferScaleConnectorMetadata` once per
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 PARAMS_KEY = "inferscale"
 
 
-@dataclass(frozen=True, slots=True)
-class SpanRef:
+class SpanRef(NamedTuple):  # a tuple: hundreds are built per request, on the scheduler's path
     """Stored span ``key`` served at prompt positions ``[position, position + length)``."""
 
     key: str
@@ -78,8 +77,7 @@ def parse_params(params: dict[str, Any] | None) -> InjectionPlan | CapturePlan |
     raise ValueError(f"unknown inferscale kv_transfer_params: {sorted(ours)}")
 
 
-@dataclass(slots=True)
-class LoadPiece:
+class LoadPiece(NamedTuple):
     """Rows ``[row, row + count)`` of span ``key`` go to prompt position ``position``."""
 
     key: str

@@ -5,9 +5,9 @@
   ``ceil(n / page_tokens)`` pages from a free list, so nothing is allocated per fact. On a CPU
   engine the "device" is the CPU and the slab is an ordinary tensor.
 * **Host tier** – per-fact CPU tensors ``[2, layers, pages * page_tokens, kv_heads, head_dim]``
-  (pinned when CUDA is available). On CUDA a host hit is served where it lies: the injection
-  kernel reads pinned memory over PCIe, layer by layer, overlapped with the forward pass, and
-  the fact is promoted to the device in the background.
+  (pinned when CUDA is available). A host hit is promoted without stalling the caller: one
+  asynchronous copy per fact, and the KV handed out carries a CUDA event the injection waits on
+  on the device, so the copy overlaps the request's own scheduling.
 * **Disk tier** – one safetensors file per fact version, written atomically (temp file in the
   same folder, fsync, ``os.replace``, fsync of the folder) and carrying the model fingerprint
   in its metadata. Disk is write-through and unbounded: every encoded fact has its file before
@@ -30,8 +30,6 @@ import re
 import threading
 import uuid
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext as _no_stream
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +90,6 @@ class KVTiers:
         host_bytes: int = 2 << 30,
         page_tokens: int = 16,
         pin_memory: bool | None = None,
-        background_promotion: bool | None = None,
     ) -> None:
         if page_tokens < 1:
             raise ValueError(f"page_tokens must be >= 1, got {page_tokens}")
@@ -105,12 +102,6 @@ class KVTiers:
         self.host_bytes = int(host_bytes)
         self.page_tokens = int(page_tokens)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        # Host hits served in place need pinned memory; promoting them synchronously would put
-        # the PCIe copy back on the request's path.
-        if background_promotion is None:
-            background_promotion = self.device.type == "cuda" and self.pin_memory
-        self.background_promotion = background_promotion
-        self._promoter: ThreadPoolExecutor | None = None
         self._lock = threading.RLock()
         self._geometry: tuple[int, int, int, torch.dtype] | None = None  # layers, kv heads, head dim, dtype
         self._slab: torch.Tensor | None = None
@@ -137,17 +128,17 @@ class KVTiers:
         return self.get_many([key], fingerprint)[0]
 
     def get_many(self, keys: list[KVKey], fingerprint: str) -> list[FactKV]:
-        """KV of each key, for injection: device-tier facts as views of one gathered copy,
-        host-tier facts in place (promoted to the device, in the background on CUDA), disk-tier
-        facts read and cached on the device.
+        """KV of each key on the device, for injection: device-tier facts as views of one
+        gathered copy, host-tier facts promoted (asynchronously on CUDA: their KV carries a
+        ``ready`` event), disk-tier facts read and cached on the device.
 
         Raises :class:`KVMissingError` when no tier has a key and :class:`StaleKVError` when
         its stored KV was made under another model fingerprint.
         """
         out: list[FactKV | None] = [None] * len(keys)
-        promote: list[KVKey] = []
         with self._lock:
             on_device: list[tuple[int, _DeviceEntry]] = []
+            on_host: dict[KVKey, list[int]] = {}
             for i, key in enumerate(keys):
                 entry = self._device.get(key)
                 if entry is not None:
@@ -158,27 +149,16 @@ class KVTiers:
                 host = self._host.get(key)
                 if host is not None:
                     _check_fingerprint(key, host.fingerprint, fingerprint, "host tier")
-                    self._host.move_to_end(key)
-                    if self.background_promotion:
-                        out[i] = host.kv()
-                        promote.append(key)
-                    else:
-                        out[i] = self._promote(key)
+                    on_host.setdefault(key, []).append(i)
             for (i, _), kv in zip(on_device, self._read_device([e for _, e in on_device])):
                 out[i] = kv
-        if promote:
-            if self._promoter is None:
-                self._promoter = ThreadPoolExecutor(1, thread_name_prefix="inferscale-promote")
-            self._promoter.submit(self._promote_all, promote)
+            for key, kv in zip(on_host, self._promote(list(on_host))):
+                for i in on_host[key]:
+                    out[i] = kv
         for i, key in enumerate(keys):
             if out[i] is None:
                 out[i] = self._get_from_disk(key, fingerprint)
         return out  # type: ignore[return-value]
-
-    def wait_for_promotions(self) -> None:
-        """Block until every background promotion queued so far has landed (tests, benchmarks)."""
-        if self._promoter is not None:
-            self._promoter.submit(lambda: None).result()
 
     def where(self, key: KVKey) -> Tier | None:
         """The fastest tier holding ``key``."""
@@ -317,28 +297,24 @@ class KVTiers:
         # Too large for the slab: served from the file (the host tier may keep a copy).
         return FactKV(k.to(self.device), v.to(self.device), position)
 
-    def _promote(self, key: KVKey) -> FactKV:
-        """Move a host-tier fact to the device and return its KV (lock held)."""
-        host = self._host.pop(key)
-        self._host_used -= host.nbytes
-        self._insert(key, host.block, host.num_tokens, host.position, host.fingerprint)
-        entry = self._device.get(key)
-        if entry is None:  # larger than the slab: _insert kept it on the host
-            return host.kv().to(self.device)
-        self.counters["host_to_device"] += 1
-        return self._read_device([entry])[0]
-
-    def _promote_all(self, keys: list[KVKey]) -> None:
-        try:
-            stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-            with self._lock, (torch.cuda.stream(stream) if stream is not None else _no_stream()):
-                for key in keys:
-                    if key in self._host:  # not deleted or dropped meanwhile
-                        self._promote(key)
-                if stream is not None:
-                    stream.synchronize()
-        except Exception:  # a cache fill: the host copy (or the disk) still serves the fact
-            logger.exception("background promotion of %d facts failed", len(keys))
+    def _promote(self, keys: list[KVKey]) -> list[FactKV]:
+        """Move host-tier facts to the device (lock held) and return their KV without waiting
+        for the copies: the KV is the device copy itself, with an event that fires once landed."""
+        out = []
+        for key in keys:
+            h = self._host.pop(key)
+            self._host_used -= h.nbytes
+            block = h.block.to(self.device, non_blocking=h.block.is_pinned())  # DMA, no host wait
+            self._insert(key, block, h.num_tokens, h.position, h.fingerprint)
+            if key in self._device:
+                self.counters["host_to_device"] += 1
+            out.append(FactKV(block[0, :, : h.num_tokens], block[1, :, : h.num_tokens], h.position))
+        if out and self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+            for kv in out:
+                kv.ready = ready
+        return out
 
     def _read_device(self, entries: list[_DeviceEntry]) -> list[FactKV]:
         """Every entry's KV as views of one copy of their pages (lock held): one gather and one
@@ -346,7 +322,7 @@ class KVTiers:
         if not entries:
             return []
         assert self._slab is not None
-        index = torch.as_tensor([p for e in entries for p in e.pages], device=self.device)
+        index = self._index([p for e in entries for p in e.pages])
         block = self._pages_to_block(self._slab.index_select(0, index))
         out, start = [], 0
         for e in entries:
@@ -361,7 +337,7 @@ class KVTiers:
             while len(self._free) < need:
                 self._evict_device(next(iter(self._device)))
             slots = [self._free.pop() for _ in range(need)]
-            index = torch.as_tensor(slots, device=self.device)
+            index = self._index(slots)
             on_device = block.to(self.device, non_blocking=block.is_pinned())  # one contiguous copy
             self._slab.index_copy_(0, index, self._block_to_pages(on_device))
             self._device[key] = _DeviceEntry(slots, n, position, fingerprint)
@@ -370,7 +346,7 @@ class KVTiers:
 
     def _evict_device(self, key: KVKey) -> None:
         entry = self._device.pop(key)
-        index = torch.as_tensor(entry.pages, device=self.device)
+        index = self._index(entry.pages)
         block = self._pages_to_block(self._slab.index_select(0, index)).to("cpu")  # type: ignore[union-attr]
         self._free.extend(entry.pages)
         self.counters["device_to_host"] += 1
@@ -398,6 +374,15 @@ class KVTiers:
         host = self._host.pop(key, None)
         if host is not None:
             self._host_used -= host.nbytes
+
+    def _index(self, pages: list[int]) -> torch.Tensor:
+        """Page numbers on the device without a host wait: a plain copy from pageable memory
+        would first wait for everything queued on the stream (another request's forward pass,
+        promotions in flight)."""
+        index = torch.tensor(pages, dtype=torch.long)
+        if self.device.type != "cuda":
+            return index
+        return index.pin_memory().to(self.device, non_blocking=True)
 
     def _to_block(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``[layers, n, heads, dim]`` K and V as one ``[2, layers, pages * page_tokens, heads, dim]``."""
