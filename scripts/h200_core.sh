@@ -7,9 +7,9 @@ set -uo pipefail
 source .gpu/device-env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 STEPS=${STEPS:-kernel query exactness ttft tiers throughput}
-python3 scripts/make_configs.py "$OUT/models" > /dev/null
+python3 scripts/make_configs.py /tmp/models > /dev/null  # outside $OUT: few files come back
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
-M=$OUT/models/llama-3.1-8b
+M=/tmp/models/llama-3.1-8b
 ARGS="--model $M --dummy-weights --dtype bfloat16"
 for step in $STEPS; do
   echo "== $step $(date +%T)"

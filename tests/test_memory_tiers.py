@@ -101,6 +101,22 @@ def test_get_many_reads_every_tier_in_one_batch(tmp_path):
     assert_same(tiers.get(key(1), FP), kvs[key(1)])
 
 
+def test_get_many_promoting_more_than_the_slab_holds(tmp_path):
+    # 4 device pages, 3 host facts of 2 pages each: promoting all three in one batch evicts
+    # the first one again, after its pages were written.
+    tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 4, host_bytes=1 << 20, page_tokens=PT)
+    kvs = {key(i): make_kv(6, i) for i in range(3)}
+    for k, kv in kvs.items():
+        tiers.put(k, kv, FP)
+        tiers.evict(k, to="host")
+    got = tiers.get_many(list(kvs), FP)
+    for (k, kv), g in zip(kvs.items(), got):
+        assert_same(g, kv)
+    assert [tiers.where(k) for k in kvs] == ["host", "device", "device"]
+    for k, kv in kvs.items():
+        assert_same(tiers.get(k, FP), kv)
+
+
 def test_get_many_fails_whole_on_a_missing_key(tmp_path):
     tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 8, page_tokens=PT)
     tiers.put(key(0), make_kv(3, 0), FP)

@@ -300,15 +300,14 @@ class KVTiers:
     def _promote(self, keys: list[KVKey]) -> list[FactKV]:
         """Move host-tier facts to the device (lock held) and return their KV without waiting
         for the copies: the KV is the device copy itself, with an event that fires once landed."""
-        out = []
-        for key in keys:
-            h = self._host.pop(key)
+        hosts = [self._host.pop(key) for key in keys]
+        blocks = []
+        for h in hosts:
             self._host_used -= h.nbytes
-            block = h.block.to(self.device, non_blocking=h.block.is_pinned())  # DMA, no host wait
-            self._insert(key, block, h.num_tokens, h.position, h.fingerprint)
-            if key in self._device:
-                self.counters["host_to_device"] += 1
-            out.append(FactKV(block[0, :, : h.num_tokens], block[1, :, : h.num_tokens], h.position))
+            blocks.append(h.block.to(self.device, non_blocking=h.block.is_pinned()))  # DMA, no host wait
+        self._insert_many([(key, b, h.num_tokens, h.position, h.fingerprint) for key, b, h in zip(keys, blocks, hosts)])
+        self.counters["host_to_device"] += sum(key in self._device for key in keys)
+        out = [FactKV(b[0, :, : h.num_tokens], b[1, :, : h.num_tokens], h.position) for b, h in zip(blocks, hosts)]
         if out and self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
@@ -332,17 +331,36 @@ class KVTiers:
         return out
 
     def _insert(self, key: KVKey, block: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
-        need = block.shape[2] // self.page_tokens
-        if self._slab is not None and need <= self._slab.shape[0]:
+        self._insert_many([(key, block, n, position, fingerprint)])
+
+    def _insert_many(self, items: list[tuple[KVKey, torch.Tensor, int, int, str]]) -> None:
+        """Cache blocks on the device slab (lock held), with one upload of page numbers for all:
+        each upload of page numbers costs a pinned staging buffer."""
+        placed: list[tuple[list[int], torch.Tensor]] = []
+
+        def write() -> None:
+            index = self._index([p for slots, _ in placed for p in slots])
+            start = 0
+            for slots, block in placed:
+                on_device = block.to(self.device, non_blocking=block.is_pinned())  # one contiguous copy
+                self._slab.index_copy_(0, index[start : start + len(slots)], self._block_to_pages(on_device))  # type: ignore[union-attr]
+                start += len(slots)
+            placed.clear()
+
+        for key, block, n, position, fingerprint in items:
+            need = block.shape[2] // self.page_tokens
+            if self._slab is None or need > self._slab.shape[0]:  # larger than the whole slab: the host serves it
+                self._insert_host(key, block, n, position, fingerprint)
+                continue
+            if len(self._free) < need and placed:
+                write()  # an eviction below may pick pages placed in this batch
             while len(self._free) < need:
                 self._evict_device(next(iter(self._device)))
             slots = [self._free.pop() for _ in range(need)]
-            index = self._index(slots)
-            on_device = block.to(self.device, non_blocking=block.is_pinned())  # one contiguous copy
-            self._slab.index_copy_(0, index, self._block_to_pages(on_device))
+            placed.append((slots, block))
             self._device[key] = _DeviceEntry(slots, n, position, fingerprint)
-        else:  # larger than the whole slab: the host serves it
-            self._insert_host(key, block, n, position, fingerprint)
+        if placed:
+            write()
 
     def _evict_device(self, key: KVKey) -> None:
         entry = self._device.pop(key)
