@@ -86,7 +86,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._matches: list[tuple[CaptureBuffer, torch.Tensor, torch.Tensor]] = []
 
     @staticmethod
-    def _find_block_size(vllm_config: "VllmConfig", kv_cache_config: KVCacheConfig | None) -> int:
+    def _find_block_size(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> int:
         if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
             return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
         return int(vllm_config.cache_config.block_size)

@@ -45,6 +45,7 @@ class Embedder:
             self.name = getattr(model, "inferscale_name", None) or _object_name(model)
         self._dim: int | None = None
         self._query_encoder: Any = None  # CUDA-graphed single-query path, when the model allows
+        self._graph_ok: bool | None = None
 
     @property
     def model(self) -> Any:
@@ -75,7 +76,9 @@ class Embedder:
         if not texts:
             return np.zeros((0, self._dim or 0), dtype=np.float32)
         model = self.model
-        if len(texts) == 1 and self._graphable(model):
+        if self._graph_ok is None:
+            self._graph_ok = self._graphable(model)
+        if len(texts) == 1 and self._graph_ok:
             with self._lock:
                 return self._embed_query(model, texts[0])
         with self._lock, torch.inference_mode():

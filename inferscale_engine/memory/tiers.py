@@ -63,8 +63,8 @@ class _DeviceEntry:
 
 @dataclass
 class _HostEntry:
-    # [2, layers, pages * page_tokens, heads, dim]: K and V are plain strided views the injection
-    # kernel reads in place, and promotion is one contiguous host-to-device copy.
+    # [2, layers, pages * page_tokens, heads, dim]: promotion is one contiguous host-to-device
+    # copy, and that device copy is itself the KV handed out (K and V are strided views of it).
     block: torch.Tensor
     num_tokens: int
     position: int
@@ -73,9 +73,6 @@ class _HostEntry:
     @property
     def nbytes(self) -> int:
         return self.block.nbytes
-
-    def kv(self) -> FactKV:
-        return FactKV(self.block[0, :, : self.num_tokens], self.block[1, :, : self.num_tokens], self.position)
 
 
 class KVTiers:
