@@ -532,6 +532,32 @@ def test_fingerprint_mismatch_is_refused_and_reencoded(make_store, engine, tmp_p
     assert store.tiers.read_metadata((items[0].id, version))["fingerprint"] == store.fingerprint
 
 
+def test_context_prefix_starts_every_window_and_is_part_of_the_fingerprint(make_store, engine, tmp_path):
+    path = tmp_path / "prefix-store"
+    head = "<|im_start|>system\nMemories:\n"
+    store = make_store(path, window=2, context_prefix=head)
+    items = [store.add(f"Turn {i}: we talked about topic {i}.", user_id="u")[0] for i in range(3)]
+    span = store.resolve(handle_of(items[2]), "u")
+    context = engine.tokenize(head + "\n".join(i.memory for i in items[:2]) + "\n")
+    assert span.kv.position == len(context)
+    with_head = store.fingerprint
+    store.close()
+
+    # Without the prefix: another fingerprint, and window contexts rebuilt without the head.
+    store = make_store(path, window=2)
+    assert store.fingerprint != with_head and store.fingerprint.startswith(engine.fingerprint)
+    span = store.resolve(handle_of(items[2]), "u")
+    assert span.kv.position == len(engine.tokenize("\n".join(i.memory for i in items[:2]) + "\n"))
+    store.close()
+
+    store = make_store(path, window=2, context_prefix=head)  # back: same fingerprint and KV as at first
+    assert store.fingerprint == with_head
+    assert store.resolve(handle_of(items[2]), "u").kv.position == len(context)
+    # An explicit context is laid out by the caller: the prefix is not added to it.
+    explicit = store.add("Explicit one.", user_id="u", context=["Before."])[0]
+    assert store.resolve(handle_of(explicit), "u").kv.position == len(engine.tokenize("Before.\n"))
+
+
 def test_facts_are_retokenized_for_another_model(make_store, engine, embedder, tmp_path):
     path = tmp_path / "retok"
     with MemoryStore(None, path, embedder=embedder) as plain:  # no engine: no token ids yet

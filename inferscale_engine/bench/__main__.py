@@ -63,6 +63,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--data", help="locomo10.json (default: $INFERSCALE_LOCOMO or ../shared/data/locomo)")
     p.add_argument("--answers", help="write every question's answers here (JSONL)")
     p.add_argument("--no-full", action="store_true", help="skip the full-conversation mode")
+    p.add_argument("--after-head", action="store_true",
+                   help="encode memories after the served prompt's opening (store context_prefix), not at position 0")
     p.add_argument("--exact-control", action="store_true",
                    help="also answer with every memory encoded after exactly its served prefix (noise floor)")
 
@@ -125,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 questions_per_category=args.questions_per_category, max_turns=args.max_turns,
                 answers_path=args.answers, encoding=args.encoding, max_tokens=args.max_tokens,
                 concurrency=args.concurrency, workdir=args.workdir, full=not args.no_full,
-                exact_control=args.exact_control,
+                exact_control=args.exact_control, after_head=args.after_head,
             )
             env = {**common.environment(engine), "locomo": info}
         common.print_table(table_rows(rows), ["mode", "w", "k", "n_questions", "f1", "multi-hop", "temporal",

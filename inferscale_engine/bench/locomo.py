@@ -315,6 +315,7 @@ class LocomoBench:
         host_kv_bytes: int = 1 << 30,
         full: bool = True,
         exact_control: bool = False,
+        after_head: bool = False,
     ) -> None:
         if encoding not in ("window", "sliding"):
             raise ValueError(f"encoding must be 'window' or 'sliding', got {encoding!r}")
@@ -328,9 +329,12 @@ class LocomoBench:
         self.concurrency = max(1, concurrency)
         self.full = full
         self.exact_control = exact_control
+        # Memories encoded after the served prompt's opening (chat template + system text),
+        # the store's context_prefix, instead of starting at position 0.
+        self.context_prefix = self._served_head() if after_head else ""
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="inferscale-locomo-")).expanduser()
-        self.run_dir = self.workdir / f"{engine.fingerprint}-{encoding}"
+        self.run_dir = self.workdir / f"{engine.fingerprint}-{encoding}{'-after-head' if after_head else ''}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cache = _AnswerCache(self.run_dir / f"answers-t{max_tokens}.jsonl")
         self.embedder = _cached_embedder(str(engine.config.device))
@@ -367,7 +371,8 @@ class LocomoBench:
 
         if w not in self.stores:
             self.stores[w] = MemoryStore(
-                engine=self.engine, path=self.run_dir / f"w{w}", window=w, embedder=self.embedder,
+                engine=self.engine, path=self.run_dir / f"w{w}", window=w, context_prefix=self.context_prefix,
+                embedder=self.embedder,
                 index="exact", device_kv_bytes=self.tier_bytes[0], host_kv_bytes=self.tier_bytes[1],
             )
         return self.stores[w]
@@ -436,6 +441,13 @@ class LocomoBench:
         store = self.store(w)
         return {c.sample_id: {int(i.metadata["turn"]): i.handle for i in store.get_all(user_id=c.user_id)}
                 for c in self.conversations}
+
+    def _served_head(self) -> str:
+        """The prompt text every served question starts with, up to its first memory."""
+        mark = "<<inferscale-first-memory>>"
+        msgs = self.messages([mark], "?")
+        text, _ = self.engine.render([{"role": r, "content": c} for r, c in msgs])
+        return text[: text.index(mark)]
 
     @staticmethod
     def messages(memories: Iterable[str], question: str) -> tuple[tuple[str, str], ...]:
@@ -669,6 +681,7 @@ class LocomoBench:
             "questions": sum(cats.values()),
             "questions_by_category": {str(c): n for c, n in sorted(cats.items())},
             "encoding": self.encoding,
+            "context_prefix": self.context_prefix,
             "retrieval": "top-k per speaker (2k memories), listed in conversation order",
             "max_tokens": self.max_tokens,
             "concurrency": self.concurrency,

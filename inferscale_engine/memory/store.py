@@ -18,11 +18,11 @@ Decisions (see ``docs/memory.md``):
   comes later. ``resolve`` of a fact still in the queue takes it out and encodes it right
   away; one that the encoder thread is already running is waited for up to
   ``resolve_timeout`` seconds, then :class:`~inferscale_engine.errors.KVNotReadyError`.
-* **Context.** Each fact is encoded after the ``window`` facts of the same user before it
-  (``"\\n"``-joined), or after an explicit ``context=``. The context token ids are stored, so
-  re-encoding (missing file, stale fingerprint) reproduces the same KV; a store reopened with
-  another ``window`` rebuilds window contexts with the new window.
-* **Fingerprint** = engine fingerprint + window. KV made under another fingerprint is refused
+* **Context.** Each fact is encoded after ``context_prefix`` and the ``window`` facts of the
+  same user before it (``"\\n"``-joined), or after an explicit ``context=``. The context token
+  ids are stored, so re-encoding (missing file) reproduces the same KV; a store reopened with
+  another ``window`` or ``context_prefix`` rebuilds window contexts.
+* **Fingerprint** = engine fingerprint + window (+ prefix digest). KV made under another fingerprint is refused
   (:class:`~inferscale_engine.errors.StaleKVError` inside) and re-encoded, never served.
 * **Durability.** ``add``/``update``/``delete`` commit to SQLite (WAL, ``synchronous=FULL``)
   before returning. KV files are written when encoded (write-through from the encoder thread,
@@ -33,6 +33,7 @@ Decisions (see ``docs/memory.md``):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import fcntl
 import json
 import logging
@@ -116,6 +117,9 @@ class MemoryStore:
             and serves the facts; ``None`` gives a retrieval-only store (no tokens, no KV).
         path: folder of the store (``memory.sqlite3``, ``secret.key``, ``kv/``); created.
         window: facts of the same user a new fact is encoded after (0 = independent).
+        context_prefix: text every window context starts with — the opening of the prompts the
+            facts will be served in (chat template, system text), so a fact is encoded after the
+            same first tokens (attention sink, instructions) it is later served after.
         embedder: ``None`` (all-MiniLM-L6-v2), a sentence-transformers path/name, or a model.
         index: ``"exact"`` (torch matmul + topk), ``"faiss"``, or ``"auto"`` (faiss past 20k
             facts of one user).
@@ -136,6 +140,7 @@ class MemoryStore:
         path: str | os.PathLike,
         *,
         window: int = 5,
+        context_prefix: str = "",
         embedder: Any = None,
         index: IndexKind = "auto",
         device_kv_bytes: int = 512 << 20,
@@ -159,12 +164,15 @@ class MemoryStore:
         self.engine = engine
         self.path = Path(path).expanduser()
         self.window = window
+        self.context_prefix = _check_utf8(str(context_prefix), "context_prefix")
         self.index_kind: IndexKind = index
         self.encode_batch = encode_batch
         self.encode_batch_tokens = encode_batch_tokens
         self.resolve_timeout = float(resolve_timeout)
         self.extraction_max_tokens = 512
         self.fingerprint: str | None = f"{engine.fingerprint}-w{window}" if engine is not None else None
+        if self.fingerprint is not None and self.context_prefix:
+            self.fingerprint += "-p" + hashlib.sha256(self.context_prefix.encode()).hexdigest()[:12]
         self.max_model_len: int | None = engine.max_model_len if engine is not None else None
 
         self._lock = threading.RLock()
@@ -595,6 +603,12 @@ class MemoryStore:
                 MetaDB.set_meta(c, "tokenizer", self.engine.fingerprint)
             if retok:
                 logger.info("re-tokenized %d memories for model %s", len(retok), self.engine.fingerprint)
+            if (self._db.get_meta("context_prefix") or "") != self.context_prefix:
+                for f in rows:  # window contexts start with the prefix: rebuild them when encoding
+                    if f.context_kind != "explicit":
+                        f.context_window = -1
+            with self._db.transaction() as c:
+                MetaDB.set_meta(c, "context_prefix", self.context_prefix)
         by_user: dict[str, list[FactRow]] = {}
         for f in rows:
             self._facts[f.id] = f
@@ -679,11 +693,11 @@ class MemoryStore:
                 break
         return out[::-1]
 
-    def _fit_context(self, prev: list[str], n: int, *, strict: bool) -> tuple[tuple[int, ...], str]:
-        """Ids and text of ``"\\n".join(prev) + "\\n"``, dropping the oldest texts until it fits."""
+    def _fit_context(self, prev: list[str], n: int, *, strict: bool, prefix: str = "") -> tuple[tuple[int, ...], str]:
+        """Ids and text of ``prefix + "\\n".join(prev) + "\\n"``, dropping the oldest texts until it fits."""
         assert self.engine is not None and self.max_model_len is not None
         while True:
-            text = "\n".join(prev) + "\n" if prev else ""
+            text = prefix + ("\n".join(prev) + "\n" if prev else "")
             ctx = tuple(int(t) for t in self.engine.tokenize(text)) if text else ()
             if len(ctx) + n < self.max_model_len:
                 return ctx, text
@@ -708,7 +722,8 @@ class MemoryStore:
                 prev = base + (prior[-w:] if w else [])
             else:
                 prev = (base + prior)[-w:] if w else []
-            out.append(self._fit_context(prev, len(ids), strict=explicit is not None))
+            out.append(self._fit_context(prev, len(ids), strict=explicit is not None,
+                                         prefix="" if explicit is not None else self.context_prefix))
             prior.append(text)
         return out
 
@@ -728,7 +743,7 @@ class MemoryStore:
         while i < len(texts):
             at = len(prior) + i
             prev = all_texts[max(0, at - w) : at] if w else []
-            prefix, text = self._fit_context(prev, len(token_ids[i]), strict=False)
+            prefix, text = self._fit_context(prev, len(token_ids[i]), strict=False, prefix=self.context_prefix)
             ids = list(prefix)
             ranges: list[tuple[int, int, int]] = []
             j = i
@@ -949,13 +964,13 @@ class MemoryStore:
         assert f.token_ids is not None and self.max_model_len is not None
         window_changed = f.context_kind != "explicit" and f.context_window != self.window
         if window_changed or (f.context_ids is None and f.context_text is None):
-            # The window changed (it is part of the fingerprint): rebuild from the predecessors.
+            # The window or prefix changed (both are in the fingerprint): rebuild from the predecessors.
             prev: list[str] = []
             if self.window:
                 ids = list(self._user_facts.get(f.user_id, {}))
                 at = ids.index(f.id) if f.id in ids else len(ids)
                 prev = [self._facts[i].text for i in ids[max(0, at - self.window) : at]]
-            f.context_ids, f.context_text = self._fit_context(prev, len(f.token_ids), strict=False)
+            f.context_ids, f.context_text = self._fit_context(prev, len(f.token_ids), strict=False, prefix=self.context_prefix)
             f.context_kind, f.context_window = "window", self.window
         elif f.context_ids is None:
             # Re-tokenized for another model: the same context text, with its tokenizer.
