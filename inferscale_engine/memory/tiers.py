@@ -4,10 +4,11 @@
   ``[num_pages, layers, 2, page_tokens, kv_heads, head_dim]``: a fact of ``n`` tokens takes
   ``ceil(n / page_tokens)`` pages from a free list, so nothing is allocated per fact. On a CPU
   engine the "device" is the CPU and the slab is an ordinary tensor.
-* **Host tier** – per-fact CPU tensors ``[2, layers, pages * page_tokens, kv_heads, head_dim]``
-  (pinned when CUDA is available). A host hit is promoted without stalling the caller: one
-  asynchronous copy per fact, and the KV handed out carries a CUDA event the injection waits on
-  on the device, so the copy overlaps the request's own scheduling.
+* **Host tier** – per-fact CPU tensors in the slab's page layout (pinned when CUDA is
+  available). Host hits are promoted together without stalling the caller: one asynchronous
+  copy per fact into one device staging buffer, one slab write and one relayout for all of them;
+  the KV handed out carries a CUDA event the injection waits on on the device, so the copies
+  overlap the request's own scheduling.
 * **Disk tier** – one safetensors file per fact version, written atomically (temp file in the
   same folder, fsync, ``os.replace``, fsync of the folder) and carrying the model fingerprint
   in its metadata. Disk is write-through and unbounded: every encoded fact has its file before
@@ -63,16 +64,16 @@ class _DeviceEntry:
 
 @dataclass
 class _HostEntry:
-    # [2, layers, pages * page_tokens, heads, dim]: promotion is one contiguous host-to-device
-    # copy, and that device copy is itself the KV handed out (K and V are strided views of it).
-    block: torch.Tensor
+    # The slab's own page layout, [pages, layers, 2, page_tokens, heads, dim]: the pages of many
+    # facts go up as contiguous copies into one staging buffer, written to the slab at once.
+    pages: torch.Tensor
     num_tokens: int
     position: int
     fingerprint: str
 
     @property
     def nbytes(self) -> int:
-        return self.block.nbytes
+        return self.pages.nbytes
 
 
 class KVTiers:
@@ -296,16 +297,46 @@ class KVTiers:
 
     def _promote(self, keys: list[KVKey]) -> list[FactKV]:
         """Move host-tier facts to the device (lock held) and return their KV without waiting
-        for the copies: the KV is the device copy itself, with an event that fires once landed."""
+        for the copies: views of one device copy, with an event that fires once it has landed."""
+        if not keys:
+            return []
         hosts = [self._host.pop(key) for key in keys]
-        blocks = []
+        starts = [0]
         for h in hosts:
             self._host_used -= h.nbytes
-            blocks.append(h.block.to(self.device, non_blocking=h.block.is_pinned()))  # DMA, no host wait
-        self._insert_many([(key, b, h.num_tokens, h.position, h.fingerprint) for key, b, h in zip(keys, blocks, hosts)])
-        self.counters["host_to_device"] += sum(key in self._device for key in keys)
-        out = [FactKV(b[0, :, : h.num_tokens], b[1, :, : h.num_tokens], h.position) for b, h in zip(blocks, hosts)]
-        if out and self.device.type == "cuda":
+            starts.append(starts[-1] + h.pages.shape[0])
+        staging = torch.empty((starts[-1], *hosts[0].pages.shape[1:]), dtype=hosts[0].pages.dtype, device=self.device)
+        for h, start in zip(hosts, starts):
+            staging[start : start + h.pages.shape[0]].copy_(h.pages, non_blocking=h.pages.is_pinned())  # DMA
+        # Served from the staging copy, which the slab then caches: one relayout, one slab write.
+        block = self._pages_to_block(staging)
+        out = [
+            FactKV(block[0, :, start * self.page_tokens : start * self.page_tokens + h.num_tokens],
+                   block[1, :, start * self.page_tokens : start * self.page_tokens + h.num_tokens], h.position)
+            for h, start in zip(hosts, starts)
+        ]
+        placed: list[tuple[KVKey, _HostEntry, list[int]]] = []
+        source: list[int] = []
+        for key, h, start in zip(keys, hosts, starts):
+            m = h.pages.shape[0]
+            # Only entries written before this batch may be evicted: the batch's own pages are
+            # not in the slab until the write below.
+            while len(self._free) < m and self._device:
+                self._evict_device(next(iter(self._device)))
+            if len(self._free) < m:  # the slab is full of this batch: this fact stays on the host
+                self._host[key] = h
+                self._host_used += h.nbytes
+                continue
+            placed.append((key, h, [self._free.pop() for _ in range(m)]))
+            source.extend(range(start, start + m))
+        if placed:
+            target = [p for _, _, slots in placed for p in slots]
+            index = self._index(target + source)  # one upload for both
+            self._slab.index_copy_(0, index[: len(target)], staging.index_select(0, index[len(target) :]))  # type: ignore[union-attr]
+            for key, h, slots in placed:
+                self._device[key] = _DeviceEntry(slots, h.num_tokens, h.position, h.fingerprint)
+            self.counters["host_to_device"] += len(placed)
+        if self.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
             for kv in out:
@@ -328,51 +359,33 @@ class KVTiers:
         return out
 
     def _insert(self, key: KVKey, block: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
-        self._insert_many([(key, block, n, position, fingerprint)])
+        """Cache a ``[2, layers, rows, heads, dim]`` block (lock held)."""
+        self._insert_pages(key, self._block_to_pages(block), n, position, fingerprint)
 
-    def _insert_many(self, items: list[tuple[KVKey, torch.Tensor, int, int, str]]) -> None:
-        """Cache blocks on the device slab (lock held), with one upload of page numbers for all:
-        each upload of page numbers costs a pinned staging buffer."""
-        placed: list[tuple[list[int], torch.Tensor]] = []
-
-        def write() -> None:
-            index = self._index([p for slots, _ in placed for p in slots])
-            start = 0
-            for slots, block in placed:
-                on_device = block.to(self.device, non_blocking=block.is_pinned())  # one contiguous copy
-                self._slab.index_copy_(0, index[start : start + len(slots)], self._block_to_pages(on_device))  # type: ignore[union-attr]
-                start += len(slots)
-            placed.clear()
-
-        for key, block, n, position, fingerprint in items:
-            need = block.shape[2] // self.page_tokens
-            if self._slab is None or need > self._slab.shape[0]:  # larger than the whole slab: the host serves it
-                self._insert_host(key, block, n, position, fingerprint)
-                continue
-            if len(self._free) < need and placed:
-                write()  # an eviction below may pick pages placed in this batch
-            while len(self._free) < need:
-                self._evict_device(next(iter(self._device)))
-            slots = [self._free.pop() for _ in range(need)]
-            placed.append((slots, block))
-            self._device[key] = _DeviceEntry(slots, n, position, fingerprint)
-        if placed:
-            write()
+    def _insert_pages(self, key: KVKey, pages: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
+        need = pages.shape[0]
+        if self._slab is None or need > self._slab.shape[0]:  # larger than the whole slab: the host serves it
+            self._insert_host(key, pages, n, position, fingerprint)
+            return
+        while len(self._free) < need:
+            self._evict_device(next(iter(self._device)))
+        slots = [self._free.pop() for _ in range(need)]
+        self._slab.index_copy_(0, self._index(slots), pages.to(self.device, non_blocking=pages.is_pinned()))
+        self._device[key] = _DeviceEntry(slots, n, position, fingerprint)
 
     def _evict_device(self, key: KVKey) -> None:
         entry = self._device.pop(key)
-        index = self._index(entry.pages)
-        block = self._pages_to_block(self._slab.index_select(0, index)).to("cpu")  # type: ignore[union-attr]
+        pages = self._slab.index_select(0, self._index(entry.pages)).to("cpu")  # type: ignore[union-attr]
         self._free.extend(entry.pages)
         self.counters["device_to_host"] += 1
-        self._insert_host(key, block, entry.num_tokens, entry.position, entry.fingerprint)
+        self._insert_host(key, pages, entry.num_tokens, entry.position, entry.fingerprint)
 
-    def _insert_host(self, key: KVKey, block: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
+    def _insert_host(self, key: KVKey, pages: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
         # Own copy: the caller's tensor (or the slab pages it came from) may change later.
-        block = block.to("cpu", copy=True)
+        pages = pages.to("cpu", copy=True).contiguous()
         if self.pin_memory:
-            block = block.pin_memory()
-        entry = _HostEntry(block, n, position, fingerprint)
+            pages = pages.pin_memory()
+        entry = _HostEntry(pages, n, position, fingerprint)
         if entry.nbytes > self.host_bytes:
             self.counters["host_drops"] += 1
             return  # the disk has it
