@@ -25,6 +25,7 @@ from inferscale_engine.bench.locomo import (
     f1_score,
     load_locomo,
     normalize_answer,
+    ratio_ci95,
     score,
 )
 
@@ -114,7 +115,7 @@ def test_locomo_quick(tmp_path, smollm2_path):
     assert n == sum(info["questions_by_category"].values()) and set(info["questions_by_category"]) <= {"1", "2", "3", "4"}
     assert n >= 4
     keys = {"mode", "w", "k", "n_questions", "f1", "f1_by_category", "agreement"}
-    assert all(set(r) == keys for r in rows)
+    assert all(set(r) - {"inject_over_prompt_ci95"} == keys for r in rows)
     by = {(r["mode"], r["w"], r["k"]): r for r in rows}
     assert set(by) == {("prompt", 0, 5), ("inject", 0, 5), ("prompt", 5, 5), ("inject", 5, 5), ("full", None, None)}
     for (mode, w, k), r in by.items():
@@ -127,6 +128,8 @@ def test_locomo_quick(tmp_path, smollm2_path):
         if mode == "inject":
             assert set(r["agreement"]) == {"exact_match", "f1"}
             assert 0.0 <= r["agreement"]["exact_match"] <= r["agreement"]["f1"] <= 1.0
+            ci = r.get("inject_over_prompt_ci95")
+            assert ci is None or 0.0 <= ci[0] <= ci[1]
         else:
             assert r["agreement"] is None
     # The prompt answer does not depend on w: the same tokens, computed once.
@@ -143,6 +146,16 @@ def test_locomo_quick(tmp_path, smollm2_path):
 
 
 # ---------------------------------------------------------------------- LoCoMo pieces (no model)
+
+
+def test_ratio_interval():
+    assert ratio_ci95([(0.5, 1.0), (0.25, 0.5), (0.0, 0.0)]) == [0.5, 0.5]  # a constant ratio
+    assert ratio_ci95([(1.0, 1.0)]) is None and ratio_ci95([(0.0, 0.0), (0.0, 0.0)]) is None
+    pairs = [(float(i % 3 == 0), float(i % 2 == 0)) for i in range(60)]
+    lo, hi = ratio_ci95(pairs)
+    point = sum(a for a, _ in pairs) / sum(b for _, b in pairs)
+    assert lo < point < hi and hi - lo < 1.0
+    assert ratio_ci95(pairs) == [lo, hi]  # seeded: the same interval every run
 
 
 def test_locomo_scorer_matches_upstream():

@@ -132,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             env = {**common.environment(engine), "locomo": info}
         common.print_table(table_rows(rows), ["mode", "w", "k", "n_questions", "f1", "multi-hop", "temporal",
                                               "open-domain", "single-hop", "agree_exact", "agree_f1"])
-        common.print_table(summarize(rows), ["w", "k", "inject_over_prompt", "exact_match", "agreement_f1"])
+        common.print_table(summarize(rows), ["w", "k", "inject_over_prompt", "ci95_low", "ci95_high", "exact_match",
+                                             "agreement_f1"])
         if info.get("exact_control"):
             print("exact-context control (memories encoded after exactly their served prefix):")
             common.print_table(

@@ -28,7 +28,8 @@ Setup (see ``docs/benchmarks-locomo.md``):
 * **Agreement** (inject rows): how often the injected answer equals the prompt answer after
   normalisation, and their mean token F1.
 
-Rows: ``{mode, w, k, n_questions, f1, f1_by_category, agreement}``. Answers are cached in
+Rows: ``{mode, w, k, n_questions, f1, f1_by_category, agreement}``; inject rows add
+``inject_over_prompt_ci95``, a paired-bootstrap 95% interval of their F1 over prompt F1. Answers are cached in
 ``--workdir`` (stores included), so an interrupted run resumes where it stopped.
 """
 
@@ -616,11 +617,15 @@ class LocomoBench:
             s = score(rec["answer"], q.answer, q.category)
             scores.append(s)
             by_cat.setdefault(str(q.category), []).append(s)
-        agree = None
+        agree, ci = None, None
         if mode == "inject":
-            ref = {(c.sample_id, q.index): r["answer"] for c, q, r in self._collect("prompt", None, k)}
+            prompt_got = self._collect("prompt", None, k)
+            ref = {(c.sample_id, q.index): r["answer"] for c, q, r in prompt_got}
             pairs = [(r["answer"], ref[(c.sample_id, q.index)]) for c, q, r in got if (c.sample_id, q.index) in ref]
             agree = agreement([a for a, _ in pairs], [b for _, b in pairs])
+            prompt_scores = {(c.sample_id, q.index): score(r["answer"], q.answer, q.category) for c, q, r in prompt_got}
+            ci = ratio_ci95([(s, prompt_scores[(c.sample_id, q.index)])
+                             for (c, q, _), s in zip(got, scores) if (c.sample_id, q.index) in prompt_scores])
             mismatched = [
                 c.sample_id for c, q, r in got
                 if (c.sample_id, q.index) in ref and r["prompt_hash"] != self._prompt_hash(c, q, k)
@@ -632,6 +637,7 @@ class LocomoBench:
             "f1": float(np.mean(scores)) if scores else None,
             "f1_by_category": {c: float(np.mean(v)) for c, v in sorted(by_cat.items())},
             "agreement": agree,
+            **({"inject_over_prompt_ci95": ci} if ci is not None else {}),
         }
 
     def exact_summary(self) -> dict[str, Any] | None:
@@ -721,13 +727,29 @@ def run_locomo(
     return rows, info
 
 
+def ratio_ci95(pairs: Sequence[tuple[float, float]], *, rounds: int = 2000, seed: int = 0) -> list[float] | None:
+    """95% paired-bootstrap interval of ``mean(a) / mean(b)`` over ``(a, b)`` per question: F1
+    of a few dozen short answers is noisy, and a ratio of two such means more so."""
+    if len(pairs) < 2:
+        return None
+    a, b = np.array(pairs, dtype=np.float64).T
+    idx = np.random.default_rng(seed).integers(0, len(pairs), (rounds, len(pairs)))
+    den = b[idx].mean(1)
+    ratios = a[idx].mean(1)[den > 0] / den[den > 0]
+    if not len(ratios):
+        return None
+    return [float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))]
+
+
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (w, k): inject F1 over prompt F1, and the agreement."""
+    """Per (w, k): inject F1 over prompt F1 (with its 95% bootstrap interval), and the agreement."""
     prompt = {r["k"]: r["f1"] for r in rows if r["mode"] == "prompt"}
     out = []
     for r in rows:
         if r["mode"] == "inject" and r["f1"] is not None and prompt.get(r["k"]):
+            ci = r.get("inject_over_prompt_ci95") or ["", ""]
             out.append({"w": r["w"], "k": r["k"], "inject_over_prompt": r["f1"] / prompt[r["k"]],
+                        "ci95_low": ci[0], "ci95_high": ci[1],
                         "exact_match": (r["agreement"] or {}).get("exact_match"),
                         "agreement_f1": (r["agreement"] or {}).get("f1")})
     return out
