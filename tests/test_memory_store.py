@@ -556,6 +556,12 @@ def test_context_prefix_starts_every_window_and_is_part_of_the_fingerprint(make_
     # An explicit context is laid out by the caller: the prefix is not added to it.
     explicit = store.add("Explicit one.", user_id="u", context=["Before."])[0]
     assert store.resolve(handle_of(explicit), "u").kv.position == len(engine.tokenize("Before.\n"))
+    store.close()
+
+    # A prefix that leaves no room for a memory is refused when the memory is added.
+    store = make_store(tmp_path / "huge-prefix", window=2, context_prefix="word " * engine.max_model_len)
+    with pytest.raises(ContextOverflowError):
+        store.add("Too late.", user_id="u")
 
 
 def test_facts_are_retokenized_for_another_model(make_store, engine, embedder, tmp_path):

@@ -701,7 +701,7 @@ class MemoryStore:
             ctx = tuple(int(t) for t in self.engine.tokenize(text)) if text else ()
             if len(ctx) + n < self.max_model_len:
                 return ctx, text
-            if strict:
+            if strict or not prev:  # nothing left to drop: the prefix alone is too long
                 raise ContextOverflowError(
                     f"context of {len(ctx)} tokens plus a memory of {n} does not fit the model's context "
                     f"of {self.max_model_len} tokens"
