@@ -69,7 +69,8 @@ Segment = Union[Span, Sequence[int]]
 
 
 class FactSource(Protocol):
-    """Turns the handles of a request of ``user_id`` into the spans to inject (the memory store)."""
+    """Turns the handles of a request of ``user_id`` into the spans to inject (the memory store).
+    A source with only ``resolve(handle, user_id) -> Span`` is asked handle by handle."""
 
     def resolve_many(self, handles: Sequence[Handle], user_id: str) -> list[Span]: ...
 
@@ -345,7 +346,8 @@ class InferScaleEngine:
         pieces, handles = split_on_handles(text)
         if handles:
             source = self.fact_source or self.memory
-            spans = source.resolve_many(handles, user_id)
+            many = getattr(source, "resolve_many", None)
+            spans = many(handles, user_id) if many is not None else [source.resolve(h, user_id) for h in handles]
         else:
             spans = []
         segments: list[Segment] = [self.tokenize(pieces[0], add_special_tokens=not is_chat)]

@@ -299,14 +299,12 @@ def test_injection_equals_prompt_when_context_matches(make_store, engine):
     assert common and max(abs(injected.first_logprobs[t] - plain.first_logprobs[t]) for t in common) < 1e-3
 
     # Negative control: the same handle served with noise for V must change the output.
-    class Noisy:
-        def resolve_many(self, handles, user_id):
+    class Noisy:  # a FactSource with only the one-handle resolve(): asked handle by handle
+        def resolve(self, handle, user_id):
+            span = store.resolve(handle, user_id)
             g = torch.Generator().manual_seed(0)
-            spans = []
-            for span in store.resolve_many(handles, user_id):
-                noise = torch.randn(span.kv.v.shape, generator=g).to(span.kv.v.dtype) * 5
-                spans.append(Span(span.key + ":noise", span.token_ids, FactKV(span.kv.k, noise, span.kv.position), span.text))
-            return spans
+            noise = torch.randn(span.kv.v.shape, generator=g).to(span.kv.v.dtype) * 5
+            return Span(span.key + ":noise", span.token_ids, FactKV(span.kv.k, noise, span.kv.position), span.text)
 
     engine.fact_source = Noisy()
     noisy = engine.generate(prompt, user_id="u", max_tokens=16, first_logprobs=5)
