@@ -33,7 +33,7 @@ from inferscale_engine.connector import compat
 from inferscale_engine.connector.bridge import drop_bridge, new_bridge
 from inferscale_engine.connector.plan import InjectionPlan, SpanRef
 from inferscale_engine.encoder import EncodeWindow, encode_windows
-from inferscale_engine.errors import ContextOverflowError, EngineClosedError, InferScaleError
+from inferscale_engine.errors import ContextOverflowError, EngineClosedError, InferScaleError, check_utf8
 from inferscale_engine.handles import Handle, split_on_handles
 from inferscale_engine.kv import FactKV
 from inferscale_engine.loop import EngineLoop
@@ -229,14 +229,14 @@ class InferScaleEngine:
     def render(self, prompt_or_messages: str | Messages) -> tuple[str, bool]:
         """Prompt text and whether it came from the chat template."""
         if isinstance(prompt_or_messages, str):
-            return _check_unicode(prompt_or_messages, "prompt"), False
+            return check_utf8(prompt_or_messages, "prompt"), False
         if isinstance(prompt_or_messages, (bytes, bytearray, dict)) or not hasattr(prompt_or_messages, "__iter__"):
             raise TypeError(f"prompt must be a string or a list of chat messages, got {type(prompt_or_messages).__name__}")
         messages = [dict(m) for m in prompt_or_messages]
         for m in messages:
             if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError("each chat message needs string 'role' and 'content'")
-            _check_unicode(m["content"], "chat message content")
+            check_utf8(m["content"], "chat message content")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.config.model!r} has no chat template; pass a prompt string")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -517,15 +517,6 @@ def _check_seed(seed: Any) -> None:
         ok = False
     if not ok:
         raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
-
-
-def _check_unicode(text: str, what: str) -> str:
-    """``text`` if it is valid Unicode (tokenizers reject lone surrogates with an obscure TypeError)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{what} is not valid UTF-8 text ({exc.reason} at position {exc.start})") from None
-    return text
 
 
 def _configure_vllm_environment(cfg: EngineConfig) -> None:

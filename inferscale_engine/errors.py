@@ -37,3 +37,13 @@ class EngineClosedError(InferScaleError, RuntimeError):
 
 class KVNotReadyError(InferScaleError, TimeoutError):
     """A fact's KV is still being encoded in the background and was not ready within the timeout."""
+
+
+def check_utf8(text: str, what: str) -> str:
+    """``text`` if it is valid Unicode: lone surrogates cannot be tokenized, embedded or stored,
+    and tokenizers reject them with an obscure TypeError. ``what`` names it in the error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid UTF-8 text ({exc.reason} at position {exc.start})") from None
+    return text

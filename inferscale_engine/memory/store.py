@@ -60,6 +60,7 @@ from inferscale_engine.errors import (
     InferScaleError,
     KVNotReadyError,
     StaleKVError,
+    check_utf8,
 )
 from inferscale_engine.handles import Handle, HandleCodec
 from inferscale_engine.kv import FactKV
@@ -164,7 +165,7 @@ class MemoryStore:
         self.engine = engine
         self.path = Path(path).expanduser()
         self.window = window
-        self.context_prefix = _check_utf8(str(context_prefix), "context_prefix")
+        self.context_prefix = check_utf8(str(context_prefix), "context_prefix")
         self.index_kind: IndexKind = index
         self.encode_batch = encode_batch
         self.encode_batch_tokens = encode_batch_tokens
@@ -774,7 +775,7 @@ class MemoryStore:
         background: bool = True,
     ) -> list[MemoryItem]:
         for t in texts:  # speakers and imported turns too, not only checked contents
-            _check_utf8(t, "memory text")
+            check_utf8(t, "memory text")
         token_ids = [self._tokenize_fact(t) for t in texts]
         vecs = self.embedder.embed(texts, progress=progress)
         now = _now()
@@ -1172,16 +1173,7 @@ def _check_text(text: Any, what: str = "memory text") -> str:
         raise TypeError(f"{what} must be a string, got {type(text).__name__}")
     if not text.strip():
         raise ValueError(f"{what} is empty")
-    return _check_utf8(text, what)
-
-
-def _check_utf8(text: str, what: str) -> str:
-    """Lone surrogates cannot be tokenized, embedded or stored: refuse them with a clear error."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ValueError(f"{what} is not valid UTF-8 text ({exc.reason} at position {exc.start})") from None
-    return text
+    return check_utf8(text, what)
 
 
 def _texts_of(messages_or_text: Any) -> list[str]:
@@ -1227,7 +1219,7 @@ def _check_context(context: Any) -> list[str] | None:
     if isinstance(context, str) or not isinstance(context, (list, tuple)) \
             or not all(isinstance(c, str) for c in context):
         raise TypeError("context must be a list of strings")
-    return [_check_utf8(c, "context") for c in context]
+    return [check_utf8(c, "context") for c in context]
 
 
 def _load_secret(path: Path) -> bytes:
