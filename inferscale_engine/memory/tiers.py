@@ -119,7 +119,7 @@ class KVTiers:
         self._write_file(key, kv, fingerprint)
         with self._lock:
             self._drop_memory(key)
-            self._insert(key, self._to_block(kv.k, kv.v), kv.num_tokens, kv.position, fingerprint)
+            self._insert(key, self._to_pages(kv.k, kv.v), kv.num_tokens, kv.position, fingerprint)
 
     def get(self, key: KVKey, fingerprint: str) -> FactKV:
         """KV of ``key`` (see :meth:`get_many`)."""
@@ -288,7 +288,7 @@ class KVTiers:
                 return self.get_many([key], fingerprint)[0]
             if not self.path(key).exists():  # deleted while we read it: serve, but do not cache
                 return FactKV(k.to(self.device), v.to(self.device), position)
-            self._insert(key, self._to_block(k, v), k.shape[1], position, fingerprint)
+            self._insert(key, self._to_pages(k, v), k.shape[1], position, fingerprint)
             entry = self._device.get(key)
             if entry is not None:
                 return self._read_device([entry])[0]
@@ -358,11 +358,8 @@ class KVTiers:
             start += len(e.pages) * self.page_tokens
         return out
 
-    def _insert(self, key: KVKey, block: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
-        """Cache a ``[2, layers, rows, heads, dim]`` block (lock held)."""
-        self._insert_pages(key, self._block_to_pages(block), n, position, fingerprint)
-
-    def _insert_pages(self, key: KVKey, pages: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
+    def _insert(self, key: KVKey, pages: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
+        """Cache a fact's pages on the device slab (lock held)."""
         need = pages.shape[0]
         if self._slab is None or need > self._slab.shape[0]:  # larger than the whole slab: the host serves it
             self._insert_host(key, pages, n, position, fingerprint)
@@ -412,19 +409,15 @@ class KVTiers:
             return index
         return index.pin_memory().to(self.device, non_blocking=True)
 
-    def _to_block(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``[layers, n, heads, dim]`` K and V as one ``[2, layers, pages * page_tokens, heads, dim]``."""
+    def _to_pages(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``[layers, n, heads, dim]`` K and V as ``[pages, layers, 2, page_tokens, heads, dim]``."""
         layers, n, heads, dim = k.shape
-        m = max(1, math.ceil(n / self.page_tokens))
-        out = torch.zeros((2, layers, m * self.page_tokens, heads, dim), dtype=k.dtype, device=k.device)
-        out[0, :, :n] = k
-        out[1, :, :n] = v
-        return out
-
-    def _block_to_pages(self, block: torch.Tensor) -> torch.Tensor:
-        """``[2, layers, m * page_tokens, heads, dim]`` as the slab's ``[m, layers, 2, page_tokens, heads, dim]`` (a view)."""
-        _, layers, rows, heads, dim = block.shape
-        return block.view(2, layers, rows // self.page_tokens, self.page_tokens, heads, dim).permute(2, 1, 0, 3, 4, 5)
+        pt = self.page_tokens
+        m = max(1, math.ceil(n / pt))
+        out = torch.zeros((layers, 2, m * pt, heads, dim), dtype=k.dtype, device=k.device)
+        out[:, 0, :n] = k
+        out[:, 1, :n] = v
+        return out.view(layers, 2, m, pt, heads, dim).permute(2, 0, 1, 3, 4, 5).contiguous()
 
     @staticmethod
     def _pages_to_block(pages: torch.Tensor) -> torch.Tensor:
