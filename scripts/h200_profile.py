@@ -1,8 +1,12 @@
 """Where the time of one KV-injected request goes, on the GPU (diagnostic, not a benchmark).
 
 usage: python scripts/h200_profile.py CONFIG_DIR [fused|unfused]
+With $OUT set, also writes torch.profiler tables of five k=50 requests per mode to
+$OUT/trace-k50-<mode>.txt: what the GPU and the host do differently for an injected request
+and for the floor.
 """
 
+import os
 import sys
 import time
 from collections import defaultdict
@@ -42,6 +46,37 @@ def patch():
     EngineCore.step = timed("core.step", EngineCore.step)
     if hasattr(EngineCore, "step_with_batch_queue"):
         EngineCore.step_with_batch_queue = timed("core.step_bq", EngineCore.step_with_batch_queue)
+    from vllm.v1.worker.gpu_worker import Worker
+
+    Worker.execute_model = timed("worker.execute", Worker.execute_model)
+    if hasattr(Worker, "sample_tokens"):
+        Worker.sample_tokens = timed("worker.sample", Worker.sample_tokens)
+
+
+def trace(eng, work, k, out_dir):
+    """torch.profiler over five requests per mode, after the timed runs (warm)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for mode in ("inject", "floor"):
+        reqs = []
+        for _ in range(5):
+            picks, q = work.sample(k), work.question()
+            if mode == "floor":
+                eng.generate_segments(work.prompt_segments(picks, q), max_tokens=1, mode="prompt")
+                reqs.append((work.prompt_segments(picks, work.question()), "prompt"))
+            else:
+                reqs.append((work.inject_segments(picks, q), "inject"))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for segs, m in reqs:
+                eng.generate_segments(segs, max_tokens=1, mode=m)
+            torch.cuda.synchronize()
+        table = prof.key_averages()
+        with open(os.path.join(out_dir, f"trace-k{k}-{mode}.txt"), "w") as f:
+            f.write(f"# 5 requests, k={k}, mode={mode}\n")
+            f.write(table.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
+            f.write("\n")
+            f.write(table.table(sort_by="self_cpu_time_total", row_limit=60, max_name_column_width=90))
 
 
 if __name__ == "__main__":
@@ -72,4 +107,6 @@ if __name__ == "__main__":
                         measured[key + " calls"].append(len(v))
             parts = ", ".join(f"{key} {median(v):.2f}" for key, v in sorted(measured.items()))
             print(f"fused={fused} k={k} {mode}: ttft p50 {median(ttfts[5:]):.2f} ms | {parts}", flush=True)
+    if os.environ.get("OUT"):
+        trace(eng, work, 50, os.environ["OUT"])
     eng.close()
