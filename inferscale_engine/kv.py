@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+#: :meth:`FactKV.layout`: ``(addresses, dtype, is_cuda, num_layers)``. ``addresses`` holds six
+#: native int64s, K and V base addresses, K and V layer strides, K and V row strides (strides in
+#: elements), as bytes: hundreds of spans' join into one numpy array at C speed, where tuples of
+#: Python ints cost a conversion per int. It is ``None`` when a token row of K or V is not one
+#: contiguous ``[heads, head_dim]`` block, and ``dtype`` is ``None`` when K's and V's differ.
+#: A plain tuple: one is built per span a request is served, and a NamedTuple's constructor is a
+#: Python call that costs several times more.
+KVLayout = tuple[bytes | None, torch.dtype | None, bool, int]
+
+_ADDRESSES = struct.Struct("=6q")
 
 
 @dataclass
@@ -16,6 +28,9 @@ class FactKV:
     encoded at; :func:`inferscale_engine.rope.rotate` moves them. Tensors are
     ``[num_layers, n, num_kv_heads, head_dim]``: heads stay a separate axis so a
     tensor-parallel rank can take just its own slice.
+
+    ``k`` and ``v`` are never replaced or resized after construction (new spans are new
+    FactKVs, as :meth:`rows` and :meth:`to` make), which is what lets :meth:`layout` be read once.
     """
 
     k: torch.Tensor
@@ -24,6 +39,7 @@ class FactKV:
     #: CUDA event recorded after the copy that produced ``k``/``v`` was queued (a promotion
     #: still in flight); whoever reads them on the device waits on it there, not on the host.
     ready: Any = field(default=None, repr=False, compare=False)
+    _layout: KVLayout | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.k.dim() != 4 or self.k.shape[:3] != self.v.shape[:3]:
@@ -36,6 +52,31 @@ class FactKV:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+    def layout(self) -> KVLayout:
+        """Addresses, strides, dtype and device of ``k``/``v`` (see :data:`KVLayout`): read from
+        the tensors on first use and kept, since an injection needs them per span and each read
+        is a call into torch."""
+        layout = self._layout
+        if layout is None:
+            k, v = self.k, self.v
+            kl, kr, kh, kd = k.stride()
+            vl, vr, vh, vd = v.stride()
+            num_layers, _, _, k_dim = k.shape
+            rows_contiguous = kd == 1 and vd == 1 and kh == k_dim and vh == v.shape[3]
+            dtype = k.dtype
+            layout = self._layout = (
+                _ADDRESSES.pack(k.data_ptr(), v.data_ptr(), kl, vl, kr, vr) if rows_contiguous else None,
+                dtype if v.dtype == dtype else None,
+                k.is_cuda,
+                num_layers,
+            )
+        return layout
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Copies and unpickled FactKVs may hold other tensors (deepcopy's do): the cached layout
+        # never travels, it is read again from whatever tensors they end up with.
+        return {**self.__dict__, "_layout": None}
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "FactKV":
         if self.k.device == torch.device(device):

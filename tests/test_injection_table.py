@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import pickle
+
 import numpy as np
 import pytest
 import torch
 
-from inferscale_engine.connector.table import InjectionTable, SpanRows
+from inferscale_engine.connector.plan import (
+    InjectionPlan,
+    LoadPiece,
+    LoadRequest,
+    SpanRef,
+)
+from inferscale_engine.connector.table import InjectionTable, SpanColumns, SpanRows
 from inferscale_engine.kv import FactKV
 
 L, H, D = 3, 2, 4
@@ -52,3 +62,158 @@ def test_bad_tables_are_refused():
     heads_apart = FactKV(torch.randn(L, 2, D, H).transpose(2, 3), torch.randn(L, 2, H, D), 0)
     with pytest.raises(ValueError, match="contiguous"):
         InjectionTable.build([SpanRows(heads_apart, 0, 2, 0)], np.arange(2), torch.device("cpu"))
+
+
+def span_addresses(table: InjectionTable) -> np.ndarray:
+    """Per span ``[K address, V address, K/V layer strides, K/V row strides, delta]`` (7 x spans)."""
+    return table.data.cpu().numpy()[3 * table.rows :].reshape(7, table.spans)
+
+
+def assert_rows_addressed(table: InjectionTable, parts: list[SpanRows]) -> None:
+    """Every row of every layer resolves, through the table, to the tensors' own row addresses."""
+    data, n = table.data.numpy(), table.rows
+    span_of_row, row_in_span, cols = data[:n], data[n : 2 * n], span_addresses(table)
+    for r in range(n):
+        s, i = span_of_row[r], row_in_span[r]
+        kv, row = parts[s].kv, parts[s].row
+        es = kv.k.element_size()
+        for layer in range(kv.k.shape[0]):
+            assert cols[0, s] + (layer * cols[2, s] + i * cols[4, s]) * es == kv.k[layer, row + i].data_ptr()
+            assert cols[1, s] + (layer * cols[3, s] + i * cols[5, s]) * es == kv.v[layer, row + i].data_ptr()
+
+
+def test_layout_is_read_once_and_reused():
+    span = kv(6, position=3)
+    first = span.layout()
+    assert span.layout() is first  # cached, not read again
+    addresses, dtype, is_cuda, num_layers = first
+    assert (dtype, is_cuda, num_layers) == (torch.float32, False, L)
+    k_addr, v_addr, kl, vl, kr, vr = np.frombuffer(addresses, dtype=np.int64)
+    assert (k_addr, v_addr) == (span.k.data_ptr(), span.v.data_ptr())
+    assert (kl, kr, vl, vr) == (*span.k.stride()[:2], *span.v.stride()[:2])
+
+    parts = [SpanRows(span, 1, 4, 5), SpanRows(span, 0, 1, -1)]
+    slots = np.arange(20, 25, dtype=np.int64)
+    once, twice = (InjectionTable.build(parts, slots, torch.device("cpu")) for _ in range(2))
+    assert torch.equal(once.data, twice.data)
+    assert_rows_addressed(twice, parts)
+
+
+def test_rows_view_gets_its_own_addresses():
+    span = kv(8, position=10)
+    span.layout()  # the parent's layout is cached before the view is taken
+    view = span.rows(3, 7)
+    assert view.position == 13
+    k_addr, v_addr = np.frombuffer(view.layout()[0], dtype=np.int64)[:2]
+    assert (k_addr, v_addr) == (span.k[:, 3].data_ptr(), span.v[:, 3].data_ptr())
+    assert k_addr != np.frombuffer(span.layout()[0], dtype=np.int64)[0]
+
+    parts = [SpanRows(view, 1, 3, 0), SpanRows(span, 0, 2, 4)]
+    table = InjectionTable.build(parts, np.arange(5, dtype=np.int64), torch.device("cpu"))
+    assert_rows_addressed(table, parts)
+    assert span_addresses(table)[0, 0] == span.k[:, 4].data_ptr()  # view row 1 is parent row 4
+
+
+def test_strided_views_address_where_they_lie():
+    block = torch.randn(2, L, 20, 3, D, dtype=torch.bfloat16)  # a tier's block, three heads
+    paged = FactKV(block[0, :, 5:12], block[1, :, 5:12], 0)
+    one_head = FactKV(block[0, :, 12:16, 1:2], block[1, :, 12:16, 2:3], 7)  # a tensor-parallel rank's slice
+    last_layers = FactKV(block[0, 1:, 2:5], block[1, 1:, 2:5], 11)
+    parts = [SpanRows(paged, 2, 5, 1), SpanRows(one_head, 0, 4, -3), SpanRows(paged, 0, 1, 0)]
+    table = InjectionTable.build(parts, np.arange(10, dtype=np.int64), torch.device("cpu"))
+    assert table.src_dtype == torch.bfloat16
+    assert list(span_addresses(table)[6]) == [1, -3, 0]
+    assert_rows_addressed(table, parts)
+    assert_rows_addressed(InjectionTable.build([SpanRows(last_layers, 1, 2, 0)], np.arange(2), torch.device("cpu")),
+                          [SpanRows(last_layers, 1, 2, 0)])
+
+
+def test_copies_never_inherit_a_cached_layout():
+    span = kv(4)
+    span.layout()
+    for other in (copy.deepcopy(span), pickle.loads(pickle.dumps(span)), dataclasses.replace(span, k=span.k.clone())):
+        assert torch.equal(other.k, span.k) and other.position == span.position  # same KV, new memory
+        assert np.frombuffer(other.layout()[0], dtype=np.int64)[0] == other.k.data_ptr() != span.k.data_ptr()
+        if other.v is not span.v:
+            assert np.frombuffer(other.layout()[0], dtype=np.int64)[1] == other.v.data_ptr() != span.v.data_ptr()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_sources_elsewhere_are_copied_to_the_device_and_kept_alive():
+    on_host, on_gpu = kv(3), kv(2).to("cuda")
+    parts = [SpanRows(on_host, 1, 2, 0), SpanRows(on_gpu, 0, 2, 3)]
+    table = InjectionTable.build(parts, np.arange(4), torch.device("cuda"))
+    copied_k, copied_v = table.keepalive
+    assert copied_k.is_cuda and torch.equal(copied_k.cpu(), on_host.k) and torch.equal(copied_v.cpu(), on_host.v)
+    cols = span_addresses(table)
+    assert (cols[0, 0], cols[1, 0]) == (copied_k[:, 1].data_ptr(), copied_v[:, 1].data_ptr())
+    assert (cols[0, 1], cols[1, 1]) == (on_gpu.k.data_ptr(), on_gpu.v.data_ptr())
+    assert on_host.layout()[2] is False  # the host copy's own layout is untouched
+
+
+def test_columns_build_the_same_table():
+    a, b = kv(5, position=2), kv(3, position=9)
+    parts = [SpanRows(a, 1, 4, 6), SpanRows(b, 0, 3, -9)]
+    slots = np.arange(40, 47, dtype=np.int64)
+    columns = SpanColumns([a, b], np.array([1, 0]), np.array([4, 3]), np.array([6, -9]))
+    by_rows = InjectionTable.build(parts, slots, torch.device("cpu"))
+    by_columns = InjectionTable.build_columns(columns, slots, torch.device("cpu"))
+    assert torch.equal(by_rows.data, by_columns.data)
+    assert (by_columns.rows, by_columns.spans, by_columns.max_delta) == (7, 2, 9)
+    empty = InjectionTable.build([], np.zeros(0, dtype=np.int64), torch.device("cpu"))
+    assert (empty.rows, empty.spans, empty.max_delta, empty.data.numel()) == (0, 0, 0, 0)
+
+
+def test_keys_and_values_of_different_dtypes_are_refused():
+    mixed = FactKV(torch.randn(L, 2, H, D), torch.randn(L, 2, H, D).to(torch.bfloat16), 0)
+    assert mixed.layout()[1] is None
+    with pytest.raises(ValueError, match="spans of one injection must share a dtype"):
+        InjectionTable.build([SpanRows(mixed, 0, 2, 0)], np.arange(2), torch.device("cpu"))
+    with pytest.raises(ValueError, match="spans of one injection must share a dtype"):
+        InjectionTable.build([SpanRows(kv(2), 0, 2, 0), SpanRows(mixed, 0, 2, 0)], np.arange(4), torch.device("cpu"))
+
+
+def reference_pieces(plan: InjectionPlan, start: int, stop: int) -> list[LoadPiece]:
+    """Every span scanned, as the scheduler did before bisecting."""
+    pieces = []
+    for span in plan.spans:
+        lo, hi = max(span.position, start), min(span.end, stop)
+        if lo < hi:
+            pieces.append(LoadPiece(span.key, lo - span.position, lo, hi - lo))
+    return pieces
+
+
+def test_plan_pieces_cover_every_range_as_a_scan_would():
+    rng = np.random.default_rng(0)
+    for lengths in ([5], [1, 1, 1], [3, 7, 1, 4, 2], rng.integers(1, 6, 12).tolist()):
+        spans, position = [], 0
+        for i, n in enumerate(lengths):
+            spans.append(SpanRef(f"s{i}", position, n))
+            position += n
+        plan = InjectionPlan(tuple(spans))
+        for start in range(plan.end):
+            for stop in range(start + 1, plan.end + 1):
+                got = plan.pieces(start, stop)
+                assert got == reference_pieces(plan, start, stop), (lengths, start, stop)
+                assert all(type(p) is LoadPiece for p in got)
+                assert sum(p.count for p in got) == stop - start
+    with pytest.raises(ValueError, match="not inside"):
+        plan.pieces(0, plan.end + 1)
+    with pytest.raises(ValueError, match="not inside"):
+        plan.pieces(3, 3)
+
+
+def test_load_slots_are_block_times_size_plus_offset():
+    rng = np.random.default_rng(1)
+    for block_size in (1, 4, 16):
+        block_ids = rng.permutation(100)[:12].tolist()
+        capacity = 12 * block_size
+        ranges = [(0, 1), (0, capacity), (block_size, 5 * block_size), (3, 3 + 2 * block_size + 1)]
+        ranges += [sorted(rng.choice(capacity + 1, 2, replace=False).tolist()) for _ in range(20)]
+        for start, stop in ranges:
+            load = LoadRequest(block_ids, start, stop, [])
+            want = [block_ids[p // block_size] * block_size + p % block_size for p in range(start, stop)]
+            got = load.slots(block_size)
+            assert got.dtype == np.int64 and got.tolist() == want
+    with pytest.raises(ValueError, match="need 3 blocks"):
+        LoadRequest([4, 9], 0, 9, []).slots(4)

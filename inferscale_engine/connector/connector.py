@@ -35,11 +35,11 @@ from inferscale_engine.connector.plan import (
     CaptureSlots,
     InferScaleConnectorMetadata,
     InjectionPlan,
-    LoadPiece,
     LoadRequest,
     parse_params,
 )
-from inferscale_engine.connector.table import InjectionTable, SpanRows
+from inferscale_engine.connector.table import InjectionTable, SpanColumns
+from inferscale_engine.kv import FactKV
 from inferscale_engine.rope import rotate
 
 if TYPE_CHECKING:
@@ -123,11 +123,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         plan = self._plans[request.request_id]
         assert isinstance(plan, InjectionPlan)
         stop = start + count
-        pieces = []
-        for span in plan.spans:
-            lo, hi = max(span.position, start), min(span.end, stop)
-            if lo < hi:
-                pieces.append(LoadPiece(span.key, lo - span.position, lo, hi - lo))
+        pieces = plan.pieces(start, stop)
         block_ids = compat.single_group_block_ids(blocks.get_block_ids())
         self._loads.append(LoadRequest(block_ids, start, stop, pieces))
 
@@ -218,34 +214,37 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._step_captures = []
 
     def _inject(self, loads: list[LoadRequest], forward_context: "ForwardContext") -> None:
-        # Hundreds of spans per step at large k: per span, one dict lookup and one small record.
+        # Hundreds of spans per step at large k: per span a dict lookup and a few attribute reads
+        # (FactKV.layout() reads the tensors once per FactKV); the arithmetic is numpy's.
         staged = self._bridge().staged
         num_layers = len(self._layers)
-        parts: list[SpanRows] = []
+        pieces = [piece for load in loads for piece in load.pieces]
+        keys, rows, positions, counts = zip(*pieces) if pieces else ((), (), (), ())
+        kvs: list[FactKV] = []
+        encoded_at: list[int] = []
         pending = {}  # promotions still copying, by event
-        for load in loads:
-            for piece in load.pieces:
-                kv = staged.get(piece.key)
-                if kv is None:
-                    raise RuntimeError(f"span {piece.key!r} was not staged before its request ran")
-                if kv.k.shape[0] != num_layers:
-                    raise RuntimeError(f"stored KV has {kv.k.shape[0]} layers, the model has {num_layers}")
-                if kv.ready is not None:
-                    pending[id(kv.ready)] = kv.ready
-                parts.append(SpanRows(kv, piece.row, piece.count, piece.position - (kv.position + piece.row)))
-        slots = np.concatenate([self._load_slots(load) for load in loads])
+        for key in keys:
+            kv = staged.get(key)
+            if kv is None:
+                raise RuntimeError(f"span {key!r} was not staged before its request ran")
+            _, _, _, layers = kv.layout()
+            if layers != num_layers:
+                raise RuntimeError(f"stored KV has {layers} layers, the model has {num_layers}")
+            if kv.ready is not None:
+                pending[id(kv.ready)] = kv.ready
+            kvs.append(kv)
+            encoded_at.append(kv.position)
+        row = np.array(rows, dtype=np.int64)
+        delta = np.array(positions, dtype=np.int64) - np.array(encoded_at, dtype=np.int64) - row
+        spans = SpanColumns(kvs, row, np.array(counts, dtype=np.int64), delta)
+        slots = np.concatenate([load.slots(self._block_size) for load in loads])
         device = compat.layer_kv_cache(self._layers[0][1], forward_context).device
         for event in pending.values():  # on the device: the host never waits for a promotion
             torch.cuda.current_stream(device).wait_event(event)
         if self._fused and device.type == "cuda" and self._fused_ready(forward_context):
-            self._inject_fused(parts, slots, device)
+            self._inject_fused(spans, slots, device)
         else:
-            self._inject_torch(parts, slots, device, forward_context)
-
-    def _load_slots(self, load: LoadRequest) -> np.ndarray:
-        bs = self._block_size
-        positions = np.arange(load.start, load.stop)
-        return np.asarray(load.block_ids, dtype=np.int64)[positions // bs] * bs + positions % bs
+            self._inject_torch(spans, slots, device, forward_context)
 
     def _fused_ready(self, forward_context: "ForwardContext") -> bool:
         """Whether the Triton writer knows this cache layout (per-layer rope or an unknown layout
@@ -264,25 +263,24 @@ class InferScaleConnector(KVConnectorBase_V1):
                 self._fused_views = False
         return bool(self._fused_views)
 
-    def _inject_fused(self, parts: list[SpanRows], slots: np.ndarray, device: torch.device) -> None:
+    def _inject_fused(self, spans: SpanColumns, slots: np.ndarray, device: torch.device) -> None:
         from inferscale_engine.rope_triton import inject_rows
 
         assert self._fused_views
         key_ptrs, value_ptrs, view = self._fused_views
-        table = InjectionTable.build(parts, slots, device)
+        table = InjectionTable.build_columns(spans, slots, device)
         rope = self._bridge().ropes[self._layers[0][0]]
         inject_rows(table, rope, key_ptrs, value_ptrs, view)
 
     def _inject_torch(
-        self, parts: list[SpanRows], slots: np.ndarray, device: torch.device, forward_context: "ForwardContext"
+        self, spans: SpanColumns, slots: np.ndarray, device: torch.device, forward_context: "ForwardContext"
     ) -> None:
         """Reference path (CPU, or layouts the Triton writer does not know): gather, rotate,
         write through the backend's own KV write op."""
-        k = torch.cat([p.kv.k[:, p.row : p.row + p.count].to(device) for p in parts], dim=1)
-        v = torch.cat([p.kv.v[:, p.row : p.row + p.count].to(device) for p in parts], dim=1)
-        deltas = torch.repeat_interleave(
-            torch.tensor([p.delta for p in parts], dtype=torch.long), torch.tensor([p.count for p in parts])
-        ).to(device)
+        parts = list(zip(spans.kv, spans.row.tolist(), spans.count.tolist()))
+        k = torch.cat([kv.k[:, row : row + count].to(device) for kv, row, count in parts], dim=1)
+        v = torch.cat([kv.v[:, row : row + count].to(device) for kv, row, count in parts], dim=1)
+        deltas = torch.repeat_interleave(torch.from_numpy(spans.delta), torch.from_numpy(spans.count)).to(device)
         slot_mapping = torch.from_numpy(slots).to(device)
         k = self._rotate(k, deltas)
         for index, (name, layer) in enumerate(self._layers):

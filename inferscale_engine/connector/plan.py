@@ -7,9 +7,12 @@ The scheduler half turns them into :class:`InferScaleConnectorMetadata` once per
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any, NamedTuple
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 PARAMS_KEY = "inferscale"
@@ -46,6 +49,25 @@ class InjectionPlan:
 
     def to_params(self) -> dict[str, Any]:
         return {PARAMS_KEY: {"inject": [[s.key, s.position, s.length] for s in self.spans]}}
+
+    def pieces(self, start: int, stop: int) -> list[LoadPiece]:
+        """What loads prompt positions ``[start, stop)`` (``0 <= start < stop <= end``): a piece
+        per span they overlap, in order, whole but for the first and the last."""
+        if not 0 <= start < stop <= self.end:
+            raise ValueError(f"positions [{start}, {stop}) are not inside the injected [0, {self.end})")
+        spans = self.spans
+        # Spans tile the prefix in order: bisection finds the two ends, with no scan of them all.
+        first = bisect.bisect_right(spans, start, key=_position) - 1
+        last = bisect.bisect_left(spans, stop, key=_position) - 1
+        pieces = [LoadPiece(key, 0, position, length) for key, position, length in spans[first : last + 1]]
+        head, tail = spans[first], spans[last]
+        pieces[0] = LoadPiece(head.key, start - head.position, start, min(head.end, stop) - start)
+        if last > first:
+            pieces[-1] = LoadPiece(tail.key, 0, tail.position, stop - tail.position)
+        return pieces
+
+
+_position = attrgetter("position")
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +117,18 @@ class LoadRequest:
     start: int
     stop: int
     pieces: list[LoadPiece]
+
+    def slots(self, block_size: int) -> np.ndarray:
+        """Cache slot (``block * block_size + offset``) of every position in ``[start, stop)``."""
+        # Positions are consecutive: lay out every slot of the blocks they touch and cut
+        # [start, stop) out of those, rather than divide position by position.
+        first, end = self.start // block_size, -(-self.stop // block_size)
+        if end > len(self.block_ids):
+            raise ValueError(f"positions up to {self.stop} need {end} blocks, the request has {len(self.block_ids)}")
+        blocks = np.asarray(self.block_ids[first:end], dtype=np.int64)
+        every = (blocks[:, None] * block_size + np.arange(block_size)).reshape(-1)
+        offset = self.start - first * block_size
+        return every[offset : offset + self.stop - self.start]
 
 
 @dataclass(slots=True)

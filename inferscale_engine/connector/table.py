@@ -21,6 +21,7 @@ from inferscale_engine.kv import FactKV
 # V address, K/V layer strides, K/V row strides in elements, rotation delta).
 _DELTA = 6
 _SPAN_COLS = 7
+_ADDRESS_COLS = 6  # per span in KVLayout's addresses: K, V base addresses, K/V layer and row strides
 
 
 class SpanRows(NamedTuple):
@@ -30,6 +31,26 @@ class SpanRows(NamedTuple):
     row: int
     count: int
     delta: int
+
+
+class SpanColumns(NamedTuple):
+    """Many :class:`SpanRows` as columns: span ``i`` is rows ``[row[i], row[i] + count[i])`` of
+    ``kv[i]``, served ``delta[i]`` positions after they were encoded. Hundreds of spans a step
+    come this way, without a record per span."""
+
+    kv: Sequence[FactKV]
+    row: np.ndarray  # int64, as are count and delta
+    count: np.ndarray
+    delta: np.ndarray
+
+    @classmethod
+    def of(cls, parts: Sequence[SpanRows]) -> SpanColumns:
+        kvs, rows, counts, deltas = zip(*parts) if parts else ((), (), (), ())
+        return cls(kvs, _int64(rows), _int64(counts), _int64(deltas))
+
+
+def _int64(values: Sequence[int]) -> np.ndarray:
+    return np.array(values, dtype=np.int64)
 
 
 @dataclass
@@ -48,33 +69,46 @@ class InjectionTable:
     def build(cls, parts: Sequence[SpanRows], slots: np.ndarray, device: torch.device) -> "InjectionTable":
         """``parts`` in row order; ``slots`` the cache slot of every row (``sum(count)`` of them).
         Sources must be on ``device`` (others are copied there first, and kept alive here)."""
-        cols, counts, keepalive = [], [], []
-        dtype = parts[0].kv.k.dtype if parts else torch.float32
+        return cls.build_columns(SpanColumns.of(parts), slots, device)
+
+    @classmethod
+    def build_columns(cls, spans: SpanColumns, slots: np.ndarray, device: torch.device) -> InjectionTable:
+        """:meth:`build` from spans given as columns."""
+        kvs = spans.kv
+        # Per span one FactKV.layout() (torch is read once per FactKV, then it is cached); the
+        # arithmetic is numpy's, over all spans at once.
+        layouts = [kv.layout() for kv in kvs]
+        addresses, dtypes, is_cuda, _ = zip(*layouts) if layouts else ((), (), (), ())
         on_cuda = device.type == "cuda"
-        for kv, row, count, delta in parts:  # hundreds per step: keep it to attribute reads
-            k, v = kv.k, kv.v
-            if k.is_cuda != on_cuda:
-                k, v = k.to(device), v.to(device)
-                keepalive += [k, v]
-            if k.dtype != dtype or v.dtype != dtype:
-                raise ValueError("spans of one injection must share a dtype")
-            (kl, kr, kh, kd), (vl, vr, vh, vd) = k.stride(), v.stride()
-            if kd != 1 or vd != 1 or kh != k.shape[-1] or vh != v.shape[-1]:
-                raise ValueError("span KV rows must be contiguous [heads, head_dim]")
-            es = k.element_size()
-            cols.append((k.data_ptr() + row * kr * es, v.data_ptr() + row * vr * es, kl, vl, kr, vr, delta))
-            counts.append(count)
-        counts_np = np.asarray(counts, dtype=np.int64)
-        n = int(counts_np.sum())
+        keepalive: list[torch.Tensor] = []
+        if is_cuda.count(not on_cuda):  # sources elsewhere: copied to the device for this launch
+            kvs = [kv if there == on_cuda else kv.to(device) for kv, there in zip(kvs, is_cuda)]
+            keepalive = [t for kv, old in zip(kvs, spans.kv) if kv is not old for t in (kv.k, kv.v)]
+            addresses, dtypes, _, _ = zip(*[kv.layout() for kv in kvs])
+        dtype = dtypes[0] if dtypes else torch.float32
+        if dtype is None or dtypes.count(dtype) != len(dtypes):
+            raise ValueError("spans of one injection must share a dtype")
+        if None in addresses:
+            raise ValueError("span KV rows must be contiguous [heads, head_dim]")
+        counts = spans.count
+        n = int(counts.sum())
         if len(slots) != n:
             raise ValueError(f"{n} rows but {len(slots)} slots")
-        starts = np.cumsum(counts_np) - counts_np
-        span_of_row = np.repeat(np.arange(len(parts), dtype=np.int64), counts_np)
-        row_in_span = np.arange(n, dtype=np.int64) - np.repeat(starts, counts_np)
-        span_cols = np.asarray(cols, dtype=np.int64).reshape(len(parts), _SPAN_COLS).T
+
+        span_cols = np.empty((_SPAN_COLS, len(kvs)), dtype=np.int64)
+        if len(kvs):
+            base = np.frombuffer(b"".join(addresses), dtype=np.int64).reshape(len(kvs), _ADDRESS_COLS).T
+            first_row = spans.row * dtype.itemsize  # each span's address is that of its first row
+            span_cols[0] = base[0] + first_row * base[4]
+            span_cols[1] = base[1] + first_row * base[5]
+            span_cols[2:6] = base[2:6]
+            span_cols[_DELTA] = spans.delta
+        starts = np.cumsum(counts) - counts
+        span_of_row = np.repeat(np.arange(len(kvs), dtype=np.int64), counts)
+        row_in_span = np.arange(n, dtype=np.int64) - np.repeat(starts, counts)
         packed = np.concatenate([span_of_row, row_in_span, slots.astype(np.int64), span_cols.reshape(-1)])
         data = torch.from_numpy(packed)
         if on_cuda:  # pinned, so the copy does not wait for the work already queued
             data = data.pin_memory().to(device, non_blocking=True)
-        max_delta = int(np.abs(span_cols[_DELTA]).max()) if len(parts) else 0
-        return cls(data, n, len(parts), dtype, max_delta, keepalive)
+        max_delta = int(np.abs(span_cols[_DELTA]).max()) if len(kvs) else 0
+        return cls(data, n, len(kvs), dtype, max_delta, keepalive)

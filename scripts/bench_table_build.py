@@ -1,0 +1,137 @@
+"""CPU micro-benchmark of the per-span Python on the injection path (no GPU needed).
+
+Times, at ``--spans`` retrieved facts of ``--tokens`` tokens each (k=200 by default):
+
+* ``table build``: :meth:`InjectionTable.build` on the same FactKVs every time (``warm``: what a
+  chunked prefill's later steps see) and on fresh FactKV objects every time (``cold``: a
+  request's first step, since tiers hand out new views per read);
+* ``worker _inject``: the connector's worker half (piece loop, slots, table build), cold and warm;
+* ``scheduler alloc``: the scheduler half's ``update_state_after_alloc`` (LoadPiece per span).
+
+FactKVs are views into one ``[2, layers, rows, heads, dim]`` block, as the tiers hand them out.
+With ``--device cpu`` (the default) the table is built for the CPU, so the pinned upload is
+skipped: this times the Python part only; ``--device cuda`` adds the pinned copy and upload
+(queued, not waited for). Run: ``python scripts/bench_table_build.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from inferscale_engine.connector.connector import InferScaleConnector
+from inferscale_engine.connector.plan import (
+    InjectionPlan,
+    LoadPiece,
+    LoadRequest,
+    SpanRef,
+)
+from inferscale_engine.connector.table import InjectionTable, SpanRows
+from inferscale_engine.kv import FactKV
+
+
+def _facts(block: torch.Tensor, spans: int, tokens: int) -> list[FactKV]:
+    """Fresh FactKV views of ``block``, one per span (new objects: nothing cached on them)."""
+    return [FactKV(block[0, :, i * tokens : (i + 1) * tokens], block[1, :, i * tokens : (i + 1) * tokens], i * 7)
+            for i in range(spans)]
+
+
+def _timed(fn: Callable[[], object], setup: Callable[[], object], repeat: int) -> list[float]:
+    """Microseconds per call of ``fn`` (``setup`` runs untimed before each, then the GPU drains)."""
+    out = []
+    for _ in range(repeat):
+        setup()
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - start) * 1e6)
+    return out
+
+
+def _report(name: str, us: list[float]) -> None:
+    print(f"{name:<28} median {statistics.median(us):8.1f} us   min {min(us):8.1f} us   ({len(us)} runs)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--spans", type=int, default=200)
+    ap.add_argument("--tokens", type=int, default=28)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=1000)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    spans, tokens = args.spans, args.tokens
+
+    device = torch.device(args.device)
+    # torch.empty: on the CPU the pages are never touched, so the block costs address space only.
+    shape = (2, args.layers, spans * tokens + 64, args.heads, args.dim)
+    block = torch.empty(shape, dtype=torch.bfloat16, device=device)
+    rng = np.random.default_rng(0)
+    deltas = rng.integers(-500, 3000, spans)
+    rows = spans * tokens
+    slots = rng.permutation(rows * 2)[:rows].astype(np.int64)
+    fact = f"[{args.layers}, {tokens}, {args.heads}, {args.dim}]"
+    print(f"{spans} spans x {tokens} tokens, FactKV {fact} bf16 views of one block, {device}")
+
+    warm = _facts(block, spans, tokens)
+    warm_parts = [SpanRows(f, 0, tokens, int(d)) for f, d in zip(warm, deltas)]
+    _report("table build (warm)", _timed(lambda: InjectionTable.build(warm_parts, slots, device), lambda: None, args.repeat))
+
+    cold: list[SpanRows] = []
+
+    def fresh_parts() -> None:
+        cold[:] = [SpanRows(f, 0, tokens, int(d)) for f, d in zip(_facts(block, spans, tokens), deltas)]
+
+    _report("table build (cold)", _timed(lambda: InjectionTable.build(cold, slots, device), fresh_parts, args.repeat))
+
+    # Worker half: a connector without vLLM behind it; the CPU path's torch writer is replaced by
+    # the table build alone, so only the per-span Python is timed.
+    keys = [f"fact-{i}" for i in range(spans)]
+    plan = InjectionPlan(tuple(SpanRef(key, i * tokens, tokens) for i, key in enumerate(keys)))
+    bs = args.block_size
+    block_ids = list(range((rows + bs - 1) // bs))
+    load = LoadRequest(block_ids, 0, rows, [LoadPiece(key, 0, i * tokens, tokens) for i, key in enumerate(keys)])
+    conn = object.__new__(InferScaleConnector)
+    conn._block_size = bs
+    conn._fused = False
+    conn._bridge_obj = SimpleNamespace(staged={})
+    layer = SimpleNamespace(kv_cache=torch.empty(0, device=device))
+    conn._layers = [(f"layer.{i}", layer) for i in range(args.layers)]
+    conn._inject_torch = lambda spans_, slots_, device, fc: InjectionTable.build_columns(spans_, slots_, device)
+    forward_context = SimpleNamespace(virtual_engine=0)
+
+    def stage() -> None:
+        conn._bridge_obj.staged = dict(zip(keys, _facts(block, spans, tokens)))
+
+    _report("worker _inject (cold)", _timed(lambda: conn._inject([load], forward_context), stage, args.repeat))
+    stage()  # the same FactKVs from here on, as static spans and facts shared by requests are
+    _report("worker _inject (warm)", _timed(lambda: conn._inject([load], forward_context), lambda: None, args.repeat))
+
+    # Scheduler half: claim everything but the last token, as get_num_new_matched_tokens does.
+    request = SimpleNamespace(request_id="r")
+    blocks = SimpleNamespace(get_block_ids=lambda: (block_ids,))
+    claimed = rows - 1
+
+    def claim() -> None:
+        conn._plans = {"r": plan}
+        conn._claimed = {"r": (0, claimed)}
+        conn._loads = []
+
+    def alloc() -> None:
+        conn.update_state_after_alloc(request, blocks, claimed)
+
+    _report("scheduler alloc", _timed(alloc, claim, args.repeat))
+
+
+if __name__ == "__main__":
+    main()
