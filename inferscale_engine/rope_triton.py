@@ -22,9 +22,9 @@ from inferscale_engine.rope import RopeTable
 
 # Row and span counts change with every step: specialising on them (divisibility by 16) would
 # compile a new variant mid-serving.
-@triton.jit(do_not_specialize=["N", "P"])
+@triton.jit(do_not_specialize=["N", "P", "LAYER0"])
 def _inject_rows(
-    TABLE, N, P,
+    TABLE, N, P, LAYER0,
     COS, SIN, KC_PTRS, VC_PTRS,
     s_cb, s_cn, s_ch,
     BLOCK_SIZE: tl.constexpr, H: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, NEOX: tl.constexpr,
@@ -32,7 +32,7 @@ def _inject_rows(
 ):
     # One program moves one token row of one layer, all heads. TABLE: InjectionTable's layout.
     row = tl.program_id(0)
-    layer = tl.program_id(1)
+    layer = LAYER0 + tl.program_id(1)
     span = tl.load(TABLE + row)
     src_row = tl.load(TABLE + N + row)
     slot = tl.load(TABLE + 2 * N + row)
@@ -83,20 +83,23 @@ def inject_rows(
     key_caches: torch.Tensor,
     value_caches: torch.Tensor,
     cache_view: torch.Tensor,
+    layers: tuple[int, int] | None = None,
 ) -> None:
-    """Rotate and write ``table``'s rows into every layer of the paged cache, in one launch.
+    """Rotate and write ``table``'s rows into the paged cache's ``layers`` (``[start, stop)``,
+    default all), in one launch.
 
     ``key_caches``/``value_caches`` are int64 device tensors of each layer's K/V view address;
     ``cache_view`` is one such ``[blocks, block_size, heads, head_dim]`` view (all share its
     strides, dtype and unit stride on the last axis).
     """
-    if table.rows == 0:
+    start, stop = layers or (0, len(key_caches))
+    if table.rows == 0 or stop <= start:
         return
     if rope.max_delta < table.max_delta:
         raise ValueError("position delta exceeds the rotary table")
     _, block_size, heads, dim = cache_view.shape
-    _inject_rows[(table.rows, len(key_caches))](
-        table.data, table.rows, table.spans,
+    _inject_rows[(table.rows, stop - start)](
+        table.data, table.rows, table.spans, start,
         rope.cos, rope.sin, key_caches, value_caches,
         cache_view.stride(0), cache_view.stride(1), cache_view.stride(2),
         BLOCK_SIZE=block_size, H=heads, D=dim, ROT=rope.rotary_dim, NEOX=rope.is_neox_style,

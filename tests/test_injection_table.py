@@ -217,3 +217,21 @@ def test_load_slots_are_block_times_size_plus_offset():
             assert got.dtype == np.int64 and got.tolist() == want
     with pytest.raises(ValueError, match="need 3 blocks"):
         LoadRequest([4, 9], 0, 9, []).slots(4)
+
+
+def test_layer_launches_split_at_every_promotion_boundary():
+    from inferscale_engine.connector.connector import LayerLaunch, layer_launches
+
+    assert layer_launches([], 9) == [LayerLaunch(0, 9, ())]
+    a = ((3, "a1"), (9, "a2"))
+    b = ((2, "b1"), (4, "b2"), (9, "b3"))
+    # Each range waits for exactly the group of each promotion that holds its layers.
+    assert layer_launches([a, b], 9) == [
+        LayerLaunch(0, 2, ("a1", "b1")),
+        LayerLaunch(2, 3, ("a1", "b2")),
+        LayerLaunch(3, 4, ("a2", "b2")),
+        LayerLaunch(4, 9, ("a2", "b3")),
+    ]
+    # All layers in one group (what the connector does before it knows vLLM calls
+    # wait_for_layer_load): one launch after every last event.
+    assert layer_launches([((9, "a2"),), ((9, "b3"),)], 9) == [LayerLaunch(0, 9, ("a2", "b3"))]

@@ -117,6 +117,56 @@ def test_get_many_promoting_more_than_the_slab_holds(tmp_path):
         assert_same(tiers.get(k, FP), kv)
 
 
+def test_promoting_facts_of_mixed_page_counts(tmp_path):
+    # Page counts 1, 2, 1, 3, 2, 1 (PT=4) in an order whose runs of equal counts interleave; the
+    # slab has room for 7 of the 10 pages, so the last fact in batch order stays on the host.
+    lengths = [1, 6, 3, 9, 5, 2]
+    tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 7, host_bytes=1 << 20, page_tokens=PT)
+    kvs = {key(i): make_kv(n, i, position=i) for i, n in enumerate(lengths)}
+    for k, kv in kvs.items():
+        tiers.put(k, kv, FP)
+        tiers.evict(k, to="host")
+    got = tiers.get_many(list(kvs), FP)
+    for g, kv in zip(got, kvs.values()):
+        assert_same(g, kv)
+    where = [tiers.where(k) for k in kvs]
+    assert where.count("device") == 4 and tiers.stats()["device_pages_used"] == 7, where
+    # What the slab cached is exact too: read it back from the device tier alone.
+    for k, kv in kvs.items():
+        if tiers.where(k) == "device":
+            assert_same(tiers.get_many([k], FP)[0], kv)
+    tiers.drop_memory()
+    for k, kv in kvs.items():
+        assert_same(tiers.get(k, FP), kv)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_promotion_is_layer_grouped_and_exact(tmp_path):
+    from inferscale_engine.memory.tiers import LAYER_GROUPS
+
+    layers = 9
+    g = torch.Generator().manual_seed(0)
+    kvs = {}
+    for i, n in enumerate([5, 28, 17, 1]):
+        k = torch.randn(layers, n, 8, 128, generator=g).to(torch.bfloat16)
+        kvs[key(i)] = FactKV(k, (k * 3).contiguous(), i)
+    tiers = KVTiers(tmp_path, device="cuda", device_bytes=64 << 20, host_bytes=64 << 20, page_tokens=16)
+    for k, kv in kvs.items():
+        tiers.put(k, kv, FP)
+        tiers.evict(k, to="host")
+    got = tiers.get_many(list(kvs), FP)
+    ready = got[0].ready
+    assert [stop for stop, _ in ready] == [round(layers * (i + 1) / LAYER_GROUPS) for i in range(LAYER_GROUPS)]
+    torch.cuda.current_stream().wait_event(ready[-1][1])
+    for gkv, kv in zip(got, kvs.values()):
+        assert gkv.ready is ready and gkv.k.is_cuda
+        assert torch.equal(gkv.k.cpu(), kv.k) and torch.equal(gkv.v.cpu(), kv.v)
+    # The slab's copy (written on the side stream) is read after that write, and exact.
+    assert {tiers.where(k) for k in kvs} == {"device"}
+    for gkv, kv in zip(tiers.get_many(list(kvs), FP), kvs.values()):
+        assert gkv.ready is None and torch.equal(gkv.k.cpu(), kv.k) and torch.equal(gkv.v.cpu(), kv.v)
+
+
 def test_get_many_fails_whole_on_a_missing_key(tmp_path):
     tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 8, page_tokens=PT)
     tiers.put(key(0), make_kv(3, 0), FP)

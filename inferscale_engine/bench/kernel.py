@@ -49,6 +49,12 @@ def run(k: int, fact_tokens: int, layers: int, heads: int, dim: int, block_size:
     def fused() -> None:
         inject_rows(InjectionTable.build(parts(facts), slots_np, dev), rope, key_ptrs, value_ptrs, views[0][0])
 
+    def fused_by_layer_groups() -> None:  # what a host-tier promotion does, one group per event
+        table = InjectionTable.build(parts(facts), slots_np, dev)
+        bounds = [0, layers // 4, layers // 2, layers]
+        for start, stop in zip(bounds, bounds[1:]):
+            inject_rows(table, rope, key_ptrs, value_ptrs, views[0][0], layers=(start, stop))
+
     def unfused() -> None:
         rotated = rotate(torch.cat([f.k for f in facts], dim=1), deltas, rope)
         v_all = torch.cat([f.v for f in facts], dim=1)
@@ -60,7 +66,7 @@ def run(k: int, fact_tokens: int, layers: int, heads: int, dim: int, block_size:
     want_k = rotate(torch.cat([f.k for f in facts], dim=1), deltas, rope)
     want_v = torch.cat([f.v for f in facts], dim=1)
     checks = {}
-    for name, fn in (("fused", fused), ("unfused", unfused)):
+    for name, fn in (("fused", fused), ("fused_by_layer_groups", fused_by_layer_groups), ("unfused", unfused)):
         for c in caches:
             c.zero_()
         fn()

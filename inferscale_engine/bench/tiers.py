@@ -56,11 +56,13 @@ def run_tiers(
     root: str | os.PathLike | None = None,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
-    """Rows ``{tier, k, ttft_ms_p50, ttft_ms_p95, promote_ms_p50, inject_ms_p50, tier_answers_differ}``.
+    """Rows ``{tier, k, ttft_ms_p50, ttft_ms_p95, promote_ms_p50, inject_ms_p50, tier_answers_differ,
+    tier_max_logprob_diff}``.
 
     ``ttft_ms`` = reading the facts (``get_many``, what a store's ``resolve_many`` does; its
     host time is ``promote_ms``) + the engine's time to first token; ``tier_answers_differ`` counts repeats whose greedy token was
-    not the same from every tier (must be 0). Tiers interleave per repeat so
+    not the same from every tier (must be 0), ``tier_max_logprob_diff`` the largest difference
+    of a top-5 first-token logprob from the device tier's (must be 0: same bytes). Tiers interleave per repeat so
     drift hits them alike. An extra ``tier="prompt"`` row is the baseline: the same number of
     facts pasted as text and prefilled (no tier, nothing injected).
     """
@@ -115,9 +117,11 @@ def run_tiers(
             ttft: dict[str, list[float]] = {t: [] for t in (*TIERS, PROMPT)}
             promote: dict[str, list[float]] = {t: [] for t in (*TIERS, PROMPT)}
             mismatches = 0
+            worst = 0.0  # largest top-5 logprob difference of any tier from the device tier
             for rep in tqdm(range(warmup + repeats), desc=f"tiers k={k}", leave=False):
                 question = work.question()
                 answers = set()
+                logprobs: list[dict[int, float]] = []
                 for tier in TIERS:
                     move_to(tier, picked_keys)
                     t0 = time.perf_counter()
@@ -125,15 +129,20 @@ def run_tiers(
                     t_promote = time.perf_counter() - t0
                     serial += 1
                     spans = [Span(f"tiers:{serial}:{i}", tuple(ids), kv) for i, (ids, kv) in enumerate(zip(picked_ids, kvs))]
-                    result = engine.generate_segments([work.head, *spans, question], max_tokens=1, mode="inject")
+                    result = engine.generate_segments([work.head, *spans, question], max_tokens=1, mode="inject",
+                                                      first_logprobs=5)
                     if result.usage.injected_tokens < k * fact_tokens:
                         raise RuntimeError(f"only {result.usage.injected_tokens} tokens injected for {k} facts")
                     answers.add(tuple(result.token_ids))
+                    logprobs.append(result.first_logprobs or {})
                     if rep >= warmup:
                         ttft[tier].append(t_promote + result.ttft_s)
                         promote[tier].append(t_promote)
                 # Same KV bytes from every tier: the same greedy token, or a tier serves wrong KV.
                 mismatches += len(answers) > 1
+                for other in logprobs[1:]:
+                    worst = max(worst, max((abs(other.get(t, math.inf) - lp) for t, lp in logprobs[0].items()),
+                                           default=0.0))
                 segs = work.prompt_segments(work.sample(k), work.question())
                 result = engine.generate_segments(segs, max_tokens=1, mode="prompt")
                 if rep >= warmup:
@@ -147,7 +156,7 @@ def run_tiers(
                     "inject_ms_p50": 1e3 * median([a - b for a, b in zip(ttft[tier], promote[tier])]),
                     "fact_tokens": fact_tokens, "kv_bytes_per_fact": int(bytes_per_token * fact_tokens),
                     "device": device, "disk_cache": "warm" if warm_disk else "cold",
-                    "tier_answers_differ": mismatches,
+                    "tier_answers_differ": mismatches, "tier_max_logprob_diff": worst,
                 })
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -18,7 +18,7 @@ copies out as vLLM writes them.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -52,6 +52,31 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+#: ``FactKV.ready``: ``(layer stop, event)`` per layer group, in layer order; the event fires
+#: once layers ``[previous stop, stop)`` of the KV have landed on the device.
+LayerReady = tuple[tuple[int, Any], ...]
+
+
+class LayerLaunch(NamedTuple):
+    """Write layers ``[start, stop)`` once ``events`` have fired."""
+
+    start: int
+    stop: int
+    events: tuple[Any, ...]
+
+
+def layer_launches(pending: list[LayerReady], num_layers: int) -> list[LayerLaunch]:
+    """Fewest layer ranges such that each waits only for the copies it reads: split at every
+    group boundary of every promotion in flight."""
+    bounds = sorted({stop for ready in pending for stop, _ in ready if 0 < stop < num_layers} | {num_layers})
+    launches, start = [], 0
+    for stop in bounds:
+        # Each promotion's group holding [start, stop): its first group ending at or after stop.
+        events = tuple(next((e for s, e in ready if s >= stop), ready[-1][1]) for ready in pending)
+        launches.append(LayerLaunch(start, stop, events))
+        start = stop
+    return launches
+
 
 class InferScaleConnector(KVConnectorBase_V1):
     def __init__(
@@ -84,6 +109,12 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._step_captures: list[CaptureSlots] = []
         self._matched_step = -1
         self._matches: list[tuple[CaptureBuffer, torch.Tensor, torch.Tensor]] = []
+        self._layer_index: dict[str, int] = {}
+        # Injection launches left for later layers of this step (host-tier promotions still
+        # copying), by first layer; once vLLM is seen calling wait_for_layer_load.
+        self._deferred: dict[int, LayerLaunch] = {}
+        self._deferred_table: InjectionTable | None = None
+        self._layerwise = False
 
     @staticmethod
     def _find_block_size(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> int:
@@ -175,6 +206,7 @@ class InferScaleConnector(KVConnectorBase_V1):
     def _install(self, forward_context: "ForwardContext") -> None:
         """Wrap every attention layer's KV write once, to see what vLLM writes."""
         self._layers = compat.attention_layers(forward_context)
+        self._layer_index = {name: index for index, (name, _) in enumerate(self._layers)}
         for index, (name, layer) in enumerate(self._layers):
             original = layer.impl.do_kv_cache_update
             self._writers[name] = original
@@ -201,17 +233,32 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._inject(meta.loads, forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        pass  # start_load_kv queues every layer's writes before the forward pass
+        # Called before each attention layer runs. Most steps queued every layer's writes in
+        # start_load_kv; a step with promotions in flight left later layer groups for here.
+        index = self._layer_index.get(layer_name)
+        if index is None:
+            return
+        self._layerwise = True
+        launch = self._deferred.pop(index, None)
+        if launch is not None:
+            self._launch(launch)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         pass  # captures happen in the wrapped KV write, which sees K/V before the cache layout
 
     def wait_for_save(self) -> None:
-        pass
+        if self._deferred:  # a layer ran before its injected KV was written: never serve that
+            missed = sorted(self._deferred)
+            self._deferred, self._deferred_table = {}, None
+            raise RuntimeError(f"injection for layers starting at {missed} was never launched")
+        self._deferred_table = None
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
         self._step_captures = []
+        if self._deferred:  # a step without a forward pass (wait_for_save never ran)
+            logger.error("dropping injection launches for layers %s: no forward pass ran them", sorted(self._deferred))
+        self._deferred, self._deferred_table = {}, None
 
     def _inject(self, loads: list[LoadRequest], forward_context: "ForwardContext") -> None:
         # Hundreds of spans per step at large k: per span a dict lookup and a few attribute reads
@@ -222,7 +269,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         keys, rows, positions, counts = zip(*pieces) if pieces else ((), (), (), ())
         kvs: list[FactKV] = []
         encoded_at: list[int] = []
-        pending = {}  # promotions still copying, by event
+        pending = {}  # promotions still copying: per-layer-group events, by identity
         for key in keys:
             kv = staged.get(key)
             if kv is None:
@@ -239,11 +286,11 @@ class InferScaleConnector(KVConnectorBase_V1):
         spans = SpanColumns(kvs, row, np.array(counts, dtype=np.int64), delta)
         slots = np.concatenate([load.slots(self._block_size) for load in loads])
         device = compat.layer_kv_cache(self._layers[0][1], forward_context).device
-        for event in pending.values():  # on the device: the host never waits for a promotion
-            torch.cuda.current_stream(device).wait_event(event)
         if self._fused and device.type == "cuda" and self._fused_ready(forward_context):
-            self._inject_fused(spans, slots, device)
+            self._inject_fused(spans, slots, device, list(pending.values()))
         else:
+            for ready in pending.values():
+                torch.cuda.current_stream(device).wait_event(ready[-1][1])
             self._inject_torch(spans, slots, device, forward_context)
 
     def _fused_ready(self, forward_context: "ForwardContext") -> bool:
@@ -263,14 +310,29 @@ class InferScaleConnector(KVConnectorBase_V1):
                 self._fused_views = False
         return bool(self._fused_views)
 
-    def _inject_fused(self, spans: SpanColumns, slots: np.ndarray, device: torch.device) -> None:
+    def _inject_fused(
+        self, spans: SpanColumns, slots: np.ndarray, device: torch.device, pending: list[LayerReady]
+    ) -> None:
+        table = InjectionTable.build_columns(spans, slots, device)
+        num_layers = len(self._layers)
+        if not self._layerwise:  # not known yet that vLLM calls wait_for_layer_load: all now
+            pending = [((num_layers, ready[-1][1]),) for ready in pending]
+        first, *later = layer_launches(pending, num_layers)
+        self._deferred_table = table
+        self._launch(first)
+        self._deferred = {launch.start: launch for launch in later}
+
+    def _launch(self, launch: "LayerLaunch") -> None:
+        """Queue one layer range's writes after the copies they read (on the device)."""
         from inferscale_engine.rope_triton import inject_rows
 
-        assert self._fused_views
+        assert self._fused_views and self._deferred_table is not None
         key_ptrs, value_ptrs, view = self._fused_views
-        table = InjectionTable.build_columns(spans, slots, device)
+        stream = torch.cuda.current_stream(view.device)
+        for event in launch.events:
+            stream.wait_event(event)
         rope = self._bridge().ropes[self._layers[0][0]]
-        inject_rows(table, rope, key_ptrs, value_ptrs, view)
+        inject_rows(self._deferred_table, rope, key_ptrs, value_ptrs, view, layers=(launch.start, launch.stop))
 
     def _inject_torch(
         self, spans: SpanColumns, slots: np.ndarray, device: torch.device, forward_context: "ForwardContext"

@@ -4,11 +4,13 @@
   ``[num_pages, layers, 2, page_tokens, kv_heads, head_dim]``: a fact of ``n`` tokens takes
   ``ceil(n / page_tokens)`` pages from a free list, so nothing is allocated per fact. On a CPU
   engine the "device" is the CPU and the slab is an ordinary tensor.
-* **Host tier** – per-fact CPU tensors in the slab's page layout (pinned when CUDA is
-  available). Host hits are promoted together without stalling the caller: one asynchronous
-  copy per fact into one device staging buffer, one slab write and one relayout for all of them;
-  the KV handed out carries a CUDA event the injection waits on on the device, so the copies
-  overlap the request's own scheduling.
+* **Host tier** – per-fact CPU tensors, layer-major (``[layers, 2, tokens, heads, dim]``,
+  pinned when CUDA is available). Host hits are promoted together without stalling the caller:
+  on a side stream, layer group by layer group (:data:`LAYER_GROUPS`), one DMA per fact and
+  group into one device staging buffer; the KV handed out carries one CUDA event per group
+  (``FactKV.ready``), and the injection of each group waits on its own event on the device,
+  so a forward pass can run its first layers while the later ones are still crossing PCIe.
+  The slab caches the promoted facts from the same staging copy, on the same side stream.
 * **Disk tier** – one safetensors file per fact version, written atomically (temp file in the
   same folder, fsync, ``os.replace``, fsync of the folder) and carrying the model fingerprint
   in its metadata. Disk is write-through and unbounded: every encoded fact has its file before
@@ -24,6 +26,7 @@ sees its pages reused. Bytes are never converted: KV read back from any tier is
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -40,6 +43,7 @@ import torch
 
 from inferscale_engine.errors import StaleKVError
 from inferscale_engine.kv import FactKV
+from inferscale_engine.memory.dma import ByteCopier
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +51,9 @@ KVKey = tuple[str, int]  # (fact id, kv version)
 Tier = Literal["device", "host", "disk"]
 
 FILE_FORMAT = "inferscale-kv/1"
+#: Layer groups of a host-tier promotion: each has its own copies and event. More groups start
+#: the forward pass sooner but cost ``k`` more copies each.
+LAYER_GROUPS = 4
 _FILE_RE = re.compile(r"^([0-9a-f]{16})-(\d+)\.safetensors$")
 
 
@@ -64,16 +71,16 @@ class _DeviceEntry:
 
 @dataclass
 class _HostEntry:
-    # The slab's own page layout, [pages, layers, 2, page_tokens, heads, dim]: the pages of many
-    # facts go up as contiguous copies into one staging buffer, written to the slab at once.
-    pages: torch.Tensor
+    # Layer-major, [layers, 2, pages * page_tokens, heads, dim]: any run of layers is one
+    # contiguous range, so a promotion moves a layer group of a fact in one copy.
+    block: torch.Tensor
     num_tokens: int
     position: int
     fingerprint: str
 
     @property
     def nbytes(self) -> int:
-        return self.pages.nbytes
+        return self.block.nbytes
 
 
 class KVTiers:
@@ -107,6 +114,12 @@ class KVTiers:
         self._device: OrderedDict[KVKey, _DeviceEntry] = OrderedDict()
         self._host: OrderedDict[KVKey, _HostEntry] = OrderedDict()
         self._host_used = 0
+        # CUDA: promotions copy and write the slab on a side stream; slab readers on the
+        # caller's stream wait for the last such write, and host sources stay referenced until
+        # their copies have run.
+        self._side: torch.cuda.Stream | None = None
+        self._slab_written: torch.cuda.Event | None = None
+        self._in_flight: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
         self.counters = {
             "disk_writes": 0, "disk_reads": 0, "host_to_device": 0, "device_to_host": 0, "host_drops": 0,
         }
@@ -127,8 +140,8 @@ class KVTiers:
 
     def get_many(self, keys: list[KVKey], fingerprint: str) -> list[FactKV]:
         """KV of each key on the device, for injection: device-tier facts as views of one
-        gathered copy, host-tier facts promoted (asynchronously on CUDA: their KV carries a
-        ``ready`` event), disk-tier facts read and cached on the device.
+        gathered copy, host-tier facts promoted (asynchronously on CUDA: their KV carries
+        per-layer-group ``ready`` events), disk-tier facts read and cached on the device.
 
         Raises :class:`KVMissingError` when no tier has a key and :class:`StaleKVError` when
         its stored KV was made under another model fingerprint.
@@ -297,51 +310,127 @@ class KVTiers:
 
     def _promote(self, keys: list[KVKey]) -> list[FactKV]:
         """Move host-tier facts to the device (lock held) and return their KV without waiting
-        for the copies: views of one device copy, with an event that fires once it has landed."""
+        for the copies: views of one staging copy, which the slab then caches."""
         if not keys:
             return []
         hosts = [self._host.pop(key) for key in keys]
-        starts = [0]
         for h in hosts:
             self._host_used -= h.nbytes
-            starts.append(starts[-1] + h.pages.shape[0])
-        staging = torch.empty((starts[-1], *hosts[0].pages.shape[1:]), dtype=hosts[0].pages.dtype, device=self.device)
-        for h, start in zip(hosts, starts):
-            staging[start : start + h.pages.shape[0]].copy_(h.pages, non_blocking=h.pages.is_pinned())  # DMA
-        # Served from the staging copy, which the slab then caches: one relayout, one slab write.
-        block = self._pages_to_block(staging)
-        out = [
-            FactKV(block[0, :, start * self.page_tokens : start * self.page_tokens + h.num_tokens],
-                   block[1, :, start * self.page_tokens : start * self.page_tokens + h.num_tokens], h.position)
-            for h, start in zip(hosts, starts)
-        ]
-        placed: list[tuple[KVKey, _HostEntry, list[int]]] = []
-        source: list[int] = []
-        for key, h, start in zip(keys, hosts, starts):
-            m = h.pages.shape[0]
-            # Only entries written before this batch may be evicted: the batch's own pages are
-            # not in the slab until the write below.
+        placed = self._place(keys, hosts)
+        # Facts of one page count side by side in the staging buffer: each such run goes to the
+        # slab's page layout in one relayout.
+        order = sorted(range(len(hosts)), key=lambda i: hosts[i].block.shape[2])
+        offsets = [0] * len(hosts)
+        total = 0
+        for i in order:
+            offsets[i] = total
+            total += hosts[i].block.numel()
+        cuda = self.device.type == "cuda"
+        caller = torch.cuda.current_stream(self.device) if cuda else None
+        side = self._side_stream() if cuda else None
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            staging = torch.empty(total, dtype=hosts[0].block.dtype, device=self.device)
+            views = [staging[o : o + h.block.numel()].view(h.block.shape) for h, o in zip(hosts, offsets)]
+            ready: tuple[tuple[int, torch.cuda.Event], ...] = ()
+            if side is not None:
+                ready = self._upload(hosts, order, offsets, staging, side)
+            else:
+                for view, h in zip(views, hosts):
+                    view.copy_(h.block)
+            if placed:
+                if side is not None:  # after the caller's reads of pages this write may reuse
+                    side.wait_stream(caller)  # type: ignore[arg-type]
+                self._write_promoted(keys, hosts, placed, order, offsets, staging)
+                if side is not None:
+                    self._slab_written = torch.cuda.Event()
+                    self._slab_written.record(side)
+        if side is not None:
+            staging.record_stream(caller)  # type: ignore[arg-type]
+            done = torch.cuda.Event()
+            done.record(side)
+            self._in_flight = [(e, t) for e, t in self._in_flight if not e.query()]
+            self._in_flight.append((done, [h.block for h in hosts]))
+        for key, h in zip(keys, hosts):
+            if key in placed:
+                self._device[key] = _DeviceEntry(placed[key], h.num_tokens, h.position, h.fingerprint)
+        self.counters["host_to_device"] += len(placed)
+        return [FactKV(view[:, 0, : h.num_tokens], view[:, 1, : h.num_tokens], h.position, ready or None)
+                for view, h in zip(views, hosts)]
+
+    def _place(self, keys: list[KVKey], hosts: list[_HostEntry]) -> dict[KVKey, list[int]]:
+        """Slab pages for each promoted fact, evicting older entries as needed (lock held); a
+        fact the slab cannot take stays on the host."""
+        placed: dict[KVKey, list[int]] = {}
+        for key, h in zip(keys, hosts):
+            m = h.block.shape[2] // self.page_tokens
+            # Only entries from before this batch may be evicted: the batch's own pages are not
+            # written yet.
             while len(self._free) < m and self._device:
                 self._evict_device(next(iter(self._device)))
-            if len(self._free) < m:  # the slab is full of this batch: this fact stays on the host
+            if self._slab is None or len(self._free) < m:
                 self._host[key] = h
                 self._host_used += h.nbytes
                 continue
-            placed.append((key, h, [self._free.pop() for _ in range(m)]))
-            source.extend(range(start, start + m))
-        if placed:
-            target = [p for _, _, slots in placed for p in slots]
-            index = self._index(target + source)  # one upload for both
-            self._slab.index_copy_(0, index[: len(target)], staging.index_select(0, index[len(target) :]))  # type: ignore[union-attr]
-            for key, h, slots in placed:
-                self._device[key] = _DeviceEntry(slots, h.num_tokens, h.position, h.fingerprint)
-            self.counters["host_to_device"] += len(placed)
-        if self.device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record()
-            for kv in out:
-                kv.ready = ready
-        return out
+            placed[key] = [self._free.pop() for _ in range(m)]
+        return placed
+
+    def _upload(
+        self, hosts: list[_HostEntry], order: list[int], offsets: list[int], staging: torch.Tensor,
+        side: torch.cuda.Stream,
+    ) -> tuple[tuple[int, torch.cuda.Event], ...]:
+        """Queue the copies on ``side``, layer group by layer group; one event per group."""
+        copier = ByteCopier(side)
+        layers = hosts[0].block.shape[0]
+        es = staging.element_size()
+        ready = []
+        bounds = [round(layers * (g + 1) / min(LAYER_GROUPS, layers)) for g in range(min(LAYER_GROUPS, layers))]
+        start = 0
+        for stop in bounds:
+            for i in order:
+                block = hosts[i].block
+                per_layer = block.nbytes // layers
+                copier.copy(staging, offsets[i] * es + start * per_layer, block, start * per_layer,
+                            (stop - start) * per_layer)
+            event = torch.cuda.Event()
+            event.record(side)
+            ready.append((stop, event))
+            start = stop
+        return tuple(ready)
+
+    def _write_promoted(
+        self, keys: list[KVKey], hosts: list[_HostEntry], placed: dict[KVKey, list[int]], order: list[int],
+        offsets: list[int], staging: torch.Tensor,
+    ) -> None:
+        """Write the placed facts' pages from the staging copy to the slab: one relayout per
+        run of equal page counts, one gather, one slab write."""
+        assert self._slab is not None
+        layers, _, _, heads, dim = hosts[0].block.shape
+        pt = self.page_tokens
+        runs: list[torch.Tensor] = []
+        source: list[int] = []
+        target: list[int] = []
+        first_page = 0
+        i = 0
+        while i < len(order):
+            m = hosts[order[i]].block.shape[2] // pt
+            j = i
+            while j < len(order) and hosts[order[j]].block.shape[2] // pt == m:
+                j += 1
+            start = offsets[order[i]]
+            run = staging[start : start + (j - i) * hosts[order[i]].block.numel()]
+            runs.append(run.view(j - i, layers, 2, m, pt, heads, dim).permute(0, 3, 1, 2, 4, 5, 6)
+                        .reshape((j - i) * m, layers, 2, pt, heads, dim))
+            for r in range(i, j):
+                slots = placed.get(keys[order[r]])
+                if slots is not None:
+                    page = first_page + (r - i) * m
+                    target.extend(slots)
+                    source.extend(range(page, page + m))
+            first_page += (j - i) * m
+            i = j
+        pages = runs[0] if len(runs) == 1 else torch.cat(runs)
+        index = self._index(target + source)
+        self._slab.index_copy_(0, index[: len(target)], pages.index_select(0, index[len(target) :]))
 
     def _read_device(self, entries: list[_DeviceEntry]) -> list[FactKV]:
         """Every entry's KV as views of one copy of their pages (lock held): one gather and one
@@ -349,6 +438,7 @@ class KVTiers:
         if not entries:
             return []
         assert self._slab is not None
+        self._after_slab_writes()
         index = self._index([p for e in entries for p in e.pages])
         block = self._pages_to_block(self._slab.index_select(0, index))
         out, start = [], 0
@@ -362,27 +452,29 @@ class KVTiers:
         """Cache a fact's pages on the device slab (lock held)."""
         need = pages.shape[0]
         if self._slab is None or need > self._slab.shape[0]:  # larger than the whole slab: the host serves it
-            self._insert_host(key, pages, n, position, fingerprint)
+            self._insert_host(key, self._pages_to_fact(pages), n, position, fingerprint)
             return
         while len(self._free) < need:
             self._evict_device(next(iter(self._device)))
         slots = [self._free.pop() for _ in range(need)]
+        self._after_slab_writes()
         self._slab.index_copy_(0, self._index(slots), pages.to(self.device, non_blocking=pages.is_pinned()))
         self._device[key] = _DeviceEntry(slots, n, position, fingerprint)
 
     def _evict_device(self, key: KVKey) -> None:
         entry = self._device.pop(key)
-        pages = self._slab.index_select(0, self._index(entry.pages)).to("cpu")  # type: ignore[union-attr]
+        self._after_slab_writes()
+        block = self._pages_to_fact(self._slab.index_select(0, self._index(entry.pages))).to("cpu")  # type: ignore[union-attr]
         self._free.extend(entry.pages)
         self.counters["device_to_host"] += 1
-        self._insert_host(key, pages, entry.num_tokens, entry.position, entry.fingerprint)
+        self._insert_host(key, block, entry.num_tokens, entry.position, entry.fingerprint)
 
-    def _insert_host(self, key: KVKey, pages: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
+    def _insert_host(self, key: KVKey, block: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
         # Own copy: the caller's tensor (or the slab pages it came from) may change later.
-        pages = pages.to("cpu", copy=True).contiguous()
+        block = block.to("cpu", copy=True).contiguous()
         if self.pin_memory:
-            pages = pages.pin_memory()
-        entry = _HostEntry(pages, n, position, fingerprint)
+            block = block.pin_memory()
+        entry = _HostEntry(block, n, position, fingerprint)
         if entry.nbytes > self.host_bytes:
             self.counters["host_drops"] += 1
             return  # the disk has it
@@ -391,6 +483,16 @@ class KVTiers:
             self.counters["host_drops"] += 1
         self._host[key] = entry
         self._host_used += entry.nbytes
+
+    def _after_slab_writes(self) -> None:
+        """Order the caller's stream after the last promotion's slab write (side stream)."""
+        if self._slab_written is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._slab_written)
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        return self._side
 
     def _drop_memory(self, key: KVKey) -> None:
         entry = self._device.pop(key, None)
@@ -423,6 +525,12 @@ class KVTiers:
     def _pages_to_block(pages: torch.Tensor) -> torch.Tensor:
         m, layers, _, pt, heads, dim = pages.shape
         return pages.permute(2, 1, 0, 3, 4, 5).reshape(2, layers, m * pt, heads, dim)
+
+    @staticmethod
+    def _pages_to_fact(pages: torch.Tensor) -> torch.Tensor:
+        """Page layout to the host tier's ``[layers, 2, m * page_tokens, heads, dim]``."""
+        m, layers, _, pt, heads, dim = pages.shape
+        return pages.permute(1, 2, 0, 3, 4, 5).reshape(layers, 2, m * pt, heads, dim)
 
     # ------------------------------------------------------------------ disk tier
 
