@@ -42,26 +42,27 @@ def _cudart() -> ctypes.CDLL | None:
 
 
 class ByteCopier:
-    """Queue copies of byte ranges from one flat pinned host tensor into one flat device tensor
-    on ``stream``. Offsets and sizes are in bytes."""
+    """Queue copies of byte ranges from pinned host tensors into one device tensor on ``stream``."""
 
     def __init__(self, stream: torch.cuda.Stream) -> None:
         self.stream = stream
         self._lib = _cudart()
 
-    def copy(self, dst: torch.Tensor, dst_offset: int, src: torch.Tensor, src_offset: int, nbytes: int) -> None:
-        if nbytes <= 0:
+    def copy(self, dst: torch.Tensor, jobs: list[tuple[int, torch.Tensor, int, int]]) -> None:
+        """``jobs``: ``(dst byte offset, src, src byte offset, bytes)`` each."""
+        limit = dst.nbytes
+        for dst_offset, src, src_offset, nbytes in jobs:
+            if dst_offset + nbytes > limit or src_offset + nbytes > src.nbytes or nbytes < 0:
+                raise ValueError("copy range outside its tensor")
+        if self._lib is None:
+            flat = dst.view(-1).view(torch.uint8)
+            with torch.cuda.stream(self.stream):
+                for dst_offset, src, src_offset, nbytes in jobs:
+                    s = src.view(-1).view(torch.uint8)[src_offset : src_offset + nbytes]
+                    flat[dst_offset : dst_offset + nbytes].copy_(s, non_blocking=True)
             return
-        if dst_offset + nbytes > dst.nbytes or src_offset + nbytes > src.nbytes:
-            raise ValueError("copy range outside its tensor")
-        if self._lib is not None:
-            err = self._lib.cudaMemcpyAsync(
-                dst.data_ptr() + dst_offset, src.data_ptr() + src_offset, nbytes, _MEMCPY_DEFAULT, self.stream.cuda_stream
-            )
+        memcpy, base, stream = self._lib.cudaMemcpyAsync, dst.data_ptr(), self.stream.cuda_stream
+        for dst_offset, src, src_offset, nbytes in jobs:  # the hot loop: ints and one C call
+            err = memcpy(base + dst_offset, src.data_ptr() + src_offset, nbytes, _MEMCPY_DEFAULT, stream)
             if err:
                 raise RuntimeError(f"cudaMemcpyAsync failed: {self._lib.cudaGetErrorString(err).decode()}")
-            return
-        d = dst.view(-1).view(torch.uint8)[dst_offset : dst_offset + nbytes]
-        s = src.view(-1).view(torch.uint8)[src_offset : src_offset + nbytes]
-        with torch.cuda.stream(self.stream):
-            d.copy_(s, non_blocking=True)

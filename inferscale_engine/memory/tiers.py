@@ -330,13 +330,12 @@ class KVTiers:
         side = self._side_stream() if cuda else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             staging = torch.empty(total, dtype=hosts[0].block.dtype, device=self.device)
-            views = [staging[o : o + h.block.numel()].view(h.block.shape) for h, o in zip(hosts, offsets)]
             ready: tuple[tuple[int, torch.cuda.Event], ...] = ()
             if side is not None:
                 ready = self._upload(hosts, order, offsets, staging, side)
             else:
-                for view, h in zip(views, hosts):
-                    view.copy_(h.block)
+                for h, o in zip(hosts, offsets):
+                    staging[o : o + h.block.numel()].view(h.block.shape).copy_(h.block)
             if placed:
                 if side is not None:  # after the caller's reads of pages this write may reuse
                     side.wait_stream(caller)  # type: ignore[arg-type]
@@ -354,8 +353,13 @@ class KVTiers:
             if key in placed:
                 self._device[key] = _DeviceEntry(placed[key], h.num_tokens, h.position, h.fingerprint)
         self.counters["host_to_device"] += len(placed)
-        return [FactKV(view[:, 0, : h.num_tokens], view[:, 1, : h.num_tokens], h.position, ready or None)
-                for view, h in zip(views, hosts)]
+        out = []
+        for h, o in zip(hosts, offsets):  # K and V of [layers, 2, tokens, heads, dim] at o
+            layers, _, tokens, heads, dim = h.block.shape
+            shape, strides = (layers, h.num_tokens, heads, dim), (2 * tokens * heads * dim, heads * dim, dim, 1)
+            k = staging.as_strided(shape, strides, o)
+            out.append(FactKV(k, staging.as_strided(shape, strides, o + tokens * heads * dim), h.position, ready or None))
+        return out
 
     def _place(self, keys: list[KVKey], hosts: list[_HostEntry]) -> dict[KVKey, list[int]]:
         """Slab pages for each promoted fact, evicting older entries as needed (lock held); a
@@ -382,15 +386,13 @@ class KVTiers:
         copier = ByteCopier(side)
         layers = hosts[0].block.shape[0]
         es = staging.element_size()
+        per_layer = [h.block.nbytes // layers for h in hosts]
+        groups = min(LAYER_GROUPS, layers)
         ready = []
-        bounds = [round(layers * (g + 1) / min(LAYER_GROUPS, layers)) for g in range(min(LAYER_GROUPS, layers))]
         start = 0
-        for stop in bounds:
-            for i in order:
-                block = hosts[i].block
-                per_layer = block.nbytes // layers
-                copier.copy(staging, offsets[i] * es + start * per_layer, block, start * per_layer,
-                            (stop - start) * per_layer)
+        for stop in [round(layers * (g + 1) / groups) for g in range(groups)]:
+            copier.copy(staging, [(offsets[i] * es + start * per_layer[i], hosts[i].block, start * per_layer[i],
+                                   (stop - start) * per_layer[i]) for i in order])
             event = torch.cuda.Event()
             event.record(side)
             ready.append((stop, event))
@@ -440,11 +442,16 @@ class KVTiers:
         assert self._slab is not None
         self._after_slab_writes()
         index = self._index([p for e in entries for p in e.pages])
-        block = self._pages_to_block(self._slab.index_select(0, index))
+        # [2, layers, tokens, heads, dim], contiguous from offset 0 (a one-page gather could
+        # otherwise come back as a strided view).
+        block = self._pages_to_block(self._slab.index_select(0, index)).contiguous()
+        _, layers, tokens, heads, dim = block.shape
+        strides = (tokens * heads * dim, heads * dim, dim, 1)
         out, start = [], 0
-        for e in entries:
-            rows = block[:, :, start : start + e.num_tokens]
-            out.append(FactKV(rows[0], rows[1], e.position))
+        for e in entries:  # as_strided: one op per tensor (k=200 facts per request)
+            shape = (layers, e.num_tokens, heads, dim)
+            k = block.as_strided(shape, strides, start * heads * dim)
+            out.append(FactKV(k, block.as_strided(shape, strides, (layers * tokens + start) * heads * dim), e.position))
             start += len(e.pages) * self.page_tokens
         return out
 
