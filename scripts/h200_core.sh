@@ -2,7 +2,8 @@
 # Engine-core measurements on the lent H200 (device tool), one call:
 #   run(command="bash scripts/h200_core.sh", carry=[".gpu"])
 # Random-weight Llama-3.1-8B shape (load_format=dummy), bf16, vLLM 0.26.0, CUDA graphs on.
-# STEPS picks what runs (default: all, in this order; ~9 min).
+# STEPS picks what runs (default: all but the diagnostics profile and promote, in this order;
+# ~9 min: split it over two calls, each call may run 10 min).
 set -uo pipefail
 source .gpu/device-env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -26,5 +27,6 @@ for step in $STEPS; do
     throughput) python3 -m inferscale_engine.bench throughput $ARGS --max-model-len 8192 --users 1,10,50,100 --k 50 \
         --json "$OUT/throughput-llama-3.1-8b.json" > "$OUT/throughput.log" 2>&1; tail -10 "$OUT/throughput.log" ;;
     profile) python3 scripts/h200_profile.py "$M" 2>&1 | grep "k=" ;;
+    promote) python3 scripts/h200_promote.py 50 2>&1 | grep -E "k=|copies" ;;
   esac
 done

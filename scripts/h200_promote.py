@@ -1,0 +1,76 @@
+"""Host time of a host-tier promotion, by layer-group count (diagnostic, not a benchmark).
+
+usage: python scripts/h200_promote.py [K]
+
+K facts of the Llama-3.1-8B shape (32 layers, 28 tokens, 8 KV heads, 128 dims, bf16) sit in the
+host tier; per layer-group count, medians of 20 ``get_many`` calls: the host time (what a
+request waits for) and the time until every copy has landed. Also the host time of the same
+number of bare cudaMemcpyAsync calls, and of the torch ``copy_`` fallback.
+"""
+
+import sys
+import tempfile
+import time
+
+import torch
+
+from inferscale_engine.kv import FactKV
+from inferscale_engine.memory import dma, tiers as tiers_mod
+from inferscale_engine.memory.tiers import KVTiers
+
+
+def median(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
+def main(k: int) -> None:
+    fp = "fp"
+    t = KVTiers(tempfile.mkdtemp(), device="cuda", device_bytes=4 << 30, host_bytes=4 << 30, page_tokens=16)
+    keys = [(f"{i:016x}", 1) for i in range(k)]
+    for key in keys:
+        kv = torch.randn(32, 28, 8, 128, dtype=torch.bfloat16)
+        t.put(key, FactKV(kv, kv.clone(), 0), fp)
+
+    def run(label: str) -> None:
+        host, landed = [], []
+        for _ in range(12):
+            for key in keys:
+                t.evict(key, to="host")
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            got = t.get_many(keys, fp)
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            host.append(t1 - t0)
+            landed.append(t2 - t0)
+            del got
+        print(f"k={k} {label}: host {1e3 * median(host[2:]):.2f} ms, landed {1e3 * median(landed[2:]):.2f} ms", flush=True)
+
+    for groups in (1, 4, 8):
+        tiers_mod.LAYER_GROUPS = groups
+        run(f"groups={groups} cudaMemcpyAsync")
+    tiers_mod.LAYER_GROUPS = 4
+    real = dma._cudart
+    dma._cudart = lambda: None
+    run("groups=4 torch copy_")
+    dma._cudart = real
+
+    src = torch.empty(k * 4 << 20, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    copier = dma.ByteCopier(torch.cuda.Stream())
+    for n in (k, 4 * k):
+        size = src.nbytes // n
+        jobs = [(i * size, src, i * size, size) for i in range(n)]
+        times = []
+        for _ in range(12):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            copier.copy(dst, jobs)
+            times.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        print(f"{n} bare copies of {size >> 10} KiB: host {1e3 * median(times[2:]):.2f} ms", flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 50)
