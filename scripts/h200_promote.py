@@ -1,6 +1,6 @@
 """Host time of a host-tier promotion, by layer-group count (diagnostic, not a benchmark).
 
-usage: python scripts/h200_promote.py [K]
+usage: python scripts/h200_promote.py [K] [--cprofile]
 
 K facts of the Llama-3.1-8B shape (32 layers, 28 tokens, 8 KV heads, 128 dims, bf16) sit in the
 host tier; per layer-group count, medians of 20 ``get_many`` calls: the host time (what a
@@ -47,6 +47,22 @@ def main(k: int) -> None:
             del got
         print(f"k={k} {label}: host {1e3 * median(host[2:]):.2f} ms, landed {1e3 * median(landed[2:]):.2f} ms", flush=True)
 
+    if "--cprofile" in sys.argv:  # where the host time of one promotion goes
+        import cProfile
+        import pstats
+
+        for _ in range(3):
+            for key in keys:
+                t.evict(key, to="host")
+            torch.cuda.synchronize()
+            prof = cProfile.Profile()
+            prof.enable()
+            got = t.get_many(keys, fp)
+            prof.disable()
+            torch.cuda.synchronize()
+            del got
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+        return
     for groups in (1, 4, 8):
         tiers_mod.LAYER_GROUPS = groups
         run(f"groups={groups} cudaMemcpyAsync")
@@ -73,4 +89,4 @@ def main(k: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 50)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 50)
