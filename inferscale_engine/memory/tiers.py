@@ -431,6 +431,9 @@ class KVTiers:
             first_page += (j - i) * m
             i = j
         pages = runs[0] if len(runs) == 1 else torch.cat(runs)
+        if len(source) == pages.shape[0]:  # every fact placed (the usual case): no gather
+            self._slab.index_copy_(0, self._index(target), pages)
+            return
         index = self._index(target + source)
         self._slab.index_copy_(0, index[: len(target)], pages.index_select(0, index[len(target) :]))
 
