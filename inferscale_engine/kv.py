@@ -36,8 +36,10 @@ class FactKV:
     k: torch.Tensor
     v: torch.Tensor
     position: int
-    #: CUDA event recorded after the copy that produced ``k``/``v`` was queued (a promotion
-    #: still in flight); whoever reads them on the device waits on it there, not on the host.
+    #: A promotion still in flight: ``((layer stop, CUDA event), ...)`` per layer group, in
+    #: layer order; an event fires once layers ``[previous stop, stop)`` of ``k``/``v`` have
+    #: landed. Whoever reads them on the device waits there (not on the host) for the groups
+    #: it reads. ``None``: ready.
     ready: Any = field(default=None, repr=False, compare=False)
     _layout: KVLayout | None = field(default=None, init=False, repr=False, compare=False)
 

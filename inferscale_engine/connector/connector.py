@@ -113,7 +113,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         # Injection launches left for later layers of this step (host-tier promotions still
         # copying), by first layer; once vLLM is seen calling wait_for_layer_load.
         self._deferred: dict[int, LayerLaunch] = {}
-        self._deferred_table: InjectionTable | None = None
+        self._step_table: InjectionTable | None = None  # what this step's launches read
         self._layerwise = False
 
     @staticmethod
@@ -249,16 +249,16 @@ class InferScaleConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if self._deferred:  # a layer ran before its injected KV was written: never serve that
             missed = sorted(self._deferred)
-            self._deferred, self._deferred_table = {}, None
+            self._deferred, self._step_table = {}, None
             raise RuntimeError(f"injection for layers starting at {missed} was never launched")
-        self._deferred_table = None
+        self._step_table = None
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
         self._step_captures = []
         if self._deferred:  # a step without a forward pass (wait_for_save never ran)
             logger.error("dropping injection launches for layers %s: no forward pass ran them", sorted(self._deferred))
-        self._deferred, self._deferred_table = {}, None
+        self._deferred, self._step_table = {}, None
 
     def _inject(self, loads: list[LoadRequest], forward_context: "ForwardContext") -> None:
         # Hundreds of spans per step at large k: per span a dict lookup and a few attribute reads
@@ -318,21 +318,21 @@ class InferScaleConnector(KVConnectorBase_V1):
         if not self._layerwise:  # not known yet that vLLM calls wait_for_layer_load: all now
             pending = [((num_layers, ready[-1][1]),) for ready in pending]
         first, *later = layer_launches(pending, num_layers)
-        self._deferred_table = table
+        self._step_table = table
         self._launch(first)
         self._deferred = {launch.start: launch for launch in later}
 
-    def _launch(self, launch: "LayerLaunch") -> None:
+    def _launch(self, launch: LayerLaunch) -> None:
         """Queue one layer range's writes after the copies they read (on the device)."""
         from inferscale_engine.rope_triton import inject_rows
 
-        assert self._fused_views and self._deferred_table is not None
+        assert self._fused_views and self._step_table is not None
         key_ptrs, value_ptrs, view = self._fused_views
         stream = torch.cuda.current_stream(view.device)
         for event in launch.events:
             stream.wait_event(event)
         rope = self._bridge().ropes[self._layers[0][0]]
-        inject_rows(self._deferred_table, rope, key_ptrs, value_ptrs, view, layers=(launch.start, launch.stop))
+        inject_rows(self._step_table, rope, key_ptrs, value_ptrs, view, layers=(launch.start, launch.stop))
 
     def _inject_torch(
         self, spans: SpanColumns, slots: np.ndarray, device: torch.device, forward_context: "ForwardContext"

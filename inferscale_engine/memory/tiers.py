@@ -404,7 +404,7 @@ class KVTiers:
         offsets: list[int], staging: torch.Tensor,
     ) -> None:
         """Write the placed facts' pages from the staging copy to the slab: one relayout per
-        run of equal page counts, one gather, one slab write."""
+        run of equal page counts, one slab write (and one gather when some fact stays behind)."""
         assert self._slab is not None
         layers, _, _, heads, dim = hosts[0].block.shape
         pt = self.page_tokens
