@@ -89,7 +89,8 @@ def encode_windows(
     try:
         for i, (w, cids) in enumerate(zip(windows, ids)):
             plan = CapturePlan(tuple(CaptureRange(c, s, n) for c, (s, n) in zip(cids, w.ranges)))
-            sp = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": plan.to_params()})
+            sp = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": plan.to_params(inline=True)},
+                                skip_clone=True)
             params.append(sp)
             # A fresh salt keeps vLLM's prefix cache from skipping rows we must see computed.
             prompt = {"prompt_token_ids": list(w.token_ids), "cache_salt": f"encode-{cids[0]}"}

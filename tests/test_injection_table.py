@@ -235,3 +235,21 @@ def test_layer_launches_split_at_every_promotion_boundary():
     # All layers in one group (what the connector does before it knows vLLM calls
     # wait_for_layer_load): one launch after every last event.
     assert layer_launches([((9, "a2"),), ((9, "b3"),)], 9) == [LayerLaunch(0, 9, ("a2", "b3"))]
+
+
+def test_plans_travel_as_json_or_inline():
+    from vllm import SamplingParams
+
+    from inferscale_engine.connector.plan import CapturePlan, CaptureRange, parse_params
+
+    plan = InjectionPlan((SpanRef("head", 0, 4), SpanRef("fact", 4, 3)))
+    capture = CapturePlan((CaptureRange("c1", 2, 5),))
+    for p in (plan, capture):
+        assert parse_params(p.to_params()) == p  # JSON: rebuilt and validated
+        assert parse_params(p.to_params(inline=True)) is p
+    # The engine's requests carry the plan inline with skip_clone: vLLM's clone must hand the
+    # connector that same object, not a deep copy of it.
+    params = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": plan.to_params(inline=True)},
+                            skip_clone=True)
+    assert parse_params(params.clone().extra_args["kv_transfer_params"]) is plan
+    assert parse_params(None) is None and parse_params({}) is None

@@ -1,7 +1,9 @@
 """What travels from the engine to the connector, and from its scheduler half to its worker half.
 
-Requests carry an :class:`InjectionPlan` or a :class:`CapturePlan` as plain JSON inside
-``kv_transfer_params`` (the OpenAI server and ``SamplingParams.extra_args`` both take it).
+Requests carry an :class:`InjectionPlan` or a :class:`CapturePlan` inside
+``kv_transfer_params``: as plain JSON (what vLLM's OpenAI server and
+``SamplingParams.extra_args`` both take), or, for a request made in this process, as the plan
+object itself (``to_params(inline=True)``), which is never encoded or parsed again.
 The scheduler half turns them into :class:`InferScaleConnectorMetadata` once per step.
 """
 
@@ -47,7 +49,11 @@ class InjectionPlan:
     def end(self) -> int:
         return self.spans[-1].end if self.spans else 0
 
-    def to_params(self) -> dict[str, Any]:
+    def to_params(self, inline: bool = False) -> dict[str, Any]:
+        """``kv_transfer_params`` for this plan: JSON, or with ``inline`` the plan itself (for a
+        request that never leaves this process: nothing to encode or parse again)."""
+        if inline:
+            return {PARAMS_KEY: self}
         return {PARAMS_KEY: {"inject": [[s.key, s.position, s.length] for s in self.spans]}}
 
     def pieces(self, start: int, stop: int) -> list[LoadPiece]:
@@ -83,13 +89,18 @@ class CaptureRange:
 class CapturePlan:
     ranges: tuple[CaptureRange, ...]
 
-    def to_params(self) -> dict[str, Any]:
+    def to_params(self, inline: bool = False) -> dict[str, Any]:
+        """As :meth:`InjectionPlan.to_params`."""
+        if inline:
+            return {PARAMS_KEY: self}
         return {PARAMS_KEY: {"capture": [[r.capture_id, r.start, r.length] for r in self.ranges]}}
 
 
 def parse_params(params: dict[str, Any] | None) -> InjectionPlan | CapturePlan | None:
     """Read our part of a request's ``kv_transfer_params``; ``None`` when there is none."""
     ours = (params or {}).get(PARAMS_KEY)
+    if isinstance(ours, (InjectionPlan, CapturePlan)):  # inline: validated when it was made
+        return ours
     if not ours:
         return None
     if "inject" in ours:
