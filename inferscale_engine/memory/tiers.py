@@ -148,6 +148,8 @@ class KVTiers:
         """
         out: list[FactKV | None] = [None] * len(keys)
         with self._lock:
+            if self._in_flight:  # pinned sources of earlier promotions, once copied
+                self._in_flight = [(e, t) for e, t in self._in_flight if not e.query()]
             on_device: list[tuple[int, _DeviceEntry]] = []
             on_host: dict[KVKey, list[int]] = {}
             for i, key in enumerate(keys):
@@ -347,7 +349,6 @@ class KVTiers:
             staging.record_stream(caller)  # type: ignore[arg-type]
             done = torch.cuda.Event()
             done.record(side)
-            self._in_flight = [(e, t) for e, t in self._in_flight if not e.query()]
             self._in_flight.append((done, [h.block for h in hosts]))
         for key, h in zip(keys, hosts):
             if key in placed:
