@@ -1,9 +1,10 @@
 #!/bin/bash
-# Engine-core measurements on the lent H200 (device tool), one call:
-#   run(command="bash scripts/h200_core.sh", carry=[".gpu"])
+# Engine-core measurements on the lent H200 (device tool):
+#   run(command="STEPS='kernel query exactness ttft' bash scripts/h200_core.sh", carry=[".gpu"])
+#   run(command="STEPS='tiers throughput' bash scripts/h200_core.sh", carry=[".gpu"])
 # Random-weight Llama-3.1-8B shape (load_format=dummy), bf16, vLLM 0.26.0, CUDA graphs on.
-# STEPS picks what runs (default: all but the diagnostics profile and promote, in this order;
-# ~9 min: split it over two calls, each call may run 10 min).
+# STEPS picks what runs (default: all but the diagnostics profile and promote, in this order,
+# ~9 min: more than one call may run, hence the two calls above).
 set -uo pipefail
 source .gpu/device-env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
