@@ -19,6 +19,10 @@ KVLayout = tuple[bytes | None, torch.dtype | None, bool, int]
 
 _ADDRESSES = struct.Struct("=6q")
 
+#: :attr:`FactKV.ready`: ``(layer stop, CUDA event)`` per layer group, in layer order; an event
+#: fires once layers ``[previous stop, stop)`` have landed on the device.
+LayerReady = tuple[tuple[int, Any], ...]
+
 
 @dataclass
 class FactKV:
@@ -36,11 +40,9 @@ class FactKV:
     k: torch.Tensor
     v: torch.Tensor
     position: int
-    #: A promotion still in flight: ``((layer stop, CUDA event), ...)`` per layer group, in
-    #: layer order; an event fires once layers ``[previous stop, stop)`` of ``k``/``v`` have
-    #: landed. Whoever reads them on the device waits there (not on the host) for the groups
-    #: it reads. ``None``: ready.
-    ready: Any = field(default=None, repr=False, compare=False)
+    #: A promotion still in flight (see :data:`LayerReady`): whoever reads ``k``/``v`` on the
+    #: device waits there (not on the host) for the groups it reads. ``None``: ready.
+    ready: LayerReady | None = field(default=None, repr=False, compare=False)
     _layout: KVLayout | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -39,7 +39,7 @@ from inferscale_engine.connector.plan import (
     parse_params,
 )
 from inferscale_engine.connector.table import InjectionTable, SpanColumns
-from inferscale_engine.kv import FactKV
+from inferscale_engine.kv import FactKV, LayerReady
 from inferscale_engine.rope import rotate
 
 if TYPE_CHECKING:
@@ -51,11 +51,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-#: ``FactKV.ready``: ``(layer stop, event)`` per layer group, in layer order; the event fires
-#: once layers ``[previous stop, stop)`` of the KV have landed on the device.
-LayerReady = tuple[tuple[int, Any], ...]
-
 
 class LayerLaunch(NamedTuple):
     """Write layers ``[start, stop)`` once ``events`` have fired."""

@@ -42,7 +42,7 @@ from typing import Literal
 import torch
 
 from inferscale_engine.errors import StaleKVError
-from inferscale_engine.kv import FactKV
+from inferscale_engine.kv import FactKV, LayerReady
 from inferscale_engine.memory.dma import ByteCopier
 
 logger = logging.getLogger(__name__)
@@ -332,7 +332,7 @@ class KVTiers:
         side = self._side_stream() if cuda else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             staging = torch.empty(total, dtype=hosts[0].block.dtype, device=self.device)
-            ready: tuple[tuple[int, torch.cuda.Event], ...] = ()
+            ready: LayerReady = ()
             if side is not None:
                 ready = self._upload(hosts, order, offsets, staging, side)
             else:
@@ -382,7 +382,7 @@ class KVTiers:
     def _upload(
         self, hosts: list[_HostEntry], order: list[int], offsets: list[int], staging: torch.Tensor,
         side: torch.cuda.Stream,
-    ) -> tuple[tuple[int, torch.cuda.Event], ...]:
+    ) -> LayerReady:
         """Queue the copies on ``side``, layer group by layer group; one event per group."""
         copier = ByteCopier(side)
         layers = hosts[0].block.shape[0]
