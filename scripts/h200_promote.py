@@ -3,15 +3,17 @@
 usage: python scripts/h200_promote.py [K] [--cprofile]
 
 K facts of the Llama-3.1-8B shape (32 layers, 28 tokens, 8 KV heads, 128 dims, bf16) sit in the
-host tier; per layer-group count, medians of 20 ``get_many`` calls: the host time (what a
-request waits for) and the time until every copy has landed. Also the host time of the same
-number of bare cudaMemcpyAsync calls, and of the torch ``copy_`` fallback.
+host tier; per layer-group count and copy path (one cudaMemcpyBatchAsync per group, one
+cudaMemcpyAsync per range, the torch ``copy_`` fallback), medians of 10 ``get_many`` calls: the
+host time (what a request waits for) and the time until every copy has landed. Also the host
+time of the same copies issued bare, checked byte for byte.
 """
 
 import sys
 import tempfile
 import time
 
+import numpy as np
 import torch
 
 from inferscale_engine.kv import FactKV
@@ -63,30 +65,42 @@ def main(k: int) -> None:
             del got
         pstats.Stats(prof).sort_stats("tottime").print_stats(18)
         return
-    for groups in (1, 4, 8):
-        tiers_mod.LAYER_GROUPS = groups
-        run(f"groups={groups} cudaMemcpyAsync")
+    def copier(mode: str) -> dma.ByteCopier:
+        c = dma.ByteCopier(t._side_stream())
+        if mode != "batch":
+            c._batch = False  # one cudaMemcpyAsync per range
+        if mode == "torch":
+            c._runtime = None  # Tensor.copy_ per range
+        return c
+
+    runtime = dma._cudart()
+    print(f"CUDA runtime batch copies: {runtime is not None and runtime.batch is not None}", flush=True)
+    for mode in ("batch", "per-range"):
+        t._copier = copier(mode)
+        for groups in (1, 4, 8):
+            tiers_mod.LAYER_GROUPS = groups
+            run(f"groups={groups} {mode}")
     tiers_mod.LAYER_GROUPS = 4
-    real = dma._cudart
-    dma._cudart = lambda: None
+    t._copier = copier("torch")
     run("groups=4 torch copy_")
-    dma._cudart = real
 
     src = torch.empty(k * 4 << 20, dtype=torch.uint8).pin_memory()
     dst = torch.empty_like(src, device="cuda")
-    copier = dma.ByteCopier(torch.cuda.Stream())
-    for n in (k, 4 * k):
-        size = src.nbytes // n
-        jobs = [(i * size, src, i * size, size) for i in range(n)]
-        times = []
-        for _ in range(12):
+    for mode in ("batch", "per-range"):
+        c = copier(mode)
+        for n in (k, 4 * k):
+            size = src.nbytes // n
+            offsets = np.arange(n, dtype=np.int64) * size
+            sizes = np.full(n, size, dtype=np.int64)
+            times = []
+            for _ in range(12):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                c.copy(dst, offsets, [src] * n, offsets, sizes)
+                times.append(time.perf_counter() - t0)
             torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            copier.copy(dst, jobs)
-            times.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-        print(f"{n} bare copies of {size >> 10} KiB: host {1e3 * median(times[2:]):.2f} ms", flush=True)
-
+            assert torch.equal(dst.cpu(), src), "copies landed wrong"
+            print(f"{n} bare copies of {size >> 10} KiB, {mode}: host {1e3 * median(times[2:]):.2f} ms", flush=True)
 
 if __name__ == "__main__":
     main(int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 50)

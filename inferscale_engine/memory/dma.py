@@ -1,10 +1,11 @@
-"""Host-to-device copies of byte ranges at a few microseconds of host time each.
+"""Host-to-device copies of many byte ranges at a fraction of a microsecond of host time each.
 
 Promoting ``k`` host-tier facts layer group by layer group takes ``groups × k`` copies. Through
 ``Tensor.copy_`` each costs ~20–30 µs of host time (views, dispatch, an event recorded per
-pinned source), which would put milliseconds on the request's critical path; the CUDA runtime's
-own ``cudaMemcpyAsync`` costs a few. Without a loadable runtime library, ``copy_`` does the
-same work, slower.
+pinned source), which would put milliseconds on the request's critical path. The CUDA runtime's
+``cudaMemcpyBatchAsync`` (CUDA ≥ 12.8) queues a whole layer group in one call; older runtimes
+get one ``cudaMemcpyAsync`` per range (a few µs each), and without a loadable runtime library
+``copy_`` does the same work, slower.
 
 The caller keeps the sources alive (and unchanged) until the copies have run: unlike
 ``copy_``, nothing here tells PyTorch's pinned-memory allocator that a copy is in flight.
@@ -14,17 +15,51 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the pointers (unified addressing)
+_BATCH_SINCE = 12080  # cudaMemcpyBatchAsync appeared in CUDA 12.8 ...
+_BATCH_NO_FAIL_INDEX_SINCE = 13000  # ... and lost its failIdx argument in CUDA 13.0
+_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: sources are read in stream order
+_LOCATION_DEVICE, _LOCATION_HOST = 1, 2  # cudaMemLocationType
+_PREFER_OVERLAP_WITH_COMPUTE = 1  # cudaMemcpyFlagPreferOverlapWithCompute
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [
+        ("src_access_order", ctypes.c_int),
+        ("src_location_hint", _MemLocation),
+        ("dst_location_hint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+@dataclass(frozen=True)
+class _Runtime:
+    lib: ctypes.CDLL
+    batch: ctypes._CFuncPtr | None  # cudaMemcpyBatchAsync, when this runtime has it
+    batch_fail_index: bool  # the CUDA 12.8/12.9 signature, with a failIdx out-argument
+
+    def error(self, err: int) -> str:
+        """The message of ``err``, which is then cleared: torch checks the runtime's last error
+        after its own launches and would otherwise fail on ours."""
+        self.lib.cudaGetLastError()
+        return self.lib.cudaGetErrorString(err).decode()
 
 
 @lru_cache(maxsize=1)
-def _cudart() -> ctypes.CDLL | None:
+def _cudart() -> _Runtime | None:
     # Already loaded by torch: dlopen by soname returns that copy, with its state.
     major = (torch.version.cuda or "").split(".")[0]
     for name in (f"libcudart.so.{major}", "libcudart.so"):
@@ -36,7 +71,17 @@ def _cudart() -> ctypes.CDLL | None:
         lib.cudaMemcpyAsync.restype = ctypes.c_int
         lib.cudaGetErrorString.argtypes = [ctypes.c_int]
         lib.cudaGetErrorString.restype = ctypes.c_char_p
-        return lib
+        version = ctypes.c_int(0)
+        lib.cudaRuntimeGetVersion(ctypes.byref(version))
+        batch = getattr(lib, "cudaMemcpyBatchAsync", None) if version.value >= _BATCH_SINCE else None
+        fail_index = version.value < _BATCH_NO_FAIL_INDEX_SINCE
+        if batch is not None:
+            # dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, [failIdx,] stream
+            pointer = [ctypes.c_void_p] * 3
+            batch.argtypes = [*pointer, ctypes.c_size_t, ctypes.POINTER(_MemcpyAttributes), ctypes.c_void_p,
+                              ctypes.c_size_t, *([ctypes.c_void_p] if fail_index else []), ctypes.c_void_p]
+            batch.restype = ctypes.c_int
+        return _Runtime(lib, batch, fail_index)
     logger.info("CUDA runtime library not found by name; host-to-device copies go through torch")
     return None
 
@@ -46,23 +91,65 @@ class ByteCopier:
 
     def __init__(self, stream: torch.cuda.Stream) -> None:
         self.stream = stream
-        self._lib = _cudart()
+        self._runtime = _cudart()
+        self._batch = self._runtime is not None and self._runtime.batch is not None
+        device = stream.device.index if stream.device.index is not None else torch.cuda.current_device()
+        self._attributes = _MemcpyAttributes(
+            _ORDER_STREAM, _MemLocation(_LOCATION_HOST, 0), _MemLocation(_LOCATION_DEVICE, device),
+            _PREFER_OVERLAP_WITH_COMPUTE,
+        )
+        self._first_attribute = np.zeros(1, dtype=np.uint64)  # attrsIdxs: one attribute for all
 
-    def copy(self, dst: torch.Tensor, jobs: list[tuple[int, torch.Tensor, int, int]]) -> None:
-        """``jobs``: ``(dst byte offset, src, src byte offset, bytes)`` each."""
-        limit = dst.nbytes
-        for dst_offset, src, src_offset, nbytes in jobs:
-            if dst_offset + nbytes > limit or src_offset + nbytes > src.nbytes or nbytes < 0:
-                raise ValueError("copy range outside its tensor")
-        if self._lib is None:
-            flat = dst.view(-1).view(torch.uint8)
-            with torch.cuda.stream(self.stream):
-                for dst_offset, src, src_offset, nbytes in jobs:
-                    s = src.view(-1).view(torch.uint8)[src_offset : src_offset + nbytes]
-                    flat[dst_offset : dst_offset + nbytes].copy_(s, non_blocking=True)
+    def copy(
+        self,
+        dst: torch.Tensor,
+        dst_offsets: np.ndarray,
+        srcs: Sequence[torch.Tensor],
+        src_offsets: np.ndarray,
+        sizes: np.ndarray,
+    ) -> None:
+        """Copy ``sizes[i]`` bytes of ``srcs[i]``, from byte ``src_offsets[i]``, into ``dst`` at
+        byte ``dst_offsets[i]``, for every ``i`` (int64 arrays), in one batch where the runtime can."""
+        if not len(srcs):
             return
-        memcpy, base, stream = self._lib.cudaMemcpyAsync, dst.data_ptr(), self.stream.cuda_stream
-        for dst_offset, src, src_offset, nbytes in jobs:  # the hot loop: ints and one C call
-            err = memcpy(base + dst_offset, src.data_ptr() + src_offset, nbytes, _MEMCPY_DEFAULT, stream)
+        src_bytes = np.fromiter((s.nbytes for s in srcs), dtype=np.int64, count=len(srcs))
+        if ((sizes < 0) | (dst_offsets < 0) | (src_offsets < 0) | (dst_offsets + sizes > dst.nbytes)
+                | (src_offsets + sizes > src_bytes)).any():
+            raise ValueError("copy range outside its tensor")
+        runtime = self._runtime
+        if runtime is None:
+            self._copy_torch(dst, dst_offsets, srcs, src_offsets, sizes)
+            return
+        src_ptrs = np.fromiter((s.data_ptr() for s in srcs), dtype=np.int64, count=len(srcs)) + src_offsets
+        dst_ptrs = dst.data_ptr() + dst_offsets
+        if self._batch and self._copy_batch(runtime, dst_ptrs, src_ptrs, sizes):
+            return
+        memcpy, stream = runtime.lib.cudaMemcpyAsync, self.stream.cuda_stream
+        for d, s, n in zip(dst_ptrs.tolist(), src_ptrs.tolist(), sizes.tolist()):  # ints and one C call each
+            err = memcpy(d, s, n, _MEMCPY_DEFAULT, stream)
             if err:
-                raise RuntimeError(f"cudaMemcpyAsync failed: {self._lib.cudaGetErrorString(err).decode()}")
+                raise RuntimeError(f"cudaMemcpyAsync failed: {runtime.error(err)}")
+
+    def _copy_batch(self, runtime: _Runtime, dst_ptrs: np.ndarray, src_ptrs: np.ndarray, sizes: np.ndarray) -> bool:
+        """One ``cudaMemcpyBatchAsync``; ``False`` (and per-range copies from then on) when the
+        runtime refuses it, which it does before queueing anything."""
+        dsts, srcs = dst_ptrs.astype(np.uint64), src_ptrs.astype(np.uint64)
+        counts = sizes.astype(np.uint64)
+        args = [dsts.ctypes.data, srcs.ctypes.data, counts.ctypes.data, len(counts), ctypes.byref(self._attributes),
+                self._first_attribute.ctypes.data, 1]
+        if runtime.batch_fail_index:
+            args.append(ctypes.byref(ctypes.c_size_t(0)))
+        err = runtime.batch(*args, self.stream.cuda_stream)  # type: ignore[misc]
+        if err:
+            logger.warning("cudaMemcpyBatchAsync failed (%s); copying range by range from now on", runtime.error(err))
+            self._batch = False
+        return not err
+
+    def _copy_torch(
+        self, dst: torch.Tensor, dst_offsets: np.ndarray, srcs: Sequence[torch.Tensor], src_offsets: np.ndarray,
+        sizes: np.ndarray,
+    ) -> None:
+        flat = dst.view(-1).view(torch.uint8)
+        with torch.cuda.stream(self.stream):
+            for d, src, s, n in zip(dst_offsets.tolist(), srcs, src_offsets.tolist(), sizes.tolist()):
+                flat[d : d + n].copy_(src.view(-1).view(torch.uint8)[s : s + n], non_blocking=True)

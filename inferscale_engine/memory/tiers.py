@@ -6,10 +6,10 @@
   engine the "device" is the CPU and the slab is an ordinary tensor.
 * **Host tier** – per-fact CPU tensors, layer-major (``[layers, 2, tokens, heads, dim]``,
   pinned when CUDA is available). Host hits are promoted together without stalling the caller:
-  on a side stream, layer group by layer group (:data:`LAYER_GROUPS`), one DMA per fact and
-  group into one device staging buffer; the KV handed out carries one CUDA event per group
-  (``FactKV.ready``), and the injection of each group waits on its own event on the device,
-  so a forward pass can run its first layers while the later ones are still crossing PCIe.
+  on a side stream, layer group by layer group (:data:`LAYER_GROUPS`), one batch of DMAs (a
+  range per fact) per group into one device staging buffer; the KV handed out carries one CUDA
+  event per group (``FactKV.ready``), and the injection of each group waits on its own event on
+  the device, so a forward pass can run its first layers while the later ones are still crossing PCIe.
   The slab caches the promoted facts from the same staging copy, on the same side stream.
 * **Disk tier** – one safetensors file per fact version, written atomically (temp file in the
   same folder, fsync, ``os.replace``, fsync of the folder) and carrying the model fingerprint
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 
 from inferscale_engine.errors import StaleKVError
@@ -51,8 +52,8 @@ KVKey = tuple[str, int]  # (fact id, kv version)
 Tier = Literal["device", "host", "disk"]
 
 FILE_FORMAT = "inferscale-kv/1"
-#: Layer groups of a host-tier promotion: each has its own copies and event. More groups start
-#: the forward pass sooner but cost ``k`` more copies each.
+#: Layer groups of a host-tier promotion: each has its own batch of copies and event. More
+#: groups start the forward pass sooner but cost a batch (or, before CUDA 12.8, ``k`` copies) each.
 LAYER_GROUPS = 4
 _FILE_RE = re.compile(r"^([0-9a-f]{16})-(\d+)\.safetensors$")
 
@@ -118,6 +119,7 @@ class KVTiers:
         # caller's stream wait for the last such write, and host sources stay referenced until
         # their copies have run.
         self._side: torch.cuda.Stream | None = None
+        self._copier: ByteCopier | None = None
         self._slab_written: torch.cuda.Event | None = None
         self._in_flight: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
         self.counters = {
@@ -383,17 +385,20 @@ class KVTiers:
         self, hosts: list[_HostEntry], order: list[int], offsets: list[int], staging: torch.Tensor,
         side: torch.cuda.Stream,
     ) -> LayerReady:
-        """Queue the copies on ``side``, layer group by layer group; one event per group."""
-        copier = ByteCopier(side)
+        """Queue the copies on ``side``, layer group by layer group: one batch and one event per
+        group."""
+        if self._copier is None:
+            self._copier = ByteCopier(side)
         layers = hosts[0].block.shape[0]
-        es = staging.element_size()
-        per_layer = [h.block.nbytes // layers for h in hosts]
+        srcs = [hosts[i].block for i in order]
+        per_layer = np.array([b.nbytes // layers for b in srcs], dtype=np.int64)
+        dst = np.array([offsets[i] for i in order], dtype=np.int64) * staging.element_size()
         groups = min(LAYER_GROUPS, layers)
         ready = []
         start = 0
         for stop in [round(layers * (g + 1) / groups) for g in range(groups)]:
-            copier.copy(staging, [(offsets[i] * es + start * per_layer[i], hosts[i].block, start * per_layer[i],
-                                   (stop - start) * per_layer[i]) for i in order])
+            first = start * per_layer
+            self._copier.copy(staging, dst + first, srcs, first, (stop - start) * per_layer)
             event = torch.cuda.Event()
             event.record(side)
             ready.append((stop, event))
