@@ -1,6 +1,6 @@
 """Where the time of one KV-injected request goes, on the GPU (diagnostic, not a benchmark).
 
-usage: python scripts/h200_profile.py CONFIG_DIR [fused|unfused]
+usage: python scripts/h200_profile.py CONFIG_DIR [fused|unfused] [KEY=VALUE engine options...]
 With $OUT set, also writes torch.profiler tables of five k=50 requests per mode to
 $OUT/trace-k50-<mode>.txt: what the GPU and the host do differently for an injected request
 and for the floor.
@@ -41,7 +41,16 @@ def patch():
     C.InferScaleConnector.get_num_new_matched_tokens = timed("sched.match", C.InferScaleConnector.get_num_new_matched_tokens)
     C.InferScaleConnector.update_state_after_alloc = timed("sched.alloc", C.InferScaleConnector.update_state_after_alloc)
     InferScaleEngine._prepare = timed("engine.prepare", InferScaleEngine._prepare)
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.engine.llm_engine import LLMEngine
+
     Scheduler.schedule = timed("schedule", Scheduler.schedule)
+    # vLLM's per-block work: an injected prefix's blocks are allocated, hashed and cached where
+    # the floor's are found cached.
+    KVCacheManager.get_computed_blocks = timed("kv.lookup", KVCacheManager.get_computed_blocks)
+    KVCacheManager.allocate_slots = timed("kv.allocate", KVCacheManager.allocate_slots)
+    KVCacheManager.free = timed("kv.free", KVCacheManager.free)
+    LLMEngine.add_request = timed("add_request", LLMEngine.add_request)
     Scheduler.update_from_output = timed("update_from_output", Scheduler.update_from_output)
     EngineCore.step = timed("core.step", EngineCore.step)
     if hasattr(EngineCore, "step_with_batch_queue"):
@@ -84,9 +93,13 @@ if __name__ == "__main__":
     from inferscale_engine.bench.common import SyntheticWorkload, median
     from inferscale_engine.engine import InferScaleEngine
 
-    fused = len(sys.argv) < 3 or sys.argv[2] != "unfused"
+    import json
+
+    fused = "unfused" not in sys.argv[2:]
+    options = {k: json.loads(v) for k, _, v in (a.partition("=") for a in sys.argv[2:] if "=" in a)}
     eng = InferScaleEngine(model=sys.argv[1], device="cuda", dtype="bfloat16", load_format="dummy",
-                           skip_tokenizer_init=True, fused_rope=fused)
+                           skip_tokenizer_init=True, fused_rope=fused, **options)
+    print(f"block size {eng.vllm_config.cache_config.block_size}", flush=True)
     work = SyntheticWorkload.build(eng, pool=400)
     for k in (50, 200):
         for mode in ("inject", "floor", "prompt"):

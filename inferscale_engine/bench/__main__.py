@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +16,17 @@ def _ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _engine_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE``; the value read as JSON where it parses (``64``, ``true``), else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -31,6 +43,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         p.add_argument("--plot", help="write a PNG plot here")
         p.add_argument("--dummy-weights", action="store_true",
                        help="random weights from config.json alone (timing runs on machines without weights)")
+        p.add_argument("--engine-option", type=_engine_option, action="append", default=[], metavar="KEY=VALUE",
+                       help="an EngineConfig field or vLLM engine argument, e.g. block_size=64 (repeatable)")
         return p
 
     p = add("ttft", "TTFT vs k: no memory, prompt injection, KV injection, prefix-cache floor")
@@ -79,7 +93,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def engine_from(args: argparse.Namespace, **extra: Any):
     from inferscale_engine.engine import InferScaleEngine
 
-    options: dict[str, Any] = {"dtype": args.dtype, "max_model_len": args.max_model_len, **extra}
+    options: dict[str, Any] = {"dtype": args.dtype, "max_model_len": args.max_model_len, **dict(args.engine_option), **extra}
     if args.dummy_weights:
         options.update(load_format="dummy", skip_tokenizer_init=True)
     return InferScaleEngine(model=args.model, device=args.device, **options)
