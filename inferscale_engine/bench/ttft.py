@@ -28,7 +28,9 @@ def run_ttft(
     seed: int = 0,
 ) -> list[dict[str, Any]]:
     """Rows ``{mode, k, ttft_ms_p50, ttft_ms_p95, retrieval_ms_p50}``; modes interleave per repeat
-    so drift hits them alike. ``retriever(question_ids) -> seconds`` adds retrieval to each TTFT."""
+    so drift hits them alike. ``retriever(question_ids) -> seconds`` adds retrieval to each TTFT.
+    The ``none`` row of each k > 0 also has ``after_prefill_ms_p50``: the same request timed right
+    after the prompt-injected one."""
     work = SyntheticWorkload.build(
         engine, pool=max(max(ks) * 2, 16), fact_tokens=fact_tokens, head_tokens=head_tokens,
         question_tokens=question_tokens, seed=seed,
@@ -41,21 +43,32 @@ def run_ttft(
     for k in ks:
         times: dict[str, list[float]] = {m: [] for m in MODES}
         retrieval: list[float] = []
+        after_prefill: list[float] = []
         for rep in tqdm(range(warmup + repeats), desc=f"ttft k={k}", leave=False):
             picks, q = work.sample(k), work.question()
             r = retriever(q) if retriever else 0.0
             sample = {
                 "none": ttft([work.head + q], "prompt"),
                 "prompt": ttft(work.prompt_segments(picks, q), "prompt"),
-                "inject": ttft(work.inject_segments(picks, q), "inject"),
             }
-            # Floor: the prompt call above left head+facts in vLLM's prefix cache; a fresh question
-            # over them is the best any injection can do in this engine.
-            sample["floor"] = ttft(work.prompt_segments(picks, work.question()), "prompt")
+            # Whatever request comes right after a long prefill runs slower (see
+            # ``after_prefill_ms_p50``: this same no-memory request, timed there). Injection and
+            # the floor both follow a short request instead, as in a server serving only them,
+            # in alternating order so neither always goes first.
+            settle = ttft([work.head + work.question()], "prompt")
+            runs = {
+                "inject": lambda: ttft(work.inject_segments(picks, q), "inject"),
+                # Floor: the prompt call above left head+facts in vLLM's prefix cache; a fresh
+                # question over them is the best any injection can do in this engine.
+                "floor": lambda: ttft(work.prompt_segments(picks, work.question()), "prompt"),
+            }
+            for m in ("inject", "floor") if rep % 2 == 0 else ("floor", "inject"):
+                sample[m] = runs[m]()
             if rep >= warmup:
                 for m, t in sample.items():
                     times[m].append(t)
                 retrieval.append(r)
+                after_prefill.append(settle)
         for m in MODES:
             if k == 0 and m != "none":
                 continue
@@ -70,6 +83,8 @@ def run_ttft(
                 "engine_ms_p50": 1e3 * median(times[m]), "engine_ms_p95": 1e3 * percentile(times[m], 95),
                 "prompt_tokens": head_tokens + (k if m != "none" else 0) * fact_tokens + question_tokens,
             })
+            if m == "none" and k > 0:
+                rows[-1]["after_prefill_ms_p50"] = 1e3 * median(after_prefill)
     return rows
 
 
