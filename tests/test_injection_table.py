@@ -232,14 +232,9 @@ def test_layer_launches_split_at_every_promotion_boundary():
         LayerLaunch(3, 4, ("a2", "b2")),
         LayerLaunch(4, 9, ("a2", "b3")),
     ]
-    # Promotions with one group each: one launch after every last event.
+    # All layers in one group (what the connector does before it knows vLLM calls
+    # wait_for_layer_load): one launch after every last event.
     assert layer_launches([((9, "a2"),), ((9, "b3"),)], 9) == [LayerLaunch(0, 9, ("a2", "b3"))]
-    # The overlapped writer's own splits, merged with the promotions' (out-of-range ones dropped).
-    assert layer_launches([], 9, (1, 4)) == [LayerLaunch(0, 1, ()), LayerLaunch(1, 4, ()), LayerLaunch(4, 9, ())]
-    assert layer_launches([a], 9, (1, 4, 12)) == [
-        LayerLaunch(0, 1, ("a1",)), LayerLaunch(1, 3, ("a1",)), LayerLaunch(3, 4, ("a2",)), LayerLaunch(4, 9, ("a2",)),
-    ]
-    assert layer_launches([], 2, (1, 4)) == [LayerLaunch(0, 1, ()), LayerLaunch(1, 2, ())]
 
 
 def test_plans_travel_as_json_or_inline():

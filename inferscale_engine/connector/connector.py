@@ -60,16 +60,10 @@ class LayerLaunch(NamedTuple):
     events: tuple[Any, ...]
 
 
-#: Layer boundaries every overlapped injection is split at: layer 0's writes are done almost at
-#: once, layers 1-3 while layer 0 computes, the rest while layers 1-3 do.
-EARLY_SPLITS = (1, 4)
-
-
-def layer_launches(pending: list[LayerReady], num_layers: int, splits: tuple[int, ...] = ()) -> list[LayerLaunch]:
+def layer_launches(pending: list[LayerReady], num_layers: int) -> list[LayerLaunch]:
     """Fewest layer ranges such that each waits only for the copies it reads: split at every
-    group boundary of every promotion in flight, and at ``splits``."""
-    stops = {stop for ready in pending for stop, _ in ready} | set(splits)
-    bounds = sorted({stop for stop in stops if 0 < stop < num_layers} | {num_layers})
+    group boundary of every promotion in flight."""
+    bounds = sorted({stop for ready in pending for stop, _ in ready if 0 < stop < num_layers} | {num_layers})
     launches, start = [], 0
     for stop in bounds:
         # Each promotion's group holding [start, stop): its first group ending at or after stop.
@@ -111,11 +105,10 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._matched_step = -1
         self._matches: list[tuple[CaptureBuffer, torch.Tensor, torch.Tensor]] = []
         self._layer_index: dict[str, int] = {}
-        # Once vLLM is seen calling wait_for_layer_load, injections are written on a side stream,
-        # a layer range at a time, while the forward pass runs; each range's event, by first
-        # layer, until that layer waits for it.
-        self._layer_done: dict[int, torch.cuda.Event] = {}
-        self._side: torch.cuda.Stream | None = None
+        # Injection launches left for later layers of this step (host-tier promotions still
+        # copying), by first layer; once vLLM is seen calling wait_for_layer_load.
+        self._deferred: dict[int, LayerLaunch] = {}
+        self._step_table: InjectionTable | None = None  # what this step's launches read
         self._layerwise = False
 
     @staticmethod
@@ -232,37 +225,39 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._step += 1
         self._step_captures = meta.captures
         if meta.loads:
-            overlap = self._layerwise and compat.runs_layer_hooks(forward_context)
-            self._inject(meta.loads, forward_context, overlap)
+            # Later layer groups may wait for wait_for_layer_load only where vLLM will call it.
+            layerwise = self._layerwise and compat.runs_layer_hooks(forward_context)
+            self._inject(meta.loads, forward_context, layerwise)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Called before each attention layer runs: order it after the side-stream writes of
-        # the layer range it opens (on the device; the host never waits).
+        # Called before each attention layer runs. Most steps queued every layer's writes in
+        # start_load_kv; a step with promotions in flight left later layer groups for here.
         index = self._layer_index.get(layer_name)
         if index is None:
             return
         self._layerwise = True
-        done = self._layer_done.pop(index, None)
-        if done is not None:
-            torch.cuda.current_stream().wait_event(done)
+        launch = self._deferred.pop(index, None)
+        if launch is not None:
+            self._launch(launch)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         pass  # captures happen in the wrapped KV write, which sees K/V before the cache layout
 
     def wait_for_save(self) -> None:
-        if self._layer_done:  # a layer may have read its KV before it was written: never serve that
-            missed = sorted(self._layer_done)
-            self._layer_done = {}
-            raise RuntimeError(f"the forward pass never waited for the injection of layers starting at {missed}")
+        if self._deferred:  # a layer ran before its injected KV was written: never serve that
+            missed = sorted(self._deferred)
+            self._deferred, self._step_table = {}, None
+            raise RuntimeError(f"injection for layers starting at {missed} was never launched")
+        self._step_table = None
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
         self._step_captures = []
-        if self._layer_done:  # a step without a forward pass (wait_for_save never ran)
-            logger.error("injection of layers %s was never waited for: no forward pass ran them", sorted(self._layer_done))
-        self._layer_done = {}
+        if self._deferred:  # a step without a forward pass (wait_for_save never ran)
+            logger.error("dropping injection launches for layers %s: no forward pass ran them", sorted(self._deferred))
+        self._deferred, self._step_table = {}, None
 
-    def _inject(self, loads: list[LoadRequest], forward_context: "ForwardContext", overlap: bool) -> None:
+    def _inject(self, loads: list[LoadRequest], forward_context: "ForwardContext", layerwise: bool) -> None:
         # Hundreds of spans per step at large k: per span a dict lookup and a few attribute reads
         # (FactKV.layout() reads the tensors once per FactKV); the arithmetic is numpy's.
         staged = self._bridge().staged
@@ -289,7 +284,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         slots = np.concatenate([load.slots(self._block_size) for load in loads])
         device = compat.layer_kv_cache(self._layers[0][1], forward_context).device
         if self._fused and device.type == "cuda" and self._fused_ready(forward_context):
-            self._inject_fused(spans, slots, device, list(pending.values()), overlap)
+            self._inject_fused(spans, slots, device, list(pending.values()), layerwise)
         else:
             for ready in pending.values():
                 torch.cuda.current_stream(device).wait_event(ready[-1][1])
@@ -313,44 +308,28 @@ class InferScaleConnector(KVConnectorBase_V1):
         return bool(self._fused_views)
 
     def _inject_fused(
-        self, spans: SpanColumns, slots: np.ndarray, device: torch.device, pending: list[LayerReady], overlap: bool
+        self, spans: SpanColumns, slots: np.ndarray, device: torch.device, pending: list[LayerReady], layerwise: bool
     ) -> None:
-        """Write with the Triton writer: all layers now on the forward pass's stream, or with
-        ``overlap`` a layer range at a time on a side stream (see :data:`EARLY_SPLITS`), each
-        range after the promotion copies it reads."""
         table = InjectionTable.build_columns(spans, slots, device)
         num_layers = len(self._layers)
-        stream = torch.cuda.current_stream(device)
-        if not overlap:
-            for ready in pending:
-                stream.wait_event(ready[-1][1])
-            self._write(table, 0, num_layers)
-            return
-        if self._side is None:
-            self._side = torch.cuda.Stream(device)
-        side = self._side
-        side.wait_stream(stream)  # the table's upload, and earlier readers of these cache blocks
-        # The table (and any source copied to the device for it) is freed when this returns:
-        # its memory must not be reused before the side stream has read it.
-        for tensor in (table.data, *table.keepalive):
-            tensor.record_stream(side)
-        with torch.cuda.stream(side):
-            for launch in layer_launches(pending, num_layers, EARLY_SPLITS):
-                for event in launch.events:
-                    side.wait_event(event)
-                self._write(table, launch.start, launch.stop)
-                done = torch.cuda.Event()
-                done.record(side)
-                self._layer_done[launch.start] = done
+        if not layerwise:  # wait_for_layer_load will not run this step (or not known yet): all now
+            pending = [((num_layers, ready[-1][1]),) for ready in pending]
+        first, *later = layer_launches(pending, num_layers)
+        self._step_table = table
+        self._launch(first)
+        self._deferred = {launch.start: launch for launch in later}
 
-    def _write(self, table: InjectionTable, start: int, stop: int) -> None:
-        """Queue the writes of layers ``[start, stop)`` on the current stream."""
+    def _launch(self, launch: LayerLaunch) -> None:
+        """Queue one layer range's writes after the copies they read (on the device)."""
         from inferscale_engine.rope_triton import inject_rows
 
-        assert self._fused_views
+        assert self._fused_views and self._step_table is not None
         key_ptrs, value_ptrs, view = self._fused_views
+        stream = torch.cuda.current_stream(view.device)
+        for event in launch.events:
+            stream.wait_event(event)
         rope = self._bridge().ropes[self._layers[0][0]]
-        inject_rows(table, rope, key_ptrs, value_ptrs, view, layers=(start, stop))
+        inject_rows(self._step_table, rope, key_ptrs, value_ptrs, view, layers=(launch.start, launch.stop))
 
     def _inject_torch(
         self, spans: SpanColumns, slots: np.ndarray, device: torch.device, forward_context: "ForwardContext"
