@@ -65,6 +65,7 @@ def main(k: int) -> None:
             del got
         pstats.Stats(prof).sort_stats("tottime").print_stats(18)
         return
+
     def copier(mode: str) -> dma.ByteCopier:
         c = dma.ByteCopier(t._side_stream())
         if mode != "batch":
