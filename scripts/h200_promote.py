@@ -49,21 +49,26 @@ def main(k: int) -> None:
             del got
         print(f"k={k} {label}: host {1e3 * median(host[2:]):.2f} ms, landed {1e3 * median(landed[2:]):.2f} ms", flush=True)
 
-    if "--cprofile" in sys.argv:  # where the host time of one promotion goes
+    if "--cprofile" in sys.argv:  # where the host time of a promotion goes, per function
         import cProfile
         import pstats
 
-        for _ in range(3):
+        prof = cProfile.Profile()
+        n = 10
+        for i in range(n + 2):
             for key in keys:
                 t.evict(key, to="host")
             torch.cuda.synchronize()
-            prof = cProfile.Profile()
-            prof.enable()
+            if i >= 2:
+                prof.enable()
             got = t.get_many(keys, fp)
             prof.disable()
             torch.cuda.synchronize()
             del got
-        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+        rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:25]
+        print("per promotion: own ms, cumulative ms, calls, function")
+        for (file, line, name), (_, calls, own, cum, _) in rows:
+            print(f"{1e3 * own / n:7.3f} {1e3 * cum / n:7.3f} {calls // n:5d}  {file.split('/')[-1]}:{line}({name})")
         return
 
     def copier(mode: str) -> dma.ByteCopier:
