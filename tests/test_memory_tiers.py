@@ -172,25 +172,25 @@ def test_cuda_promotion_is_layer_grouped_and_exact(tmp_path):
 def test_cuda_byte_copier_lands_every_range(path):
     import numpy as np
 
-    from inferscale_engine.memory.dma import ByteCopier
+    from inferscale_engine.memory.dma import ByteCopier, Sources
 
     copier = ByteCopier(torch.cuda.Stream())
     if path != "batch":
         copier._batch = False
     if path == "torch":
         copier._runtime = None
-    srcs = [torch.randint(0, 255, (n,), dtype=torch.uint8).pin_memory() for n in (4096, 100, 7)]
+    srcs = Sources.of([torch.randint(0, 255, (n,), dtype=torch.uint8).pin_memory() for n in (4096, 100, 7)])
     dst = torch.zeros(8192, dtype=torch.uint8, device="cuda")
     src_offsets, sizes = np.array([100, 0, 3]), np.array([3000, 100, 4])
     dst_offsets = np.array([0, 5000, 8188])
     copier.copy(dst, dst_offsets, srcs, src_offsets, sizes)
     copier.stream.synchronize()
     want = torch.zeros(8192, dtype=torch.uint8)
-    for src, d, s, n in zip(srcs, dst_offsets, src_offsets, sizes):
+    for src, d, s, n in zip(srcs.tensors, dst_offsets, src_offsets, sizes):
         want[d : d + n] = src[s : s + n]
     assert torch.equal(dst.cpu(), want)
     with pytest.raises(ValueError, match="outside"):  # one byte past the end of dst
-        copier.copy(dst, np.array([8189]), srcs[:1], np.array([0]), np.array([4]))
+        copier.copy(dst, np.array([8189]), Sources.of(srcs.tensors[:1]), np.array([0]), np.array([4]))
 
 
 def test_get_many_fails_whole_on_a_missing_key(tmp_path):

@@ -86,6 +86,25 @@ def _cudart() -> _Runtime | None:
     return None
 
 
+@dataclass(frozen=True)
+class Sources:
+    """Pinned host tensors to copy from, with their addresses and sizes read once: a promotion
+    copies from the same facts once per layer group."""
+
+    tensors: Sequence[torch.Tensor]
+    address: np.ndarray  # int64, as is nbytes
+    nbytes: np.ndarray
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> Sources:
+        n = len(tensors)
+        return cls(
+            tensors,
+            np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=n),
+            np.fromiter((t.nbytes for t in tensors), dtype=np.int64, count=n),
+        )
+
+
 class ByteCopier:
     """Queue copies of byte ranges from pinned host tensors into one device tensor on ``stream``."""
 
@@ -101,26 +120,21 @@ class ByteCopier:
         self._first_attribute = np.zeros(1, dtype=np.uint64)  # attrsIdxs: one attribute for all
 
     def copy(
-        self,
-        dst: torch.Tensor,
-        dst_offsets: np.ndarray,
-        srcs: Sequence[torch.Tensor],
-        src_offsets: np.ndarray,
-        sizes: np.ndarray,
+        self, dst: torch.Tensor, dst_offsets: np.ndarray, srcs: Sources, src_offsets: np.ndarray, sizes: np.ndarray
     ) -> None:
-        """Copy ``sizes[i]`` bytes of ``srcs[i]``, from byte ``src_offsets[i]``, into ``dst`` at
-        byte ``dst_offsets[i]``, for every ``i`` (int64 arrays), in one batch where the runtime can."""
-        if not len(srcs):
+        """Copy ``sizes[i]`` bytes of ``srcs.tensors[i]``, from byte ``src_offsets[i]``, into
+        ``dst`` at byte ``dst_offsets[i]``, for every ``i`` (int64 arrays), in one batch where
+        the runtime can."""
+        if not len(srcs.tensors):
             return
-        src_bytes = np.fromiter((s.nbytes for s in srcs), dtype=np.int64, count=len(srcs))
         if ((sizes < 0) | (dst_offsets < 0) | (src_offsets < 0) | (dst_offsets + sizes > dst.nbytes)
-                | (src_offsets + sizes > src_bytes)).any():
+                | (src_offsets + sizes > srcs.nbytes)).any():
             raise ValueError("copy range outside its tensor")
         runtime = self._runtime
         if runtime is None:
-            self._copy_torch(dst, dst_offsets, srcs, src_offsets, sizes)
+            self._copy_torch(dst, dst_offsets, srcs.tensors, src_offsets, sizes)
             return
-        src_ptrs = np.fromiter((s.data_ptr() for s in srcs), dtype=np.int64, count=len(srcs)) + src_offsets
+        src_ptrs = srcs.address + src_offsets
         dst_ptrs = dst.data_ptr() + dst_offsets
         if self._batch and self._copy_batch(runtime, dst_ptrs, src_ptrs, sizes):
             return

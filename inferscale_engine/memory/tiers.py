@@ -44,7 +44,7 @@ import torch
 
 from inferscale_engine.errors import StaleKVError
 from inferscale_engine.kv import FactKV, LayerReady
-from inferscale_engine.memory.dma import ByteCopier
+from inferscale_engine.memory.dma import ByteCopier, Sources
 
 logger = logging.getLogger(__name__)
 
@@ -390,8 +390,8 @@ class KVTiers:
         if self._copier is None:
             self._copier = ByteCopier(side)
         layers = hosts[0].block.shape[0]
-        srcs = [hosts[i].block for i in order]
-        per_layer = np.array([b.nbytes // layers for b in srcs], dtype=np.int64)
+        srcs = Sources.of([hosts[i].block for i in order])
+        per_layer = srcs.nbytes // layers
         dst = np.array([offsets[i] for i in order], dtype=np.int64) * staging.element_size()
         groups = min(LAYER_GROUPS, layers)
         ready = []
