@@ -70,13 +70,34 @@ def test_exactness_quick(tmp_path, tiny_llama):
 
 def test_ttft_quick(tmp_path, tiny_llama):
     plot = tmp_path / "ttft.png"
-    data = _run(tmp_path, "ttft", [*_tiny(tiny_llama), "--ks", "0,5", "--repeats", "2", "--plot", str(plot)])
+    # An engine option reaches vLLM (the CPU backend's default block is 128 tokens).
+    argv = [*_tiny(tiny_llama), "--ks", "0,5", "--repeats", "2", "--plot", str(plot), "--engine-option", "block_size=64"]
+    data = _run(tmp_path, "ttft", argv)
+    assert data["env"]["block_size"] == 64
     got = {(r["mode"], r["k"]) for r in data["results"]}
     assert {("none", 0), ("prompt", 5), ("inject", 5), ("floor", 5)} <= got
     assert {k for _, k in got} == {0, 5}
     for r in data["results"]:
         assert _finite_positive(r["ttft_ms_p50"]) and r["ttft_ms_p95"] >= r["ttft_ms_p50"] * 0.999
+        # The no-memory request timed right after the prompt-injected one, for every k > 0.
+        assert ("after_prefill_ms_p50" in r) == (r["mode"] == "none" and r["k"] > 0)
+        if "after_prefill_ms_p50" in r:
+            assert _finite_positive(r["after_prefill_ms_p50"])
     assert plot.stat().st_size > 0
+
+
+def test_engine_option_parsing():
+    import argparse
+
+    from inferscale_engine.bench.__main__ import _engine_option
+
+    assert _engine_option("block_size=64") == ("block_size", 64)
+    assert _engine_option("enforce_eager=true") == ("enforce_eager", True)
+    assert _engine_option("kv_cache_dtype=fp8") == ("kv_cache_dtype", "fp8")
+    assert _engine_option(" name = x=y") == ("name", " x=y")
+    for bad in ("block_size", "=3"):
+        with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
+            _engine_option(bad)
 
 
 def test_throughput_quick(tmp_path, tiny_llama):

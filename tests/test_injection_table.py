@@ -253,3 +253,19 @@ def test_plans_travel_as_json_or_inline():
                             skip_clone=True)
     assert parse_params(params.clone().extra_args["kv_transfer_params"]) is plan
     assert parse_params(None) is None and parse_params({}) is None
+
+
+def test_layer_hooks_run_unless_a_full_graph_replays():
+    from vllm.config import CUDAGraphMode
+    from vllm.forward_context import ForwardContext
+
+    from inferscale_engine.connector.compat import runs_layer_hooks
+
+    def context(attn_metadata, mode):
+        return ForwardContext(no_compile_layers={}, attn_metadata=attn_metadata, slot_mapping={},
+                              cudagraph_runtime_mode=mode)
+
+    assert runs_layer_hooks(context({"layer.0": object()}, CUDAGraphMode.NONE))  # eager
+    assert runs_layer_hooks(context({"layer.0": object()}, CUDAGraphMode.PIECEWISE))  # attention runs between pieces
+    assert not runs_layer_hooks(context({"layer.0": object()}, CUDAGraphMode.FULL))  # replayed inside the graph
+    assert not runs_layer_hooks(context(None, CUDAGraphMode.NONE))  # vllm 0.26 V2 runner before a full graph
