@@ -6,6 +6,7 @@ $OUT/trace-k50-<mode>.txt: what the GPU and the host do differently for an injec
 and for the floor.
 """
 
+import json
 import os
 import sys
 import time
@@ -92,8 +93,6 @@ if __name__ == "__main__":
     patch()
     from inferscale_engine.bench.common import SyntheticWorkload, median
     from inferscale_engine.engine import InferScaleEngine
-
-    import json
 
     fused = "unfused" not in sys.argv[2:]
     options = {k: json.loads(v) for k, _, v in (a.partition("=") for a in sys.argv[2:] if "=" in a)}

@@ -111,5 +111,6 @@ def main(k: int) -> None:
             assert torch.equal(dst.cpu(), src), "copies landed wrong"
             print(f"{n} bare copies of {size >> 10} KiB, {mode}: host {1e3 * median(times[2:]):.2f} ms", flush=True)
 
+
 if __name__ == "__main__":
     main(int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 50)
