@@ -72,12 +72,7 @@ def main(k: int) -> None:
         return
 
     def copier(mode: str) -> dma.ByteCopier:
-        c = dma.ByteCopier(t._side_stream())
-        if mode != "batch":
-            c._batch = False  # one cudaMemcpyAsync per range
-        if mode == "torch":
-            c._runtime = None  # Tensor.copy_ per range
-        return c
+        return dma.ByteCopier(t._side_stream(), path="auto" if mode == "batch" else mode)
 
     runtime = dma._cudart()
     print(f"CUDA runtime batch copies: {runtime is not None and runtime.batch is not None}", flush=True)

@@ -168,17 +168,13 @@ def test_cuda_promotion_is_layer_grouped_and_exact(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("path", ["batch", "per-range", "torch"])
+@pytest.mark.parametrize("path", ["auto", "per-range", "torch"])
 def test_cuda_byte_copier_lands_every_range(path):
     import numpy as np
 
     from inferscale_engine.memory.dma import ByteCopier, Sources
 
-    copier = ByteCopier(torch.cuda.Stream())
-    if path != "batch":
-        copier._batch = False
-    if path == "torch":
-        copier._runtime = None
+    copier = ByteCopier(torch.cuda.Stream(), path=path)
     srcs = Sources.of([torch.randint(0, 255, (n,), dtype=torch.uint8).pin_memory() for n in (4096, 100, 7)])
     dst = torch.zeros(8192, dtype=torch.uint8, device="cuda")
     src_offsets, sizes = np.array([100, 0, 3]), np.array([3000, 100, 4])

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Literal
 
 import numpy as np
 import torch
@@ -106,12 +107,19 @@ class Sources:
 
 
 class ByteCopier:
-    """Queue copies of byte ranges from pinned host tensors into one device tensor on ``stream``."""
+    """Queue copies of byte ranges from pinned host tensors into one device tensor on ``stream``.
 
-    def __init__(self, stream: torch.cuda.Stream) -> None:
+    ``path`` picks how: ``"auto"`` (a batch per call where the runtime has one, else a call per
+    range), ``"per-range"`` (one ``cudaMemcpyAsync`` each) or ``"torch"`` (``Tensor.copy_``);
+    the last two exist to compare against and test the fallbacks.
+    """
+
+    def __init__(self, stream: torch.cuda.Stream, path: Literal["auto", "per-range", "torch"] = "auto") -> None:
+        if path not in ("auto", "per-range", "torch"):
+            raise ValueError(f"path must be 'auto', 'per-range' or 'torch', got {path!r}")
         self.stream = stream
-        self._runtime = _cudart()
-        self._batch = self._runtime is not None and self._runtime.batch is not None
+        self._runtime = _cudart() if path != "torch" else None
+        self._batch = path == "auto" and self._runtime is not None and self._runtime.batch is not None
         device = stream.device.index if stream.device.index is not None else torch.cuda.current_device()
         self._attributes = _MemcpyAttributes(
             _ORDER_STREAM, _MemLocation(_LOCATION_HOST, 0), _MemLocation(_LOCATION_DEVICE, device),
