@@ -321,9 +321,9 @@ class KVTiers:
         for h in hosts:
             self._host_used -= h.nbytes
         placed = self._place(keys, hosts)
-        # Facts of one page count side by side in the staging buffer: each such run goes to the
-        # slab's page layout in one relayout.
-        order = sorted(range(len(hosts)), key=lambda i: hosts[i].block.shape[2])
+        # Facts of one shape side by side in the staging buffer: each run of one page count goes
+        # to the slab in one write, and each run of one shape is handed out in two view ops.
+        order = sorted(range(len(hosts)), key=lambda i: (hosts[i].block.shape[2], hosts[i].num_tokens))
         offsets = [0] * len(hosts)
         total = 0
         for i in order:
@@ -356,13 +356,11 @@ class KVTiers:
             if key in placed:
                 self._device[key] = _DeviceEntry(placed[key], h.num_tokens, h.position, h.fingerprint)
         self.counters["host_to_device"] += len(placed)
-        out = []
-        for h, o in zip(hosts, offsets):  # K and V of [layers, 2, tokens, heads, dim] at o
-            layers, _, tokens, heads, dim = h.block.shape
-            shape, strides = (layers, h.num_tokens, heads, dim), (2 * tokens * heads * dim, heads * dim, dim, 1)
-            k = staging.as_strided(shape, strides, o)
-            out.append(FactKV(k, staging.as_strided(shape, strides, o + tokens * heads * dim), h.position, ready or None))
-        return out
+        out: list[FactKV | None] = [None] * len(hosts)
+        for run, ks, vs in _promoted_views(staging, hosts, order, offsets):
+            for i, k, v in zip(run, ks, vs):
+                out[i] = FactKV(k, v, hosts[i].position, ready or None)
+        return out  # type: ignore[return-value]
 
     def _place(self, keys: list[KVKey], hosts: list[_HostEntry]) -> dict[KVKey, list[int]]:
         """Slab pages for each promoted fact, evicting older entries as needed (lock held); a
@@ -409,39 +407,31 @@ class KVTiers:
         self, keys: list[KVKey], hosts: list[_HostEntry], placed: dict[KVKey, list[int]], order: list[int],
         offsets: list[int], staging: torch.Tensor,
     ) -> None:
-        """Write the placed facts' pages from the staging copy to the slab: one relayout per
-        run of equal page counts, one slab write (and one gather when some fact stays behind)."""
+        """Write the placed facts' pages from the staging copy to the slab: per run of one page
+        count, one indexed write straight from the staging layout (no relayout copy first)."""
         assert self._slab is not None
-        layers, _, _, heads, dim = hosts[0].block.shape
         pt = self.page_tokens
-        runs: list[torch.Tensor] = []
-        source: list[int] = []
-        target: list[int] = []
-        first_page = 0
-        i = 0
-        while i < len(order):
-            m = hosts[order[i]].block.shape[2] // pt
-            j = i
-            while j < len(order) and hosts[order[j]].block.shape[2] // pt == m:
-                j += 1
-            start = offsets[order[i]]
-            run = staging[start : start + (j - i) * hosts[order[i]].block.numel()]
-            runs.append(run.view(j - i, layers, 2, m, pt, heads, dim).permute(0, 3, 1, 2, 4, 5, 6)
-                        .reshape((j - i) * m, layers, 2, pt, heads, dim))
-            for r in range(i, j):
-                slots = placed.get(keys[order[r]])
-                if slots is not None:
-                    page = first_page + (r - i) * m
-                    target.extend(slots)
-                    source.extend(range(page, page + m))
-            first_page += (j - i) * m
-            i = j
-        pages = runs[0] if len(runs) == 1 else torch.cat(runs)
-        if len(source) == pages.shape[0]:  # every fact placed (the usual case): no gather
-            self._slab.index_copy_(0, self._index(target), pages)
-            return
-        index = self._index(target + source)
-        self._slab.index_copy_(0, index[: len(target)], pages.index_select(0, index[len(target) :]))
+        runs: list[list[int]] = []
+        for i in order:
+            if not runs or hosts[runs[-1][0]].block.shape[2] != hosts[i].block.shape[2]:
+                runs.append([])
+            runs[-1].append(i)
+        index = self._index([p for run in runs for i in run for p in placed.get(keys[i], ())])
+        used = 0
+        for run in runs:
+            first = hosts[run[0]]
+            layers, _, tokens, heads, dim = first.block.shape
+            m = tokens // pt
+            start = offsets[run[0]]
+            pages = (staging[start : start + len(run) * first.block.numel()]
+                     .view(len(run), layers, 2, m, pt, heads, dim).permute(0, 3, 1, 2, 4, 5, 6))
+            kept = [r for r, i in enumerate(run) if keys[i] in placed]
+            if not kept:
+                continue
+            if len(kept) < len(run):  # the slab is full: some facts of this run stay on the host
+                pages = pages.index_select(0, self._index(kept))
+            self._slab.index_put_((index[used : used + len(kept) * m].view(len(kept), m),), pages)
+            used += len(kept) * m
 
     def _read_device(self, entries: list[_DeviceEntry]) -> list[FactKV]:
         """Every entry's KV as views of one copy of their pages (lock held): one gather and one
@@ -454,15 +444,11 @@ class KVTiers:
         # [2, layers, tokens, heads, dim], contiguous from offset 0 (a one-page gather could
         # otherwise come back as a strided view).
         block = self._pages_to_block(self._slab.index_select(0, index)).contiguous()
-        _, layers, tokens, heads, dim = block.shape
-        strides = (tokens * heads * dim, heads * dim, dim, 1)
-        out, start = [], 0
-        for e in entries:  # as_strided: one op per tensor (k=200 facts per request)
-            shape = (layers, e.num_tokens, heads, dim)
-            k = block.as_strided(shape, strides, start * heads * dim)
-            out.append(FactKV(k, block.as_strided(shape, strides, (layers * tokens + start) * heads * dim), e.position))
-            start += len(e.pages) * self.page_tokens
-        return out
+        # Each fact's rows, then its page padding, along the token axis: two splits hand out
+        # every fact's K and V (k=200 facts a request; one op per tensor would cost ~1 ms).
+        sizes = [n for e in entries for n in (e.num_tokens, len(e.pages) * self.page_tokens - e.num_tokens)]
+        ks, vs = block[0].split(sizes, dim=1)[::2], block[1].split(sizes, dim=1)[::2]
+        return [FactKV(k, v, e.position) for e, k, v in zip(entries, ks, vs)]
 
     def _insert(self, key: KVKey, pages: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
         """Cache a fact's pages on the device slab (lock held)."""
@@ -601,6 +587,32 @@ class KVTiers:
             raise KVMissingError(f"KV file {path.name} is inconsistent")
         self.counters["disk_reads"] += 1
         return k, v, int(meta["position"])
+
+
+def _promoted_views(
+    staging: torch.Tensor, hosts: list[_HostEntry], order: list[int], offsets: list[int]
+) -> list[tuple[list[int], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+    """Facts of the staging copy and their K and V views, per run of facts of one shape (host
+    block and token count) in ``order``: each fact is its host block's ``[layers, 2, tokens,
+    heads, dim]`` at its offset, so a run is one ``[facts, layers, 2, tokens, heads, dim]``
+    tensor, unbound — two view ops per run instead of two per fact."""
+    runs: list[list[int]] = []
+    for i in order:
+        if not runs or _shape_of(hosts[runs[-1][0]]) != _shape_of(hosts[i]):
+            runs.append([])
+        runs[-1].append(i)
+    out = []
+    for run in runs:
+        first = hosts[run[0]]
+        start = offsets[run[0]]
+        views = staging[start : start + len(run) * first.block.numel()].view(len(run), *first.block.shape)
+        rows = views[:, :, :, : first.num_tokens]
+        out.append((run, rows[:, :, 0].unbind(0), rows[:, :, 1].unbind(0)))
+    return out
+
+
+def _shape_of(h: _HostEntry) -> tuple[int, int]:
+    return h.block.shape[2], h.num_tokens
 
 
 def _check_fingerprint(key: KVKey, found: str | None, expected: str, where: str) -> None:

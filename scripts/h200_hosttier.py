@@ -1,0 +1,185 @@
+"""Where a host-tier request's extra time goes, next to a device-tier one (diagnostic).
+
+usage: python scripts/h200_hosttier.py CONFIG_DIR [K]
+
+K facts (default 50) of the bench workload sit in a KVTiers store; per repeat, in alternating
+order, variants of one injected request (``max_tokens=1``), medians of 20:
+
+* ``device``: the facts on the device tier (one gather);
+* ``host``: promoted from the host tier (the default path);
+* ``host-landed``: promoted, then the host waits for every copy before the request, so the
+  engine part never waits for PCIe;
+* ``host-noslab``: promoted without caching the facts in the slab (no slab write);
+* ``host-landed-1launch``: as ``host-landed``, handed to the engine as ready KV (one injection
+  launch before the forward pass instead of one per layer group);
+* ``host-devicewait``: as ``host``, the injection waiting for the copies with a device-side
+  stream wait (``cudaStreamWaitEvent`` on the promotion's events) instead of on the host;
+* ``device-4launch``: device-tier KV handed over with already-fired per-group events (one
+  launch per layer group, as a promotion gets).
+
+Per variant: ``get_many`` host time, the engine's TTFT, and per-function host times (promotion
+stages, engine preparation, vLLM intake/scheduling, the connector's injection and launches,
+the worker's execute). With $OUT set, torch.profiler tables of five requests per tier go to
+$OUT/trace-hosttier-<tier>.txt.
+"""
+
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import torch
+
+from inferscale_engine.connector import connector as C
+from inferscale_engine.kv import FactKV
+from inferscale_engine.memory import dma
+from inferscale_engine.memory.tiers import KVTiers
+
+timings: dict[str, list[float]] = defaultdict(list)
+
+
+def timed(owner, name, label):
+    fn = getattr(owner, name)
+
+    def wrapper(*a, **kw):
+        t = time.perf_counter()
+        out = fn(*a, **kw)
+        timings[label].append(1e3 * (time.perf_counter() - t))
+        return out
+
+    setattr(owner, name, wrapper)
+
+
+def patch():
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from inferscale_engine.engine import InferScaleEngine
+
+    for owner, name, label in [
+        (KVTiers, "_promote", "tiers.promote"), (KVTiers, "_place", "tiers.place"),
+        (KVTiers, "_upload", "tiers.upload"), (KVTiers, "_write_promoted", "tiers.slab_write"),
+        (KVTiers, "_read_device", "tiers.read_device"), (dma.ByteCopier, "copy", "dma.copy"),
+        (C.InferScaleConnector, "_inject", "conn.inject"), (C.InferScaleConnector, "_launch", "conn.launch"),
+        (InferScaleEngine, "_prepare", "engine.prepare"), (LLMEngine, "add_request", "add_request"),
+        (Scheduler, "schedule", "schedule"), (Worker, "execute_model", "worker.execute"),
+    ]:
+        timed(owner, name, label)
+    if hasattr(Worker, "sample_tokens"):
+        timed(Worker, "sample_tokens", "worker.sample")
+    if torch.cuda.is_available():
+        from inferscale_engine import rope_triton
+
+        timed(rope_triton, "inject_rows", "inject_rows")
+        timed(rope_triton._inject_rows, "run", "triton.run")
+
+
+def main(model: str, k: int) -> None:
+    patch()
+    from inferscale_engine.bench.common import SyntheticWorkload, median
+    from inferscale_engine.engine import InferScaleEngine, Span
+
+    cuda = torch.cuda.is_available()  # the CPU runs it too (real weights), to check the script
+    device = "cuda" if cuda else "cpu"
+    options = dict(dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True) if cuda else {}
+    eng = InferScaleEngine(model=model, device=device, max_model_len=8192, **options)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    work = SyntheticWorkload.build(eng, pool=max(2 * k, 16))
+    fp = eng.fingerprint
+    tiers = KVTiers(tempfile.mkdtemp(), device=device, device_bytes=4 << 30, host_bytes=4 << 30, page_tokens=16)
+    keys = [(f"{i:016x}", 1) for i in range(k)]
+    for key, span in zip(keys, work.facts):
+        tiers.put(key, span.kv, fp)
+    ids = work.fact_ids[:k]
+    place = KVTiers._place
+
+    def keep_on_host(self, keys_, hosts):  # a slab that takes nothing: facts stay on the host
+        for key, h in zip(keys_, hosts):
+            self._host[key] = h
+            self._host_used += h.nbytes
+        return {}
+
+    wait_on_host = C._wait_on_host
+
+    def wait_on_device(events):
+        for event in events:
+            torch.cuda.current_stream().wait_event(event)
+
+    serial = 0
+
+    def request(variant: str) -> tuple[float, float, float]:
+        nonlocal serial
+        for key in keys:
+            if variant.startswith("device"):
+                tiers.get(key, fp)
+            elif tiers.where(key) != "host":
+                tiers.evict(key, to="host")
+        sync()
+        eng.generate_segments([work.head + work.question()], max_tokens=1, mode="prompt")  # as bench tiers
+        KVTiers._place = keep_on_host if variant == "host-noslab" else place
+        C._wait_on_host = wait_on_device if variant == "host-devicewait" else wait_on_host
+        timings.clear()
+        t0 = time.perf_counter()
+        kvs = tiers.get_many(keys, fp)
+        t1 = time.perf_counter()
+        if variant.startswith("host-landed"):
+            sync()
+        t2 = time.perf_counter()
+        if variant == "host-landed-1launch":
+            kvs = [FactKV(kv.k, kv.v, kv.position) for kv in kvs]
+        elif variant == "device-4launch":
+            fired = torch.cuda.Event()
+            fired.record()
+            ready = tuple((stop, fired) for stop in (8, 16, 24, 32))
+            kvs = [FactKV(kv.k, kv.v, kv.position, ready) for kv in kvs]
+        serial += 1
+        spans = [Span(f"h:{serial}:{i}", tuple(t), kv) for i, (t, kv) in enumerate(zip(ids, kvs))]
+        r = eng.generate_segments([work.head, *spans, work.question()], max_tokens=1, mode="inject")
+        KVTiers._place, C._wait_on_host = place, wait_on_host
+        return 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * r.ttft_s
+
+    variants = ["device", "host", "host-landed", "host-noslab", "host-landed-1launch"]
+    variants += ["host-devicewait", "device-4launch"] if cuda else []
+    got: dict[str, dict[str, list[float]]] = {v: defaultdict(list) for v in variants}
+    for rep in range(int(os.environ.get("REPS", 25))):
+        for variant in variants if rep % 2 == 0 else variants[::-1]:
+            promote, wait, ttft = request(variant)
+            if rep < 5:
+                continue
+            m = got[variant]
+            m["get_many"].append(promote)
+            m["landed_wait"].append(wait)
+            m["engine_ttft"].append(ttft)
+            m["total"].append(promote + wait + ttft)
+            for key, v in timings.items():
+                m[key].append(sum(v))
+                if key == "conn.launch":
+                    m["conn.launch calls"].append(len(v))
+    for variant in variants:
+        m = got[variant]
+        head = ", ".join(f"{key} {median(m[key]):.2f}" for key in ("total", "get_many", "landed_wait", "engine_ttft"))
+        rest = ", ".join(f"{key} {median(v):.2f}" for key, v in sorted(m.items())
+                         if key not in ("total", "get_many", "landed_wait", "engine_ttft"))
+        print(f"k={k} {variant}: {head} | {rest}", flush=True)
+
+    out = os.environ.get("OUT")
+    if out:
+        from torch.profiler import ProfilerActivity, profile
+
+        for variant in ("device", "host"):
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    request(variant)
+                sync()
+            table = prof.key_averages()
+            with open(os.path.join(out, f"trace-hosttier-{variant}.txt"), "w") as f:
+                f.write(f"# 5 requests (each after a short one), k={k}, {variant} tier\n")
+                f.write(table.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=80))
+                f.write(table.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=80))
+    eng.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 50)
