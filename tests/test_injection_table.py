@@ -237,6 +237,29 @@ def test_layer_launches_split_at_every_promotion_boundary():
     assert layer_launches([((9, "a2"),), ((9, "b3"),)], 9) == [LayerLaunch(0, 9, ("a2", "b3"))]
 
 
+class _Event:
+    def __init__(self, fired: bool) -> None:
+        self.fired = fired
+
+    def query(self) -> bool:
+        return self.fired
+
+
+def test_landed_layer_groups_merge_into_one_launch():
+    from inferscale_engine.connector.connector import LayerLaunch, landed_merged, layer_launches
+
+    e = [_Event(True), _Event(True), _Event(False), _Event(False)]
+    ready = ((2, e[0]), (4, e[1]), (6, e[2]), (9, e[3]))
+    merged = landed_merged(ready)
+    assert merged == ready[1:]  # layers 0-3 landed: one group, stopping at 4
+    assert layer_launches([merged], 9) == [
+        LayerLaunch(0, 4, (e[1],)), LayerLaunch(4, 6, (e[2],)), LayerLaunch(6, 9, (e[3],)),
+    ]
+    assert landed_merged(ready[2:]) == ready[2:]  # nothing landed: unchanged
+    e[2].fired = e[3].fired = True
+    assert layer_launches([landed_merged(ready)], 9) == [LayerLaunch(0, 9, (e[3],))]
+
+
 def test_plans_travel_as_json_or_inline():
     from vllm import SamplingParams
 
