@@ -40,8 +40,8 @@ class FactKV:
     k: torch.Tensor
     v: torch.Tensor
     position: int
-    #: A promotion still in flight (see :data:`LayerReady`): whoever reads ``k``/``v`` on the
-    #: device waits there (not on the host) for the groups it reads. ``None``: ready.
+    #: A promotion still in flight (see :data:`LayerReady`): whoever reads ``k``/``v`` waits
+    #: for the events of the groups it reads first. ``None``: ready.
     ready: LayerReady | None = field(default=None, repr=False, compare=False)
     _layout: KVLayout | None = field(default=None, init=False, repr=False, compare=False)
 

@@ -3,7 +3,7 @@
 #   run(command="STEPS='kernel query exactness ttft' bash scripts/h200_core.sh", carry=[".gpu"])
 #   run(command="STEPS='tiers throughput' bash scripts/h200_core.sh", carry=[".gpu"])
 # Random-weight Llama-3.1-8B shape (load_format=dummy), bf16, vLLM 0.26.0, CUDA graphs on.
-# STEPS picks what runs (default: all but the diagnostics profile and promote, in this order,
+# STEPS picks what runs (default: all but the diagnostics profile, promote and hosttier, in this order,
 # ~9 min: more than one call may run, hence the two calls above).
 set -uo pipefail
 source .gpu/device-env.sh
@@ -23,11 +23,12 @@ for step in $STEPS; do
     ttft) python3 -m inferscale_engine.bench ttft $ARGS --max-model-len 16384 --ks ${KS:-0,5,10,20,50,100,200} \
         --repeats ${REPEATS:-20} --json "$OUT/ttft-llama-3.1-8b.json" --plot "$OUT/ttft-llama-3.1-8b.png" > "$OUT/ttft.log" 2>&1
       tail -30 "$OUT/ttft.log" | grep -v "it/s" ;;
-    tiers) python3 -m inferscale_engine.bench tiers $ARGS --max-model-len 8192 --k 50 \
+    tiers) python3 -m inferscale_engine.bench tiers $ARGS --max-model-len 8192 --k 50 --repeats 30 \
         --json "$OUT/tiers-llama-3.1-8b.json" > "$OUT/tiers.log" 2>&1; tail -6 "$OUT/tiers.log" ;;
     throughput) python3 -m inferscale_engine.bench throughput $ARGS --max-model-len 8192 --users 1,10,50,100 --k 50 \
         --json "$OUT/throughput-llama-3.1-8b.json" > "$OUT/throughput.log" 2>&1; tail -10 "$OUT/throughput.log" ;;
     profile) python3 scripts/h200_profile.py "$M" 2>&1 | grep "k=" ;;
     promote) python3 scripts/h200_promote.py 50 2>&1 | grep -E "k=|copies" ;;
+    hosttier) python3 scripts/h200_hosttier.py "$M" 50 2>&1 | grep "^k=" ;;
   esac
 done

@@ -86,11 +86,11 @@ def layer_launches(pending: list[LayerReady], num_layers: int) -> list[LayerLaun
 
 
 def _wait_on_host(events: "Iterable[torch.cuda.Event]") -> None:
-    """Block until a promotion's copy events have fired; usually they have, and this is one
-    query each. Not a device-side stream wait: in vLLM's forward pass a wait on an event of
-    another stream (the promotion's) made the step ~1 ms slower per wait on the H200, even for
-    an event that had already fired (``scripts/h200_hosttier.py``), whereas by the time the
-    host reaches a layer group its copies have nearly always landed."""
+    """Block until a promotion's copy events have fired; by the time the host reaches a layer
+    group its copies have nearly always landed, and this is one query each. A device-side wait
+    instead would tie vLLM's stream to the promotion's side stream inside the forward pass; in
+    one of three H200 runs of ``scripts/h200_hosttier.py`` such waits coincided with a step
+    ~4 ms slower, in the other two they cost nothing measurable."""
     for event in events:
         if not event.query():
             event.synchronize()

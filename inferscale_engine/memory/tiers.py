@@ -8,8 +8,8 @@
   pinned when CUDA is available). Host hits are promoted together without stalling the caller:
   on a side stream, layer group by layer group (:data:`LAYER_GROUPS`), one batch of DMAs (a
   range per fact) per group into one device staging buffer; the KV handed out carries one CUDA
-  event per group (``FactKV.ready``), and the injection of each group waits on its own event on
-  the device, so a forward pass can run its first layers while the later ones are still crossing PCIe.
+  event per group (``FactKV.ready``), and the injection writes each group once its own event has
+  fired, so a forward pass can run its first layers while the later ones are still crossing PCIe.
   The slab caches the promoted facts from the same staging copy, on the same side stream.
 * **Disk tier** – one safetensors file per fact version, written atomically (temp file in the
   same folder, fsync, ``os.replace``, fsync of the folder) and carrying the model fingerprint
