@@ -238,11 +238,26 @@ def test_layer_launches_split_at_every_promotion_boundary():
 
 
 class _Event:
+    """A CUDA event's host side: fired or not, and whether anyone blocked on it."""
+
     def __init__(self, fired: bool) -> None:
         self.fired = fired
+        self.waited = False
 
     def query(self) -> bool:
         return self.fired
+
+    def synchronize(self) -> None:
+        self.waited = True
+        self.fired = True
+
+
+def test_injection_blocks_only_on_copies_still_in_flight():
+    from inferscale_engine.connector.connector import _wait_on_host
+
+    landed, in_flight = _Event(True), _Event(False)
+    _wait_on_host([landed, in_flight])
+    assert not landed.waited and in_flight.waited and in_flight.fired
 
 
 def test_landed_layer_groups_merge_into_one_launch():
