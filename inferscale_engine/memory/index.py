@@ -1,7 +1,9 @@
 """Per-user vector indexes over normalised embeddings (inner product = cosine).
 
 * :class:`ExactIndex` – one ``[n, d]`` tensor on the engine's device; a search is one matmul
-  and a ``topk``. Exact, and the fastest choice up to tens of thousands of facts per user.
+  and a ``topk``. Exact, and the fastest choice up to tens of thousands of facts per user. On
+  CUDA every access runs on the index's own stream, so a search never waits for the forward
+  passes a co-located engine queues on the default stream.
 * :class:`FaissIndex` – ``faiss.IndexIDMap2(IndexFlatIP)`` (faiss-cpu; moved to the GPU when
   faiss-gpu and CUDA are present). Also exact; for very large per-user stores.
 * :class:`UserIndex` – picks one (``"auto"``: exact until :data:`AUTO_FAISS_THRESHOLD` facts,
@@ -12,6 +14,7 @@ Rows are keyed by the fact's integer ``seq`` (its SQLite row id).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Literal
 
@@ -28,9 +31,16 @@ class ExactIndex:
     def __init__(self, dim: int, device: str | torch.device = "cpu") -> None:
         self.dim = dim
         self.device = torch.device(device)
-        self._mat = torch.empty((64, dim), dtype=torch.float32, device=self.device)
+        self._stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        with self._on_stream():
+            self._mat = torch.empty((64, dim), dtype=torch.float32, device=self.device)
         self._seqs: list[int] = []
         self._pos: dict[int, int] = {}
+
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        # Every read and write of _mat on one stream: ordered among themselves, never behind
+        # other work on the device.
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -38,6 +48,10 @@ class ExactIndex:
     def add(self, seqs: list[int], vecs: np.ndarray) -> None:
         if not seqs:
             return
+        with self._on_stream():
+            self._add(seqs, vecs)
+
+    def _add(self, seqs: list[int], vecs: np.ndarray) -> None:
         for s in seqs:
             if s in self._pos:
                 self.remove(s)
@@ -58,7 +72,8 @@ class ExactIndex:
         last = len(self._seqs) - 1
         if pos != last:  # move the last row into the hole
             moved = self._seqs[last]
-            self._mat[pos] = self._mat[last]
+            with self._on_stream():
+                self._mat[pos] = self._mat[last]
             self._seqs[pos] = moved
             self._pos[moved] = pos
         self._seqs.pop()
@@ -67,13 +82,15 @@ class ExactIndex:
         n = len(self._seqs)
         if n == 0:
             return []
-        q = torch.as_tensor(query, dtype=torch.float32).to(self.device)
-        scores = self._mat[:n] @ q
-        top = torch.topk(scores, min(k, n))
-        return [(self._seqs[i], float(s)) for s, i in zip(top.values.tolist(), top.indices.tolist())]
+        with self._on_stream():
+            q = torch.as_tensor(query, dtype=torch.float32).to(self.device)
+            top = torch.topk(self._mat[:n] @ q, min(k, n))
+            values, indices = top.values.tolist(), top.indices.tolist()
+        return [(self._seqs[i], float(s)) for s, i in zip(values, indices)]
 
     def items(self) -> tuple[list[int], np.ndarray]:
-        return list(self._seqs), self._mat[: len(self._seqs)].cpu().numpy()
+        with self._on_stream():
+            return list(self._seqs), self._mat[: len(self._seqs)].cpu().numpy()
 
 
 class FaissIndex:

@@ -4,10 +4,15 @@ A search embeds one short query, and at that size a 6-layer encoder run eagerly 
 kernel-launch overhead (milliseconds on an H200 for what the GPU does in microseconds). This
 captures the encoder + mean pooling + L2 normalisation once per padded length and replays it.
 Any model whose forward fails to capture (data-dependent control flow) runs eagerly instead.
+
+On CUDA the query runs on a stream of its own: a search in a process that also serves (vLLM's
+forward passes queue on the default stream) then waits for its own few kernels, not for
+whatever the engine has queued.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -44,7 +49,7 @@ def _embed(model: "nn.Module", ids: torch.Tensor, mask: torch.Tensor) -> torch.T
 
 
 class GraphedQueryEncoder:
-    """``encoder(token_ids) -> [dim]`` unit-length fp32 embedding on the model's device: a
+    """``encoder(token_ids) -> [dim]`` unit-length fp32 embedding, on the CPU: a
     BERT-style ``model`` (``input_ids``/``attention_mask`` in, ``last_hidden_state`` out)
     followed by mean pooling over real tokens, as sentence-transformers' MiniLM does. Graphs
     on CUDA; elsewhere (and past the longest bucket) the same computation runs eagerly."""
@@ -53,6 +58,10 @@ class GraphedQueryEncoder:
         self.model = model
         self.device = next(model.parameters()).device
         self._graphs: dict[int, _Graph | None] = {}
+        self._stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(self.device, priority=-1)  # ahead of queued engine kernels
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the weights' upload
 
     def __call__(self, token_ids: list[int]) -> torch.Tensor:
         n = len(token_ids)
@@ -60,14 +69,16 @@ class GraphedQueryEncoder:
         host = torch.zeros(2, bucket or n, dtype=torch.long)
         host[0, :n] = torch.tensor(token_ids, dtype=torch.long)
         host[1, :n] = 1
-        graph = self._graph(bucket) if bucket is not None and self.device.type == "cuda" else None
-        with torch.inference_mode():
+        stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+        # .cpu() waits for this stream alone.
+        with stream, torch.inference_mode():
+            graph = self._graph(bucket) if bucket is not None and self._stream is not None else None
             if graph is None:
                 io = host.to(self.device)
-                return _embed(self.model, io[0:1], io[1:2])
-            graph.io.copy_(host, non_blocking=False)
+                return _embed(self.model, io[0:1], io[1:2]).cpu()
+            graph.io.copy_(host)
             graph.graph.replay()
-            return graph.out.clone()
+            return graph.out.cpu()
 
     def _graph(self, bucket: int) -> _Graph | None:
         if bucket not in self._graphs:
