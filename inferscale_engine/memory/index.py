@@ -2,8 +2,8 @@
 
 * :class:`ExactIndex` – one ``[n, d]`` tensor on the engine's device; a search is one matmul
   and a ``topk``. Exact, and the fastest choice up to tens of thousands of facts per user. On
-  CUDA every access runs on the index's own stream, so a search never waits for the forward
-  passes a co-located engine queues on the default stream.
+  CUDA every access runs on the index's own stream, so a search does not queue behind the
+  forward passes a co-located engine puts on the default stream.
 * :class:`FaissIndex` – ``faiss.IndexIDMap2(IndexFlatIP)`` (faiss-cpu; moved to the GPU when
   faiss-gpu and CUDA are present). Also exact; for very large per-user stores.
 * :class:`UserIndex` – picks one (``"auto"``: exact until :data:`AUTO_FAISS_THRESHOLD` facts,

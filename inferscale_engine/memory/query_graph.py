@@ -5,9 +5,9 @@ kernel-launch overhead (milliseconds on an H200 for what the GPU does in microse
 captures the encoder + mean pooling + L2 normalisation once per padded length and replays it.
 Any model whose forward fails to capture (data-dependent control flow) runs eagerly instead.
 
-On CUDA the query runs on a stream of its own: a search in a process that also serves (vLLM's
-forward passes queue on the default stream) then waits for its own few kernels, not for
-whatever the engine has queued.
+On CUDA the query runs on a high-priority stream of its own: a search in a process that also
+serves (vLLM's forward passes queue on the default stream) does not queue behind whatever the
+engine has queued, though its kernels still share the SMs with the engine's.
 """
 
 from __future__ import annotations
