@@ -15,7 +15,7 @@ order, variants of one injected request (``max_tokens=1``), medians of 20:
 * ``host-devicewait``: as ``host``, the injection waiting for the copies with a device-side
   stream wait (``cudaStreamWaitEvent`` on the promotion's events) instead of on the host;
 * ``device-4launch``: device-tier KV handed over with already-fired per-group events (one
-  launch per layer group, as a promotion gets).
+  launch per layer group before ``connector.landed_merged``, which now folds them into one).
 
 Per variant: ``get_many`` host time, the engine's TTFT, and per-function host times (promotion
 stages, engine preparation, vLLM intake/scheduling, the connector's injection and launches,
