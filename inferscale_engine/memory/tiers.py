@@ -27,6 +27,7 @@ sees its pages reused. Bytes are never converted: KV read back from any tier is
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -323,7 +324,7 @@ class KVTiers:
         placed = self._place(keys, hosts)
         # Facts of one shape side by side in the staging buffer: each run of one page count goes
         # to the slab in one write, and each run of one shape is handed out in two view ops.
-        order = sorted(range(len(hosts)), key=lambda i: (hosts[i].block.shape[2], hosts[i].num_tokens))
+        order = sorted(range(len(hosts)), key=lambda i: _shape_of(hosts[i]))
         offsets = [0] * len(hosts)
         total = 0
         for i in order:
@@ -411,11 +412,7 @@ class KVTiers:
         count, one indexed write straight from the staging layout (no relayout copy first)."""
         assert self._slab is not None
         pt = self.page_tokens
-        runs: list[list[int]] = []
-        for i in order:
-            if not runs or hosts[runs[-1][0]].block.shape[2] != hosts[i].block.shape[2]:
-                runs.append([])
-            runs[-1].append(i)
+        runs = [list(run) for _, run in itertools.groupby(order, key=lambda i: hosts[i].block.shape[2])]
         index = self._index([p for run in runs for i in run for p in placed.get(keys[i], ())])
         used = 0
         for run in runs:
@@ -596,13 +593,9 @@ def _promoted_views(
     block and token count) in ``order``: each fact is its host block's ``[layers, 2, tokens,
     heads, dim]`` at its offset, so a run is one ``[facts, layers, 2, tokens, heads, dim]``
     tensor, unbound — two view ops per run instead of two per fact."""
-    runs: list[list[int]] = []
-    for i in order:
-        if not runs or _shape_of(hosts[runs[-1][0]]) != _shape_of(hosts[i]):
-            runs.append([])
-        runs[-1].append(i)
     out = []
-    for run in runs:
+    for _, group in itertools.groupby(order, key=lambda i: _shape_of(hosts[i])):
+        run = list(group)
         first = hosts[run[0]]
         start = offsets[run[0]]
         views = staging[start : start + len(run) * first.block.numel()].view(len(run), *first.block.shape)
@@ -612,6 +605,7 @@ def _promoted_views(
 
 
 def _shape_of(h: _HostEntry) -> tuple[int, int]:
+    """Padded and real token counts: facts equal in both are laid out and viewed alike."""
     return h.block.shape[2], h.num_tokens
 
 
