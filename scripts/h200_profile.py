@@ -6,7 +6,6 @@ $OUT/trace-k50-<mode>.txt: what the GPU and the host do differently for an injec
 and for the floor.
 """
 
-import json
 import os
 import sys
 import time
@@ -91,11 +90,12 @@ def trace(eng, work, k, out_dir):
 
 if __name__ == "__main__":
     patch()
+    from inferscale_engine.bench.__main__ import _engine_option
     from inferscale_engine.bench.common import SyntheticWorkload, median
     from inferscale_engine.engine import InferScaleEngine
 
     fused = "unfused" not in sys.argv[2:]
-    options = {k: json.loads(v) for k, _, v in (a.partition("=") for a in sys.argv[2:] if "=" in a)}
+    options = dict(_engine_option(a) for a in sys.argv[2:] if "=" in a)  # as bench's --engine-option
     eng = InferScaleEngine(model=sys.argv[1], device="cuda", dtype="bfloat16", load_format="dummy",
                            skip_tokenizer_init=True, fused_rope=fused, **options)
     print(f"block size {eng.vllm_config.cache_config.block_size}", flush=True)
