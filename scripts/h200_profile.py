@@ -2,8 +2,8 @@
 
 usage: python scripts/h200_profile.py CONFIG_DIR [fused|unfused] [KEY=VALUE engine options...]
 With $OUT set, also writes torch.profiler tables of five k=50 requests per mode to
-$OUT/trace-k50-<mode>.txt: what the GPU and the host do differently for an injected request
-and for the floor.
+$OUT/trace-k{50,200}-<mode>.txt: what the GPU and the host do differently for an injected
+request and for the floor.
 """
 
 import os
@@ -122,5 +122,6 @@ if __name__ == "__main__":
             parts = ", ".join(f"{key} {median(v):.2f}" for key, v in sorted(measured.items()))
             print(f"fused={fused} k={k} {mode}: ttft p50 {median(ttfts[5:]):.2f} ms | {parts}", flush=True)
     if os.environ.get("OUT"):
-        trace(eng, work, 50, os.environ["OUT"])
+        for k in (50, 200):
+            trace(eng, work, k, os.environ["OUT"])
     eng.close()

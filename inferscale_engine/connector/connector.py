@@ -11,8 +11,10 @@ Scheduler half: a request whose ``kv_transfer_params`` hold an :class:`Injection
 its prompt tokens ``[local prefix-cache hit, plan.end)`` as external hits (leaving at least one
 token for vLLM to compute) and sends the worker the slots to fill. Worker half: rotates each
 span's keys from its encode positions to its serving positions and writes them with the
-attention backend's own write op. Capture requests are ordinary prefills whose rows the worker
-copies out as vLLM writes them.
+attention backend's own write op (or the fused Triton writer, where the cache layout is known).
+Capture requests are ordinary prefills whose rows the worker copies out of the paged cache after
+the forward pass where the layout is known (full CUDA graph replays included), else out of the
+wrapped KV write as vLLM makes it.
 """
 
 from __future__ import annotations
@@ -109,7 +111,9 @@ class InferScaleConnector(KVConnectorBase_V1):
             raise ValueError("InferScaleConnector needs kv_connector_extra_config={'bridge_id': ...}")
         self._bridge_id: str = extra["bridge_id"]
         self._fused = bool(extra.get("fused_rope", True))
-        # Triton writer's per-layer K/V cache addresses and one view, once known (False: unusable).
+        # Per layer [blocks, block_size, heads, head_dim] K/V views of vLLM's cache, and the Triton
+        # writer's per-layer addresses; once known (False: the backend's layout is not known).
+        self._paged: list[tuple[torch.Tensor, torch.Tensor]] | bool | None = None
         self._fused_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | bool | None = None
         self._block_size = self._find_block_size(vllm_config, kv_cache_config)
 
@@ -124,7 +128,10 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._layers: list[tuple[str, Any]] = []
         self._writers: dict[str, Any] = {}
         self._step = 0
-        self._step_captures: list[CaptureSlots] = []
+        # This step's captures: read from the cache after the forward pass where its layout is
+        # known, else taken from the wrapped KV write.
+        self._cache_captures: list[CaptureSlots] = []
+        self._hooked_captures: list[CaptureSlots] = []
         self._matched_step = -1
         self._matches: list[tuple[CaptureBuffer, torch.Tensor, torch.Tensor]] = []
         self._layer_index: dict[str, int] = {}
@@ -180,11 +187,11 @@ class InferScaleConnector(KVConnectorBase_V1):
         meta = InferScaleConnectorMetadata(loads=self._loads)
         self._loads = []
 
-        scheduled = []
+        scheduled = []  # (capture request, prompt tokens computed before this step)
         for new in scheduler_output.scheduled_new_reqs:
             if isinstance(self._plans.get(new.req_id), CapturePlan):
                 self._capture_blocks[new.req_id] = compat.single_group_block_ids(new.block_ids)
-                scheduled.append(new.req_id)
+                scheduled.append((new.req_id, new.num_computed_tokens))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if req_id not in self._capture_blocks:
@@ -196,14 +203,16 @@ class InferScaleConnector(KVConnectorBase_V1):
                     self._capture_blocks[req_id] = ids
                 else:
                     self._capture_blocks[req_id].extend(ids)
-            scheduled.append(req_id)
+            scheduled.append((req_id, cached.num_computed_tokens[i]))
 
-        for req_id in scheduled:
+        for req_id, done in scheduled:
             plan = self._plans[req_id]
             blocks = self._capture_blocks[req_id]
+            end = done + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             for r in plan.ranges:
-                slots = self._slots(blocks, r.start, r.start + r.length)
-                meta.captures.append(CaptureSlots(r.capture_id, r.length, slots))
+                lo, hi = max(r.start, done), min(r.start + r.length, end)
+                if lo < hi:
+                    meta.captures.append(CaptureSlots(r.capture_id, r.length, lo - r.start, self._slots(blocks, lo, hi)))
         if meta.captures:
             compat.start_load_before_forward(scheduler_output)
         return meta
@@ -231,7 +240,7 @@ class InferScaleConnector(KVConnectorBase_V1):
 
             def write_and_capture(layer_, key, value, kv_cache, slot_mapping, _index=index, _original=original):
                 _original(layer_, key, value, kv_cache, slot_mapping)
-                if self._step_captures:
+                if self._hooked_captures:
                     self._capture(_index, key, value, slot_mapping)
 
             layer.impl.do_kv_cache_update = write_and_capture
@@ -246,7 +255,10 @@ class InferScaleConnector(KVConnectorBase_V1):
         if not self._layers:
             self._install(forward_context)
         self._step += 1
-        self._step_captures = meta.captures
+        if meta.captures and self._paged_views(forward_context):
+            self._cache_captures = meta.captures
+        else:
+            self._hooked_captures = meta.captures
         if meta.loads:
             # Later layer groups may wait for wait_for_layer_load only where vLLM will call it.
             layerwise = self._layerwise and compat.runs_layer_hooks(forward_context)
@@ -267,6 +279,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         pass  # captures happen in the wrapped KV write, which sees K/V before the cache layout
 
     def wait_for_save(self) -> None:
+        if self._cache_captures:
+            self._read_captures()
         if self._deferred:  # a layer ran before its injected KV was written: never serve that
             missed = sorted(self._deferred)
             self._deferred, self._step_table = {}, None
@@ -275,7 +289,7 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
-        self._step_captures = []
+        self._cache_captures, self._hooked_captures = [], []
         if self._deferred:  # a step without a forward pass (wait_for_save never ran)
             logger.error("dropping injection launches for layers %s: no forward pass ran them", sorted(self._deferred))
         self._deferred, self._step_table = {}, None
@@ -312,16 +326,24 @@ class InferScaleConnector(KVConnectorBase_V1):
             _wait_on_host([ready[-1][1] for ready in pending.values()])
             self._inject_torch(spans, slots, device, forward_context)
 
+    def _paged_views(self, forward_context: "ForwardContext") -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Every layer's K/V cache as ``[blocks, block_size, heads, head_dim]`` views, where the
+        backend's layout is known; found once, since caches never move once allocated."""
+        if self._paged is None:
+            views = [compat.paged_kv_views(layer, compat.layer_kv_cache(layer, forward_context)) for _, layer in self._layers]
+            self._paged = views if all(views) else False  # type: ignore[assignment]
+        return self._paged or None  # type: ignore[return-value]
+
     def _fused_ready(self, forward_context: "ForwardContext") -> bool:
         """Whether the Triton writer knows this cache layout (per-layer rope or an unknown layout
-        go the torch way); found once, since caches never move once allocated."""
+        go the torch way)."""
         if self._fused_views is None:
             from inferscale_engine.rope_triton import cache_pointers
 
-            views = [compat.paged_kv_views(layer, compat.layer_kv_cache(layer, forward_context)) for _, layer in self._layers]
+            views = self._paged_views(forward_context)
             ropes = self._bridge().ropes
             one_table = len({id(ropes[name]) for name, _ in self._layers}) == 1
-            if one_table and all(views):
+            if one_table and views:
                 device = views[0][0].device
                 keys, values = [kc for kc, _ in views], [vc for _, vc in views]
                 self._fused_views = (cache_pointers(keys, device), cache_pointers(values, device), keys[0])
@@ -380,6 +402,28 @@ class InferScaleConnector(KVConnectorBase_V1):
             out[index] = rotate(k[index], deltas, table)
         return out
 
+    def _read_captures(self) -> None:
+        """Copy this step's capture rows out of the paged cache, all layers at once. Queued behind
+        the forward pass on its stream, so it reads what vLLM wrote, whether the KV writes ran
+        eagerly or inside a full CUDA graph (whose replay no wrapper sees)."""
+        captures = self._bridge().captures
+        todo = [(buf, cap) for cap in self._cache_captures if (buf := captures.get(cap.capture_id)) is not None]
+        self._cache_captures = []
+        if not todo:
+            return  # requests aborted
+        views = self._paged
+        assert isinstance(views, list)
+        slots = np.fromiter((s for _, cap in todo for s in cap.slots), dtype=np.int64)
+        # Pinned: a plain copy would wait for the forward pass queued ahead of it.
+        where = torch.from_numpy(slots).pin_memory().to(views[0][0].device, non_blocking=True)
+        block, offset = where // views[0][0].shape[1], where % views[0][0].shape[1]
+        k = torch.stack([kc[block, offset] for kc, _ in views])
+        v = torch.stack([vc[block, offset] for _, vc in views])
+        at = 0
+        for buf, cap in todo:
+            buf.write_layers(cap.first_row, k[:, at : at + len(cap.slots)], v[:, at : at + len(cap.slots)])
+            at += len(cap.slots)
+
     def _capture(self, index: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self._matched_step != self._step:
             self._match(slot_mapping[: key.shape[0]])
@@ -391,7 +435,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._matched_step = self._step
         self._matches = []
         captures = self._bridge().captures
-        for cap in self._step_captures:
+        for cap in self._hooked_captures:
             buf = captures.get(cap.capture_id)
             if buf is None or not cap.slots:
                 continue  # request was aborted
@@ -401,4 +445,4 @@ class InferScaleConnector(KVConnectorBase_V1):
             hit = ordered[where] == slot_mapping
             batch_rows = hit.nonzero().squeeze(1)
             if batch_rows.numel():
-                self._matches.append((buf, batch_rows, order[where[batch_rows]]))
+                self._matches.append((buf, batch_rows, order[where[batch_rows]] + cap.first_row))

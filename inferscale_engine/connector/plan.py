@@ -144,10 +144,12 @@ class LoadRequest:
 
 @dataclass(slots=True)
 class CaptureSlots:
-    """Slots (``block * block_size + offset``) of a capture range's rows known so far."""
+    """Slots (``block * block_size + offset``) of the rows of a capture range that vLLM computes
+    in this step: rows ``[first_row, first_row + len(slots))`` of a range of ``length`` rows."""
 
     capture_id: str
     length: int
+    first_row: int
     slots: list[int]
 
 
