@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,38 @@ class FactKV:
                 num_layers,
             )
         return layout
+
+    @classmethod
+    def cut_alike(
+        cls,
+        ks: Sequence[torch.Tensor],
+        vs: Sequence[torch.Tensor],
+        positions: Sequence[int],
+        ready: LayerReady | None = None,
+    ) -> list["FactKV"]:
+        """FactKVs for views cut the same way from one K and one V tensor (same shape but for the
+        token count, same strides, dtype and device), as a tier hands out a batch of facts.
+
+        Only the first view is checked and has its :meth:`layout` read in full; every other one
+        costs two address reads. Built one by one, each FactKV would cost a dozen calls into
+        torch for its checks and its layout: ~0.8 ms for 200 facts on the H200's host CPU.
+        """
+        if not ks:
+            return []
+        first = cls(ks[0], vs[0], positions[0], ready)
+        addresses, dtype, is_cuda, num_layers = first.layout()
+        out = [first]
+        if addresses is None:  # rows not contiguous: the table builder rejects these anyway
+            return out + [cls(k, v, p, ready) for k, v, p in zip(ks[1:], vs[1:], positions[1:])]
+        strides = _ADDRESSES.unpack(addresses)[2:]
+        for k, v, position in zip(ks[1:], vs[1:], positions[1:]):
+            fact = cls.__new__(cls)  # skips the per-fact checks: the first view stood for all
+            fact.__dict__.update(
+                k=k, v=v, position=position, ready=ready,
+                _layout=(_ADDRESSES.pack(k.data_ptr(), v.data_ptr(), *strides), dtype, is_cuda, num_layers),
+            )
+            out.append(fact)
+        return out
 
     def __getstate__(self) -> dict[str, Any]:
         # Copies and unpickled FactKVs may hold other tensors (deepcopy's do): the cached layout

@@ -4,7 +4,9 @@ Times, at ``--spans`` retrieved facts of ``--tokens`` tokens each (k=200 by defa
 
 * ``table build``: :meth:`InjectionTable.build` on the same FactKVs every time (``warm``: what a
   chunked prefill's later steps see) and on fresh FactKV objects every time (``cold``: a
-  request's first step, since tiers hand out new views per read);
+  request's first step, since tiers hand out new views per read), made as the tiers make them
+  (:meth:`FactKV.cut_alike`) or one by one;
+* ``tier views``: making those 200 FactKVs, in bulk or one by one;
 * ``worker _inject``: the connector's worker half (piece loop, slots, table build), cold and warm;
 * ``scheduler alloc``: the scheduler half's ``update_state_after_alloc`` (LoadPiece per span).
 
@@ -37,7 +39,14 @@ from inferscale_engine.kv import FactKV
 
 
 def _facts(block: torch.Tensor, spans: int, tokens: int) -> list[FactKV]:
-    """Fresh FactKV views of ``block``, one per span (new objects: nothing cached on them)."""
+    """Fresh FactKV views of ``block``, one per span (new objects: nothing cached on them), as
+    the tiers hand them out (:meth:`FactKV.cut_alike`)."""
+    ks, vs = block[0, :, : spans * tokens].split(tokens, dim=1), block[1, :, : spans * tokens].split(tokens, dim=1)
+    return FactKV.cut_alike(ks, vs, [i * 7 for i in range(spans)])
+
+
+def _facts_one_by_one(block: torch.Tensor, spans: int, tokens: int) -> list[FactKV]:
+    """The same, each FactKV built and its layout read on its own."""
     return [FactKV(block[0, :, i * tokens : (i + 1) * tokens], block[1, :, i * tokens : (i + 1) * tokens], i * 7)
             for i in range(spans)]
 
@@ -93,6 +102,14 @@ def main() -> None:
         cold[:] = [SpanRows(f, 0, tokens, int(d)) for f, d in zip(_facts(block, spans, tokens), deltas)]
 
     _report("table build (cold)", _timed(lambda: InjectionTable.build(cold, slots, device), fresh_parts, args.repeat))
+
+    def fresh_parts_one_by_one() -> None:
+        cold[:] = [SpanRows(f, 0, tokens, int(d)) for f, d in zip(_facts_one_by_one(block, spans, tokens), deltas)]
+
+    _report("table build (cold, 1 by 1)",
+            _timed(lambda: InjectionTable.build(cold, slots, device), fresh_parts_one_by_one, args.repeat))
+    _report("tier views: cut_alike", _timed(lambda: _facts(block, spans, tokens), lambda: None, args.repeat))
+    _report("tier views: one by one", _timed(lambda: _facts_one_by_one(block, spans, tokens), lambda: None, args.repeat))
 
     # Worker half: a connector without vLLM behind it; the CPU path's torch writer is replaced by
     # the table build alone, so only the per-span Python is timed.

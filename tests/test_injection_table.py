@@ -128,6 +128,26 @@ def test_strided_views_address_where_they_lie():
                           [SpanRows(last_layers, 1, 2, 0)])
 
 
+def test_facts_cut_alike_get_the_layouts_they_would_read_one_by_one():
+    block = torch.randn(2, L, 30, H, D, dtype=torch.bfloat16)  # a device-tier read: facts along tokens
+    sizes = [5, 3, 7, 1, 9, 5]  # each fact's rows, then its page padding
+    ks, vs = block[0].split(sizes, dim=1)[::2], block[1].split(sizes, dim=1)[::2]
+    staging = torch.randn(4, L, 2, 6, H, D)  # a promotion's run: [facts, layers, K/V, tokens, ...]
+    runs = [(ks, vs), (staging[:, :, 0, :4].unbind(0), staging[:, :, 1, :4].unbind(0))]
+    for run_k, run_v in runs:
+        facts = FactKV.cut_alike(run_k, run_v, [10 * i for i in range(len(run_k))], ready=None)
+        for i, (fact, k, v) in enumerate(zip(facts, run_k, run_v)):
+            alone = FactKV(k, v, 10 * i)
+            assert fact.k is k and fact.v is v and fact.position == 10 * i
+            assert fact.layout() == alone.layout()
+        parts = [SpanRows(f, 0, f.num_tokens, 1) for f in facts]
+        assert_rows_addressed(InjectionTable.build(parts, np.arange(sum(f.num_tokens for f in facts)),
+                                                   torch.device("cpu")), parts)
+    assert FactKV.cut_alike([], [], []) == []
+    with pytest.raises(ValueError, match="bad KV shapes"):  # the first view still stands for all
+        FactKV.cut_alike([torch.zeros(L, 2, H)], [torch.zeros(L, 2, H)], [0])
+
+
 def test_copies_never_inherit_a_cached_layout():
     span = kv(4)
     span.layout()

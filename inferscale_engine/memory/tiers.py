@@ -359,8 +359,9 @@ class KVTiers:
         self.counters["host_to_device"] += len(placed)
         out: list[FactKV | None] = [None] * len(hosts)
         for run, ks, vs in _promoted_views(staging, hosts, order, offsets):
-            for i, k, v in zip(run, ks, vs):
-                out[i] = FactKV(k, v, hosts[i].position, ready or None)
+            facts = FactKV.cut_alike(ks, vs, [hosts[i].position for i in run], ready or None)
+            for i, fact in zip(run, facts):
+                out[i] = fact
         return out  # type: ignore[return-value]
 
     def _place(self, keys: list[KVKey], hosts: list[_HostEntry]) -> dict[KVKey, list[int]]:
@@ -445,7 +446,7 @@ class KVTiers:
         # every fact's K and V (k=200 facts a request; one op per tensor would cost ~1 ms).
         sizes = [n for e in entries for n in (e.num_tokens, len(e.pages) * self.page_tokens - e.num_tokens)]
         ks, vs = block[0].split(sizes, dim=1)[::2], block[1].split(sizes, dim=1)[::2]
-        return [FactKV(k, v, e.position) for e, k, v in zip(entries, ks, vs)]
+        return FactKV.cut_alike(ks, vs, [e.position for e in entries])
 
     def _insert(self, key: KVKey, pages: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
         """Cache a fact's pages on the device slab (lock held)."""
