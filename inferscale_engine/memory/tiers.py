@@ -36,7 +36,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -79,10 +79,16 @@ class _HostEntry:
     num_tokens: int
     position: int
     fingerprint: str
+    # The block's geometry, read once: a promotion of k facts would otherwise ask torch for it
+    # several times per fact, on the request's path. The block is never replaced or resized.
+    shape: tuple[int, ...] = field(init=False)
+    numel: int = field(init=False)
+    nbytes: int = field(init=False)
+    address: int = field(init=False)
 
-    @property
-    def nbytes(self) -> int:
-        return self.block.nbytes
+    def __post_init__(self) -> None:
+        block = self.block
+        self.shape, self.numel, self.nbytes, self.address = tuple(block.shape), block.numel(), block.nbytes, block.data_ptr()
 
 
 class KVTiers:
@@ -329,7 +335,7 @@ class KVTiers:
         total = 0
         for i in order:
             offsets[i] = total
-            total += hosts[i].block.numel()
+            total += hosts[i].numel
         cuda = self.device.type == "cuda"
         caller = torch.cuda.current_stream(self.device) if cuda else None
         side = self._side_stream() if cuda else None
@@ -340,7 +346,7 @@ class KVTiers:
                 ready = self._upload(hosts, order, offsets, staging, side)
             else:
                 for h, o in zip(hosts, offsets):
-                    staging[o : o + h.block.numel()].view(h.block.shape).copy_(h.block)
+                    staging[o : o + h.numel].view(h.shape).copy_(h.block)
             if placed:
                 if side is not None:  # after the caller's reads of pages this write may reuse
                     side.wait_stream(caller)  # type: ignore[arg-type]
@@ -369,7 +375,7 @@ class KVTiers:
         fact the slab cannot take stays on the host."""
         placed: dict[KVKey, list[int]] = {}
         for key, h in zip(keys, hosts):
-            m = h.block.shape[2] // self.page_tokens
+            m = h.shape[2] // self.page_tokens
             # Only entries from before this batch may be evicted: the batch's own pages are not
             # written yet.
             while len(self._free) < m and self._device:
@@ -389,8 +395,12 @@ class KVTiers:
         group."""
         if self._copier is None:
             self._copier = ByteCopier(side)
-        layers = hosts[0].block.shape[0]
-        srcs = Sources.of([hosts[i].block for i in order])
+        layers = hosts[0].shape[0]
+        srcs = Sources(
+            [hosts[i].block for i in order],
+            np.array([hosts[i].address for i in order], dtype=np.int64),
+            np.array([hosts[i].nbytes for i in order], dtype=np.int64),
+        )
         per_layer = srcs.nbytes // layers
         dst = np.array([offsets[i] for i in order], dtype=np.int64) * staging.element_size()
         groups = min(LAYER_GROUPS, layers)
@@ -413,15 +423,15 @@ class KVTiers:
         count, one indexed write straight from the staging layout (no relayout copy first)."""
         assert self._slab is not None
         pt = self.page_tokens
-        runs = [list(run) for _, run in itertools.groupby(order, key=lambda i: hosts[i].block.shape[2])]
+        runs = [list(run) for _, run in itertools.groupby(order, key=lambda i: hosts[i].shape[2])]
         index = self._index([p for run in runs for i in run for p in placed.get(keys[i], ())])
         used = 0
         for run in runs:
             first = hosts[run[0]]
-            layers, _, tokens, heads, dim = first.block.shape
+            layers, _, tokens, heads, dim = first.shape
             m = tokens // pt
             start = offsets[run[0]]
-            pages = (staging[start : start + len(run) * first.block.numel()]
+            pages = (staging[start : start + len(run) * first.numel]
                      .view(len(run), layers, 2, m, pt, heads, dim).permute(0, 3, 1, 2, 4, 5, 6))
             kept = [r for r, i in enumerate(run) if keys[i] in placed]
             if not kept:
@@ -599,7 +609,7 @@ def _promoted_views(
         run = list(group)
         first = hosts[run[0]]
         start = offsets[run[0]]
-        views = staging[start : start + len(run) * first.block.numel()].view(len(run), *first.block.shape)
+        views = staging[start : start + len(run) * first.numel].view(len(run), *first.shape)
         rows = views[:, :, :, : first.num_tokens]
         out.append((run, rows[:, :, 0].unbind(0), rows[:, :, 1].unbind(0)))
     return out
@@ -607,7 +617,7 @@ def _promoted_views(
 
 def _shape_of(h: _HostEntry) -> tuple[int, int]:
     """Padded and real token counts: facts equal in both are laid out and viewed alike."""
-    return h.block.shape[2], h.num_tokens
+    return h.shape[2], h.num_tokens
 
 
 def _check_fingerprint(key: KVKey, found: str | None, expected: str, where: str) -> None:
