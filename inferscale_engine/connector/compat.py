@@ -85,9 +85,10 @@ def start_load_before_forward(scheduler_output: "SchedulerOutput") -> None:
 def runs_layer_hooks(forward_context: "ForwardContext") -> bool:
     """Whether this step's forward pass will call the connector's per-layer hooks
     (``wait_for_layer_load``): vLLM calls them around each attention op it runs eagerly, which
-    piecewise CUDA graphs leave out of the graph; a full-graph replay (a uniform decode batch)
-    and a step without attention metadata (vllm 0.26's V2 runner sets none for a full graph)
-    never call them."""
+    piecewise CUDA graphs leave out of the graph; a full-graph replay (any step of up to the
+    largest capture size under ``cudagraph_mode=FULL``, InferScale's default on CUDA) and a step
+    without attention metadata (vllm 0.26's V2 runner sets none for a full graph) never call
+    them."""
     from vllm.config import CUDAGraphMode
 
     if getattr(forward_context, "attn_metadata", None) is None:
