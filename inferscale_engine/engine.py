@@ -531,9 +531,11 @@ def _cuda_graph_defaults(cfg: EngineConfig) -> dict[str, Any]:
     An injected request computes only its question, so its step is a small mixed batch: one
     graph replay instead of ~130 launches between piecewise graphs (~3 ms less TTFT on an H200,
     docs/benchmarks.md). Backends that cannot graph prefills are stepped down by vLLM itself;
-    ``compilation_config`` in the options replaces this.
+    ``compilation_config`` in the options replaces this. A quantized KV cache keeps vLLM's
+    default: the connector reads captured rows back only from a cache layout it knows, and no
+    KV write hook runs inside a full graph.
     """
-    if cfg.device != "cuda" or cfg.enforce_eager:
+    if cfg.device != "cuda" or cfg.enforce_eager or cfg.vllm_options.get("kv_cache_dtype", "auto") != "auto":
         return {}
     return {"compilation_config": {"cudagraph_mode": "FULL"}}
 

@@ -327,3 +327,15 @@ def test_layer_hooks_run_unless_a_full_graph_replays():
     assert runs_layer_hooks(context({"layer.0": object()}, CUDAGraphMode.PIECEWISE))  # attention runs between pieces
     assert not runs_layer_hooks(context({"layer.0": object()}, CUDAGraphMode.FULL))  # replayed inside the graph
     assert not runs_layer_hooks(context(None, CUDAGraphMode.NONE))  # vllm 0.26 V2 runner before a full graph
+
+
+def test_full_cuda_graphs_by_default_where_captures_can_be_read_back():
+    from inferscale_engine.config import EngineConfig
+    from inferscale_engine.engine import _cuda_graph_defaults
+
+    full = {"compilation_config": {"cudagraph_mode": "FULL"}}
+    assert _cuda_graph_defaults(EngineConfig(device="cuda")) == full
+    assert _cuda_graph_defaults(EngineConfig(device="cpu")) == {}
+    assert _cuda_graph_defaults(EngineConfig(device="cuda", enforce_eager=True)) == {}
+    # A quantized cache has a layout the connector does not read back: vLLM's default graphs.
+    assert _cuda_graph_defaults(EngineConfig.from_options(device="cuda", kv_cache_dtype="fp8")) == {}

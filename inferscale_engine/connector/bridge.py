@@ -49,7 +49,11 @@ class CaptureBuffer:
 
     def result(self, position: int) -> FactKV:
         if self.k is None or not bool(self.filled.all()):
-            raise RuntimeError("capture incomplete: vLLM did not compute every row of the span")
+            raise RuntimeError(
+                "capture incomplete: vLLM did not compute every row of the span (with a KV cache "
+                "layout InferScale cannot read back, full CUDA graphs hide vLLM's KV writes: "
+                "use compilation_config={'cudagraph_mode': 'FULL_AND_PIECEWISE'})"
+            )
         return FactKV(self.k, self.v, position)
 
 
