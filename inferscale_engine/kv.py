@@ -90,8 +90,8 @@ class FactKV:
         token count, same strides, dtype and device), as a tier hands out a batch of facts.
 
         Only the first view is checked and has its :meth:`layout` read in full; every other one
-        costs two address reads. Built one by one, each FactKV would cost a dozen calls into
-        torch for its checks and its layout: ~0.8 ms for 200 facts on the H200's host CPU.
+        costs two address reads, where one built on its own costs a dozen calls into torch for
+        its checks and its layout (``scripts/bench_table_build.py`` times both).
         """
         if not ks:
             return []

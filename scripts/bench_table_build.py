@@ -38,17 +38,22 @@ from inferscale_engine.connector.table import InjectionTable, SpanRows
 from inferscale_engine.kv import FactKV
 
 
+def _views(block: torch.Tensor, spans: int, tokens: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Each span's K and V rows of ``block``, cut as a device-tier read cuts them (two splits)."""
+    return block[0, :, : spans * tokens].split(tokens, dim=1), block[1, :, : spans * tokens].split(tokens, dim=1)
+
+
 def _facts(block: torch.Tensor, spans: int, tokens: int) -> list[FactKV]:
     """Fresh FactKV views of ``block``, one per span (new objects: nothing cached on them), as
     the tiers hand them out (:meth:`FactKV.cut_alike`)."""
-    ks, vs = block[0, :, : spans * tokens].split(tokens, dim=1), block[1, :, : spans * tokens].split(tokens, dim=1)
+    ks, vs = _views(block, spans, tokens)
     return FactKV.cut_alike(ks, vs, [i * 7 for i in range(spans)])
 
 
 def _facts_one_by_one(block: torch.Tensor, spans: int, tokens: int) -> list[FactKV]:
-    """The same, each FactKV built and its layout read on its own."""
-    return [FactKV(block[0, :, i * tokens : (i + 1) * tokens], block[1, :, i * tokens : (i + 1) * tokens], i * 7)
-            for i in range(spans)]
+    """The same views, each FactKV built on its own (its layout read from torch when used)."""
+    ks, vs = _views(block, spans, tokens)
+    return [FactKV(k, v, i * 7) for i, (k, v) in enumerate(zip(ks, vs))]
 
 
 def _timed(fn: Callable[[], object], setup: Callable[[], object], repeat: int) -> list[float]:

@@ -276,7 +276,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._launch(launch)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        pass  # captures happen in the wrapped KV write, which sees K/V before the cache layout
+        pass  # captures are read back in wait_for_save, or taken in the wrapped KV write
 
     def wait_for_save(self) -> None:
         if self._cache_captures:
