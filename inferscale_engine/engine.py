@@ -411,17 +411,16 @@ class InferScaleEngine:
         prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
         plan = None
         if mode == "inject" and spans:
-            refs, pos = [], 0
-            for s in spans:
-                refs.append(SpanRef(s.key, pos, len(s.token_ids)))
-                pos += len(s.token_ids)
-            plan = InjectionPlan(tuple(refs))
+            keys = [s.key for s in spans]
+            lengths = [len(s.token_ids) for s in spans]
+            plan = InjectionPlan(tuple(map(SpanRef, keys, itertools.accumulate(lengths, initial=0), lengths)))
             # The connector runs in this process: the plan travels as itself, not as JSON.
             extra["kv_transfer_params"] = plan.to_params(inline=True)
             # Injected blocks enter vLLM's prefix cache under the prompt's token ids: salt them by
             # user and by exactly which KV they hold, so they never serve a plain or foreign request.
-            salt_src = json.dumps([user_id, [(r.key, r.position) for r in refs]])
-            prompt["cache_salt"] = "is-" + hashlib.sha256(salt_src.encode()).hexdigest()[:32]
+            # The keys in order say that: a key is one span's KV, of one length, so they also fix
+            # every span's position.
+            prompt["cache_salt"] = "is-" + hashlib.sha256(json.dumps([user_id, keys]).encode()).hexdigest()[:32]
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,

@@ -209,12 +209,12 @@ def test_search_and_listing_are_per_user(engine, people):
 
 def test_cache_salt_is_per_user_and_per_kv(engine, people):
     store = engine.memory
-    span = store.resolve(people["a_items"][1].handle, people["a"])
-    segs = [engine.tokenize("Memory:"), span, engine.tokenize("\nQ:")]
+    span, other = (store.resolve(item.handle, people["a"]) for item in people["a_items"][:2])
+    head, tail = engine.tokenize("Memory:"), engine.tokenize("\nQ:")
     prepared = []
 
-    def salt(user: str, **kw: Any) -> str | None:
-        p, _ = engine._prepare(segs, user, max_tokens=1, **kw)
+    def salt(user: str, spans=(span,), **kw: Any) -> str | None:
+        p, _ = engine._prepare([head, *spans, tail], user, max_tokens=1, **kw)
         prepared.append(p)
         return p.prompt.get("cache_salt")
 
@@ -222,6 +222,9 @@ def test_cache_salt_is_per_user_and_per_kv(engine, people):
         a1, a2, b1 = salt(people["a"]), salt(people["a"]), salt(people["b"])
         assert a1 and a1 == a2 and b1 and b1 != a1  # same user + same KV: reusable; other user: never
         assert salt(people["a"], mode="prompt") is None  # plain requests never share blocks with injected ones
+        # Other KV, or the same KV at other positions: another salt.
+        both, swapped = salt(people["a"], (span, other)), salt(people["a"], (other, span))
+        assert len({a1, both, swapped}) == 3
     finally:  # _prepare staged the spans for requests that will not run: release them
         for p in prepared:
             engine._unstage(p.staged)
