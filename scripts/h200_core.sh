@@ -3,7 +3,8 @@
 #   run(command="STEPS='kernel query exactness ttft' bash scripts/h200_core.sh", carry=[".gpu"])
 #   run(command="STEPS='tiers throughput' bash scripts/h200_core.sh", carry=[".gpu"])
 # Random-weight Llama-3.1-8B shape (load_format=dummy), bf16, vLLM 0.26.0, CUDA graphs on.
-# STEPS picks what runs (default: all but the diagnostics profile, promote and hosttier, in this order,
+# STEPS picks what runs (default: all but the diagnostics graphab — vLLM's default piecewise
+# graphs instead of InferScale's full ones, for the A/B — profile, promote and hosttier, in this order,
 # ~9 min: more than one call may run, hence the two calls above).
 set -uo pipefail
 source .gpu/device-env.sh
@@ -27,6 +28,10 @@ for step in $STEPS; do
         --json "$OUT/tiers-llama-3.1-8b.json" > "$OUT/tiers.log" 2>&1; tail -6 "$OUT/tiers.log" ;;
     throughput) python3 -m inferscale_engine.bench throughput $ARGS --max-model-len 8192 --users 1,10,50,100 --k 50 \
         --json "$OUT/throughput-llama-3.1-8b.json" > "$OUT/throughput.log" 2>&1; tail -10 "$OUT/throughput.log" ;;
+    graphab) python3 -m inferscale_engine.bench ttft $ARGS --max-model-len 16384 --ks 0,50,200 \
+        --engine-option 'compilation_config={"cudagraph_mode":"FULL_AND_PIECEWISE"}' \
+        --json "$OUT/ttft-llama-3.1-8b-piecewise.json" > "$OUT/graphab.log" 2>&1
+      tail -12 "$OUT/graphab.log" | grep -v "it/s" ;;
     profile) python3 scripts/h200_profile.py "$M" 2>&1 | grep "k=" ;;
     promote) python3 scripts/h200_promote.py 50 2>&1 | grep -E "k=|copies" ;;
     hosttier) python3 scripts/h200_hosttier.py "$M" 50 2>&1 | grep "^k=" ;;
