@@ -415,8 +415,9 @@ class InferScaleConnector(KVConnectorBase_V1):
         assert isinstance(views, list)
         slots = np.fromiter((s for _, cap in todo for s in cap.slots), dtype=np.int64)
         # Pinned: a plain copy would wait for the forward pass queued ahead of it.
-        where = torch.from_numpy(slots).pin_memory().to(views[0][0].device, non_blocking=True)
-        block, offset = where // views[0][0].shape[1], where % views[0][0].shape[1]
+        key_cache = views[0][0]  # [blocks, block_size, heads, head_dim]
+        where = torch.from_numpy(slots).pin_memory().to(key_cache.device, non_blocking=True)
+        block, offset = where // key_cache.shape[1], where % key_cache.shape[1]
         k = torch.stack([kc[block, offset] for kc, _ in views])
         v = torch.stack([vc[block, offset] for _, vc in views])
         at = 0
