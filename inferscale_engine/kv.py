@@ -20,11 +20,6 @@ KVLayout = tuple[bytes | None, torch.dtype | None, bool, int]
 
 _ADDRESSES = struct.Struct("=6q")
 
-#: :attr:`FactKV.ready`: ``(layer stop, CUDA event)`` per layer group, in layer order; an event
-#: fires once layers ``[previous stop, stop)`` have landed on the device.
-LayerReady = tuple[tuple[int, Any], ...]
-
-
 @dataclass
 class FactKV:
     """Per-layer keys and values of ``n`` consecutive tokens.
@@ -41,9 +36,6 @@ class FactKV:
     k: torch.Tensor
     v: torch.Tensor
     position: int
-    #: A promotion still in flight (see :data:`LayerReady`): whoever reads ``k``/``v`` waits
-    #: for the events of the groups it reads first. ``None``: ready.
-    ready: LayerReady | None = field(default=None, repr=False, compare=False)
     _layout: KVLayout | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -84,7 +76,6 @@ class FactKV:
         ks: Sequence[torch.Tensor],
         vs: Sequence[torch.Tensor],
         positions: Sequence[int],
-        ready: LayerReady | None = None,
     ) -> list["FactKV"]:
         """FactKVs for views cut the same way from one K and one V tensor (same shape but for the
         token count, same strides, dtype and device), as a tier hands out a batch of facts.
@@ -95,16 +86,16 @@ class FactKV:
         """
         if not ks:
             return []
-        first = cls(ks[0], vs[0], positions[0], ready)
+        first = cls(ks[0], vs[0], positions[0])
         addresses, dtype, is_cuda, num_layers = first.layout()
         out = [first]
         if addresses is None:  # rows not contiguous: the table builder rejects these anyway
-            return out + [cls(k, v, p, ready) for k, v, p in zip(ks[1:], vs[1:], positions[1:])]
+            return out + [cls(k, v, p) for k, v, p in zip(ks[1:], vs[1:], positions[1:])]
         strides = _ADDRESSES.unpack(addresses)[2:]
         for k, v, position in zip(ks[1:], vs[1:], positions[1:]):
             fact = cls.__new__(cls)  # skips the per-fact checks: the first view stood for all
             fact.__dict__.update(
-                k=k, v=v, position=position, ready=ready,
+                k=k, v=v, position=position,
                 _layout=(_ADDRESSES.pack(k.data_ptr(), v.data_ptr(), *strides), dtype, is_cuda, num_layers),
             )
             out.append(fact)
@@ -122,9 +113,8 @@ class FactKV:
             self.k.to(device, non_blocking=non_blocking),
             self.v.to(device, non_blocking=non_blocking),
             self.position,
-            self.ready,
         )
 
     def rows(self, start: int, stop: int) -> "FactKV":
         """Tokens ``[start, stop)`` of this span (a view)."""
-        return FactKV(self.k[:, start:stop], self.v[:, start:stop], self.position + start, self.ready)
+        return FactKV(self.k[:, start:stop], self.v[:, start:stop], self.position + start)

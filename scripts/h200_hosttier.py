@@ -8,18 +8,11 @@ order, variants of one injected request (``max_tokens=1``), medians of 20:
 * ``device``: the facts on the device tier (one gather);
 * ``host``: promoted from the host tier (the default path);
 * ``host-landed``: promoted, then the host waits for every copy before the request, so the
-  engine part never waits for PCIe;
-* ``host-noslab``: promoted without caching the facts in the slab (no slab write);
-* ``host-landed-1launch``: as ``host-landed``, handed to the engine as ready KV (one injection
-  launch before the forward pass instead of one per layer group);
-* ``host-devicewait``: as ``host``, the injection waiting for the copies with a device-side
-  stream wait (``cudaStreamWaitEvent`` on the promotion's events) instead of on the host;
-* ``device-4launch``: device-tier KV handed over with already-fired per-group events (one
-  launch per layer group before ``connector.landed_merged``, which now folds them into one).
+  engine part never waits for PCIe.
 
 Per variant: ``get_many`` host time, the engine's TTFT, and per-function host times (promotion
-stages, engine preparation, vLLM intake/scheduling, the connector's injection and launches,
-the worker's execute). With $OUT set, torch.profiler tables of five requests per tier go to
+stages, engine preparation, vLLM intake/scheduling, the connector's injection, the worker's
+execute). With $OUT set, torch.profiler tables of five requests per tier go to
 $OUT/trace-hosttier-<tier>.txt.
 """
 
@@ -32,7 +25,6 @@ from collections import defaultdict
 import torch
 
 from inferscale_engine.connector import connector as C
-from inferscale_engine.kv import FactKV
 from inferscale_engine.memory import dma
 from inferscale_engine.memory.tiers import KVTiers
 
@@ -59,10 +51,9 @@ def patch():
     from inferscale_engine.engine import InferScaleEngine
 
     for owner, name, label in [
-        (KVTiers, "_promote", "tiers.promote"), (KVTiers, "_place", "tiers.place"),
-        (KVTiers, "_upload", "tiers.upload"), (KVTiers, "_write_promoted", "tiers.slab_write"),
+        (KVTiers, "_promote", "tiers.promote"), (KVTiers, "_copy_to_slab", "tiers.copy_to_slab"),
         (KVTiers, "_read_device", "tiers.read_device"), (dma.ByteCopier, "copy", "dma.copy"),
-        (C.InferScaleConnector, "_inject", "conn.inject"), (C.InferScaleConnector, "_launch", "conn.launch"),
+        (C.InferScaleConnector, "_inject", "conn.inject"),
         (InferScaleEngine, "_prepare", "engine.prepare"), (LLMEngine, "add_request", "add_request"),
         (Scheduler, "schedule", "schedule"), (Worker, "execute_model", "worker.execute"),
     ]:
@@ -93,20 +84,6 @@ def main(model: str, k: int) -> None:
     for key, span in zip(keys, work.facts):
         tiers.put(key, span.kv, fp)
     ids = work.fact_ids[:k]
-    place = KVTiers._place
-
-    def keep_on_host(self, keys_, hosts):  # a slab that takes nothing: facts stay on the host
-        for key, h in zip(keys_, hosts):
-            self._host[key] = h
-            self._host_used += h.nbytes
-        return {}
-
-    wait_on_host = C._wait_on_host
-
-    def wait_on_device(events):
-        for event in events:
-            torch.cuda.current_stream().wait_event(event)
-
     serial = 0
 
     def request(variant: str) -> tuple[float, float, float]:
@@ -118,8 +95,6 @@ def main(model: str, k: int) -> None:
                 tiers.evict(key, to="host")
         sync()
         eng.generate_segments([work.head + work.question()], max_tokens=1, mode="prompt")  # as bench tiers
-        KVTiers._place = keep_on_host if variant == "host-noslab" else place
-        C._wait_on_host = wait_on_device if variant == "host-devicewait" else wait_on_host
         timings.clear()
         t0 = time.perf_counter()
         kvs = tiers.get_many(keys, fp)
@@ -127,21 +102,12 @@ def main(model: str, k: int) -> None:
         if variant.startswith("host-landed"):
             sync()
         t2 = time.perf_counter()
-        if variant == "host-landed-1launch":
-            kvs = [FactKV(kv.k, kv.v, kv.position) for kv in kvs]
-        elif variant == "device-4launch":
-            fired = torch.cuda.Event()
-            fired.record()
-            ready = tuple((stop, fired) for stop in (8, 16, 24, 32))
-            kvs = [FactKV(kv.k, kv.v, kv.position, ready) for kv in kvs]
         serial += 1
         spans = [Span(f"h:{serial}:{i}", tuple(t), kv) for i, (t, kv) in enumerate(zip(ids, kvs))]
         r = eng.generate_segments([work.head, *spans, work.question()], max_tokens=1, mode="inject")
-        KVTiers._place, C._wait_on_host = place, wait_on_host
         return 1e3 * (t1 - t0), 1e3 * (t2 - t1), 1e3 * r.ttft_s
 
-    variants = ["device", "host", "host-landed", "host-noslab", "host-landed-1launch"]
-    variants += ["host-devicewait", "device-4launch"] if cuda else []
+    variants = ["device", "host", "host-landed"]
     got: dict[str, dict[str, list[float]]] = {v: defaultdict(list) for v in variants}
     for rep in range(int(os.environ.get("REPS", 25))):
         for variant in variants if rep % 2 == 0 else variants[::-1]:
@@ -155,8 +121,6 @@ def main(model: str, k: int) -> None:
             m["total"].append(promote + wait + ttft)
             for key, v in timings.items():
                 m[key].append(sum(v))
-                if key == "conn.launch":
-                    m["conn.launch calls"].append(len(v))
     for variant in variants:
         m = got[variant]
         head = ", ".join(f"{key} {median(m[key]):.2f}" for key in ("total", "get_many", "landed_wait", "engine_ttft"))

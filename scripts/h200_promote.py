@@ -1,12 +1,13 @@
-"""Host time of a host-tier promotion, by layer-group count (diagnostic, not a benchmark).
+"""Host time of a host-tier promotion, by copy path (diagnostic, not a benchmark).
 
 usage: python scripts/h200_promote.py [K] [--cprofile]
 
 K facts of the Llama-3.1-8B shape (32 layers, 28 tokens, 8 KV heads, 128 dims, bf16) sit in the
-host tier; per layer-group count and copy path (one cudaMemcpyBatchAsync per group, one
-cudaMemcpyAsync per range, the torch ``copy_`` fallback), medians of 10 ``get_many`` calls: the
-host time (what a request waits for) and the time until every copy has landed. Also the host
-time of the same copies issued bare, checked byte for byte.
+host tier; per copy path (one cudaMemcpyBatchAsync for the batch, one cudaMemcpyAsync per range,
+the torch ``copy_`` fallback), medians of 10 ``get_many`` calls: the host time (what a request
+waits for) and the time until every copy has landed, next to a ``get_many`` of the same facts
+already on the device tier. Also the host time of the same copies issued bare, checked byte for
+byte.
 """
 
 import sys
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from inferscale_engine.kv import FactKV
-from inferscale_engine.memory import dma, tiers as tiers_mod
+from inferscale_engine.memory import dma
 from inferscale_engine.memory.tiers import KVTiers
 
 
@@ -33,11 +34,14 @@ def main(k: int) -> None:
         kv = torch.randn(32, 28, 8, 128, dtype=torch.bfloat16)
         t.put(key, FactKV(kv, kv.clone(), 0), fp)
 
-    def run(label: str) -> None:
+    def run(label: str, tier: str = "host") -> None:
         host, landed = [], []
         for _ in range(12):
             for key in keys:
-                t.evict(key, to="host")
+                if tier == "host":
+                    t.evict(key, to="host")
+                else:
+                    t.get(key, fp)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             got = t.get_many(keys, fp)
@@ -79,14 +83,10 @@ def main(k: int) -> None:
     # Twice each, alternating: the first configuration timed on a machine runs slower.
     for mode in ("per-range", "batch", "per-range", "batch"):
         t._copier = copier(mode)
-        run(f"groups=4 {mode}")
-    t._copier = copier("batch")
-    for groups in (1, 8):
-        tiers_mod.LAYER_GROUPS = groups
-        run(f"groups={groups} batch")
-    tiers_mod.LAYER_GROUPS = 4
+        run(mode)
+        run("device tier, for scale", tier="device")
     t._copier = copier("torch")
-    run("groups=4 torch copy_")
+    run("torch copy_")
 
     src = torch.empty(k * 4 << 20, dtype=torch.uint8).pin_memory()
     dst = torch.empty_like(src, device="cuda")

@@ -132,10 +132,10 @@ def test_facts_cut_alike_get_the_layouts_they_would_read_one_by_one():
     block = torch.randn(2, L, 30, H, D, dtype=torch.bfloat16)  # a device-tier read: facts along tokens
     sizes = [5, 3, 7, 1, 9, 5]  # each fact's rows, then its page padding
     ks, vs = block[0].split(sizes, dim=1)[::2], block[1].split(sizes, dim=1)[::2]
-    staging = torch.randn(4, L, 2, 6, H, D)  # a promotion's run: [facts, layers, K/V, tokens, ...]
-    runs = [(ks, vs), (staging[:, :, 0, :4].unbind(0), staging[:, :, 1, :4].unbind(0))]
+    stacked = torch.randn(4, L, 2, 6, H, D)  # facts side by side: [facts, layers, K/V, tokens, ...]
+    runs = [(ks, vs), (stacked[:, :, 0, :4].unbind(0), stacked[:, :, 1, :4].unbind(0))]
     for run_k, run_v in runs:
-        facts = FactKV.cut_alike(run_k, run_v, [10 * i for i in range(len(run_k))], ready=None)
+        facts = FactKV.cut_alike(run_k, run_v, [10 * i for i in range(len(run_k))])
         for i, (fact, k, v) in enumerate(zip(facts, run_k, run_v)):
             alone = FactKV(k, v, 10 * i)
             assert fact.k is k and fact.v is v and fact.position == 10 * i
@@ -239,62 +239,6 @@ def test_load_slots_are_block_times_size_plus_offset():
         LoadRequest([4, 9], 0, 9, []).slots(4)
 
 
-def test_layer_launches_split_at_every_promotion_boundary():
-    from inferscale_engine.connector.connector import LayerLaunch, layer_launches
-
-    assert layer_launches([], 9) == [LayerLaunch(0, 9, ())]
-    a = ((3, "a1"), (9, "a2"))
-    b = ((2, "b1"), (4, "b2"), (9, "b3"))
-    # Each range waits for exactly the group of each promotion that holds its layers.
-    assert layer_launches([a, b], 9) == [
-        LayerLaunch(0, 2, ("a1", "b1")),
-        LayerLaunch(2, 3, ("a1", "b2")),
-        LayerLaunch(3, 4, ("a2", "b2")),
-        LayerLaunch(4, 9, ("a2", "b3")),
-    ]
-    # All layers in one group (what the connector does before it knows vLLM calls
-    # wait_for_layer_load): one launch after every last event.
-    assert layer_launches([((9, "a2"),), ((9, "b3"),)], 9) == [LayerLaunch(0, 9, ("a2", "b3"))]
-
-
-class _Event:
-    """A CUDA event's host side: fired or not, and whether anyone blocked on it."""
-
-    def __init__(self, fired: bool) -> None:
-        self.fired = fired
-        self.waited = False
-
-    def query(self) -> bool:
-        return self.fired
-
-    def synchronize(self) -> None:
-        self.waited = True
-        self.fired = True
-
-
-def test_injection_blocks_only_on_copies_still_in_flight():
-    from inferscale_engine.connector.connector import _wait_on_host
-
-    landed, in_flight = _Event(True), _Event(False)
-    _wait_on_host([landed, in_flight])
-    assert not landed.waited and in_flight.waited and in_flight.fired
-
-
-def test_landed_layer_groups_merge_into_one_launch():
-    from inferscale_engine.connector.connector import LayerLaunch, landed_merged, layer_launches
-
-    e = [_Event(True), _Event(True), _Event(False), _Event(False)]
-    ready = ((2, e[0]), (4, e[1]), (6, e[2]), (9, e[3]))
-    merged = landed_merged(ready)
-    assert merged == ready[1:]  # layers 0-3 landed: one group, stopping at 4
-    assert layer_launches([merged], 9) == [
-        LayerLaunch(0, 4, (e[1],)), LayerLaunch(4, 6, (e[2],)), LayerLaunch(6, 9, (e[3],)),
-    ]
-    assert landed_merged(ready[2:]) == ready[2:]  # nothing landed: unchanged
-    e[2].fired = e[3].fired = True
-    assert layer_launches([landed_merged(ready)], 9) == [LayerLaunch(0, 9, (e[3],))]
-
-
 def test_plans_travel_as_json_or_inline():
     from vllm import SamplingParams
 
@@ -311,22 +255,6 @@ def test_plans_travel_as_json_or_inline():
                             skip_clone=True)
     assert parse_params(params.clone().extra_args["kv_transfer_params"]) is plan
     assert parse_params(None) is None and parse_params({}) is None
-
-
-def test_layer_hooks_run_unless_a_full_graph_replays():
-    from vllm.config import CUDAGraphMode
-    from vllm.forward_context import ForwardContext
-
-    from inferscale_engine.connector.compat import runs_layer_hooks
-
-    def context(attn_metadata, mode):
-        return ForwardContext(no_compile_layers={}, attn_metadata=attn_metadata, slot_mapping={},
-                              cudagraph_runtime_mode=mode)
-
-    assert runs_layer_hooks(context({"layer.0": object()}, CUDAGraphMode.NONE))  # eager
-    assert runs_layer_hooks(context({"layer.0": object()}, CUDAGraphMode.PIECEWISE))  # attention runs between pieces
-    assert not runs_layer_hooks(context({"layer.0": object()}, CUDAGraphMode.FULL))  # replayed inside the graph
-    assert not runs_layer_hooks(context(None, CUDAGraphMode.NONE))  # vllm 0.26 V2 runner before a full graph
 
 
 def test_full_cuda_graphs_by_default_where_captures_can_be_read_back():

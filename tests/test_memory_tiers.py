@@ -87,10 +87,9 @@ def test_get_many_reads_every_tier_in_one_batch(tmp_path):
     got = tiers.get_many(order, FP)
     for k, kv in zip(order, got):
         assert_same(kv, kvs[k])
-        assert kv.ready is None  # CPU: nothing in flight
-    # Device hits are views of one fresh buffer, not of the slab.
-    device_hits = [got[1], got[3], got[4], got[5]]
-    assert len({kv.k.untyped_storage().data_ptr() for kv in device_hits}) == 1
+    # Device hits and the promoted host hit are views of one fresh buffer, not of the slab.
+    memory_hits = got[1:]
+    assert len({kv.k.untyped_storage().data_ptr() for kv in memory_hits}) == 1
     slab = tiers._slab.untyped_storage().data_ptr()
     assert all(kv.k.untyped_storage().data_ptr() != slab for kv in got)
     # Host and disk hits were promoted on the way.
@@ -140,31 +139,66 @@ def test_promoting_facts_of_mixed_page_counts(tmp_path):
         assert_same(tiers.get(k, FP), kv)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_promotion_is_layer_grouped_and_exact(tmp_path):
-    from inferscale_engine.memory.tiers import LAYER_GROUPS
+def test_promotion_never_evicts_a_fact_its_own_batch_serves(tmp_path):
+    # 4 device pages, facts of 2 pages: b and c on the device, a on the host. Serving all three
+    # leaves no page a could take without evicting b or c, which the same batch reads: a is
+    # served from the host and stays there.
+    tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 4, host_bytes=1 << 20, page_tokens=PT)
+    kvs = {key(i): make_kv(6, i, position=i) for i in range(3)}
+    for k, kv in kvs.items():
+        tiers.put(k, kv, FP)  # the third put evicts the first to the host
+    assert [tiers.where(k) for k in kvs] == ["host", "device", "device"]
+    order = [key(2), key(1), key(0)]
+    for k, got in zip(order, tiers.get_many(order, FP)):
+        assert_same(got, kvs[k])
+    assert [tiers.where(k) for k in kvs] == ["host", "device", "device"]
 
-    layers = 9
+
+def _cuda_facts(layers: int, lengths: list[int]) -> dict[tuple[str, int], FactKV]:
     g = torch.Generator().manual_seed(0)
     kvs = {}
-    for i, n in enumerate([5, 28, 17, 1]):
+    for i, n in enumerate(lengths):
         k = torch.randn(layers, n, 8, 128, generator=g).to(torch.bfloat16)
         kvs[key(i)] = FactKV(k, (k * 3).contiguous(), i)
+    return kvs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_promotion_is_exact_without_a_host_wait(tmp_path):
+    kvs = _cuda_facts(9, [5, 28, 17, 1, 40])
     tiers = KVTiers(tmp_path, device="cuda", device_bytes=64 << 20, host_bytes=64 << 20, page_tokens=16)
     for k, kv in kvs.items():
         tiers.put(k, kv, FP)
         tiers.evict(k, to="host")
-    got = tiers.get_many(list(kvs), FP)
-    ready = got[0].ready
-    assert [stop for stop, _ in ready] == [round(layers * (i + 1) / LAYER_GROUPS) for i in range(LAYER_GROUPS)]
-    torch.cuda.current_stream().wait_event(ready[-1][1])
-    for gkv, kv in zip(got, kvs.values()):
-        assert gkv.ready is ready and gkv.k.is_cuda
-        assert torch.equal(gkv.k.cpu(), kv.k) and torch.equal(gkv.v.cpu(), kv.v)
-    # The slab's copy (written on the side stream) is read after that write, and exact.
+    torch.cuda.synchronize()
+    torch.cuda._sleep(20_000_000)  # the caller's stream is busy: the promotion must not wait for it
+    got = tiers.get_many(list(kvs), FP)  # copies queued, not landed: readers wait in stream order
     assert {tiers.where(k) for k in kvs} == {"device"}
+    for gkv, kv in zip(got, kvs.values()):
+        assert gkv.k.is_cuda and torch.equal(gkv.k.cpu(), kv.k) and torch.equal(gkv.v.cpu(), kv.v)
     for gkv, kv in zip(tiers.get_many(list(kvs), FP), kvs.values()):
-        assert gkv.ready is None and torch.equal(gkv.k.cpu(), kv.k) and torch.equal(gkv.v.cpu(), kv.v)
+        assert torch.equal(gkv.k.cpu(), kv.k) and torch.equal(gkv.v.cpu(), kv.v)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_promotion_waits_for_a_queued_read_of_the_pages_it_reuses(tmp_path):
+    kvs = _cuda_facts(4, [28, 28, 28, 28])  # 2 pages each; the slab holds two facts
+    a, b, c, d = kvs
+    page = 4 * 2 * 16 * 8 * 128 * 2
+    tiers = KVTiers(tmp_path, device="cuda", device_bytes=4 * page, host_bytes=64 << 20, page_tokens=16)
+    for k in (c, d):
+        tiers.put(k, kvs[k], FP)
+        tiers.evict(k, to="host")
+    for k in (a, b):
+        tiers.put(k, kvs[k], FP)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # ~25 ms: the gather of a and b below runs after it
+    got = tiers.get_many([a, b], FP)
+    tiers.delete_key(a)  # frees their pages without a device sync ...
+    tiers.delete_key(b)
+    later = tiers.get_many([c, d], FP)  # ... and c and d are copied into them on the side stream
+    for gkv, k in zip([*got, *later], [a, b, c, d]):
+        assert torch.equal(gkv.k.cpu(), kvs[k].k) and torch.equal(gkv.v.cpu(), kvs[k].v)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

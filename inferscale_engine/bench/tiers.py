@@ -2,9 +2,9 @@
 disk tier of a memory store's :class:`~inferscale_engine.memory.tiers.KVTiers`.
 
 Per repeat and tier: every fact is moved down to the tier under test, then the clock runs over
-``tiers.get_many`` of the ``k`` facts (what a store's ``resolve_many`` does: one gather from the
-device slab; host facts promoted by asynchronous copies the injection waits for, layer group by group)
-plus an injected request of those spans (``max_tokens=1``). Spans get fresh keys every time so
+``tiers.get_many`` of the ``k`` facts (what a store's ``resolve_many`` does: host facts copied
+into the device slab asynchronously, then one gather from the slab that waits for those copies
+on the device) plus an injected request of those spans (``max_tokens=1``). Spans get fresh keys every time so
 vLLM's prefix cache never serves them: each request really injects.
 
 ``disk`` reads are cold by default: each fact file's pages are dropped from the OS page cache

@@ -82,20 +82,6 @@ def start_load_before_forward(scheduler_output: "SchedulerOutput") -> None:
         scheduler_output.has_sync_kv_loads = True
 
 
-def runs_layer_hooks(forward_context: "ForwardContext") -> bool:
-    """Whether this step's forward pass will call the connector's per-layer hooks
-    (``wait_for_layer_load``): vLLM calls them around each attention op it runs eagerly, which
-    piecewise CUDA graphs leave out of the graph; a full-graph replay (any step of up to the
-    largest capture size under ``cudagraph_mode=FULL``, InferScale's default on CUDA) and a step
-    without attention metadata (vllm 0.26's V2 runner sets none for a full graph) never call
-    them."""
-    from vllm.config import CUDAGraphMode
-
-    if getattr(forward_context, "attn_metadata", None) is None:
-        return False
-    return getattr(forward_context, "cudagraph_runtime_mode", CUDAGraphMode.NONE) != CUDAGraphMode.FULL
-
-
 def paged_kv_views(layer: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``[blocks, block_size, heads, head_dim]`` views of a layer's K and V caches, for the fused
     Triton writer; ``None`` where the backend's layout or cache dtype is not one it knows."""

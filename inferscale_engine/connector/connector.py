@@ -20,7 +20,7 @@ wrapped KV write as vLLM makes it.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,12 +41,10 @@ from inferscale_engine.connector.plan import (
     parse_params,
 )
 from inferscale_engine.connector.table import InjectionTable, SpanColumns
-from inferscale_engine.kv import FactKV, LayerReady
+from inferscale_engine.kv import FactKV
 from inferscale_engine.rope import rotate
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
-
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -55,48 +53,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-class LayerLaunch(NamedTuple):
-    """Write layers ``[start, stop)`` once ``events`` have fired."""
-
-    start: int
-    stop: int
-    events: tuple[Any, ...]
-
-
-def landed_merged(ready: LayerReady) -> LayerReady:
-    """``ready`` with its groups that have already landed merged into one: layers whose copies
-    are on the device need no launch of their own (each costs ~0.1 ms of host time). Groups land
-    in order (one stream), so the landed ones are a prefix; the last of them stands for all."""
-    landed = 0
-    while landed < len(ready) and ready[landed][1].query():
-        landed += 1
-    return ready[max(landed - 1, 0) :]
-
-
-def layer_launches(pending: list[LayerReady], num_layers: int) -> list[LayerLaunch]:
-    """Fewest layer ranges such that each waits only for the copies it reads: split at every
-    group boundary of every promotion in flight."""
-    bounds = sorted({stop for ready in pending for stop, _ in ready if 0 < stop < num_layers} | {num_layers})
-    launches, start = [], 0
-    for stop in bounds:
-        # Each promotion's group holding [start, stop): its first group ending at or after stop.
-        events = tuple(next((e for s, e in ready if s >= stop), ready[-1][1]) for ready in pending)
-        launches.append(LayerLaunch(start, stop, events))
-        start = stop
-    return launches
-
-
-def _wait_on_host(events: "Iterable[torch.cuda.Event]") -> None:
-    """Block until a promotion's copy events have fired; by the time the host reaches a layer
-    group its copies have nearly always landed, and this is one query each. A device-side wait
-    instead would tie vLLM's stream to the promotion's side stream inside the forward pass; in
-    one of three H200 runs of ``scripts/h200_hosttier.py`` such waits coincided with a step
-    ~4 ms slower, in the other two they cost nothing measurable."""
-    for event in events:
-        if not event.query():
-            event.synchronize()
-
 
 class InferScaleConnector(KVConnectorBase_V1):
     def __init__(
@@ -134,12 +90,6 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._hooked_captures: list[CaptureSlots] = []
         self._matched_step = -1
         self._matches: list[tuple[CaptureBuffer, torch.Tensor, torch.Tensor]] = []
-        self._layer_index: dict[str, int] = {}
-        # Injection launches left for later layers of this step (host-tier promotions still
-        # copying), by first layer; once vLLM is seen calling wait_for_layer_load.
-        self._deferred: dict[int, LayerLaunch] = {}
-        self._step_table: InjectionTable | None = None  # what this step's launches read
-        self._layerwise = False
 
     @staticmethod
     def _find_block_size(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> int:
@@ -233,7 +183,6 @@ class InferScaleConnector(KVConnectorBase_V1):
     def _install(self, forward_context: "ForwardContext") -> None:
         """Wrap every attention layer's KV write once, to see what vLLM writes."""
         self._layers = compat.attention_layers(forward_context)
-        self._layer_index = {name: index for index, (name, _) in enumerate(self._layers)}
         for index, (name, layer) in enumerate(self._layers):
             original = layer.impl.do_kv_cache_update
             self._writers[name] = original
@@ -260,20 +209,10 @@ class InferScaleConnector(KVConnectorBase_V1):
         else:
             self._hooked_captures = meta.captures
         if meta.loads:
-            # Later layer groups may wait for wait_for_layer_load only where vLLM will call it.
-            layerwise = self._layerwise and compat.runs_layer_hooks(forward_context)
-            self._inject(meta.loads, forward_context, layerwise)
+            self._inject(meta.loads, forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Called before each attention layer runs. Most steps queued every layer's writes in
-        # start_load_kv; a step with promotions in flight left later layer groups for here.
-        index = self._layer_index.get(layer_name)
-        if index is None:
-            return
-        self._layerwise = True
-        launch = self._deferred.pop(index, None)
-        if launch is not None:
-            self._launch(launch)
+        pass  # start_load_kv queued every layer's writes ahead of the forward pass, in stream order
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         pass  # captures are read back in wait_for_save, or taken in the wrapped KV write
@@ -281,20 +220,12 @@ class InferScaleConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         if self._cache_captures:
             self._read_captures()
-        if self._deferred:  # a layer ran before its injected KV was written: never serve that
-            missed = sorted(self._deferred)
-            self._deferred, self._step_table = {}, None
-            raise RuntimeError(f"injection for layers starting at {missed} was never launched")
-        self._step_table = None
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
         self._cache_captures, self._hooked_captures = [], []
-        if self._deferred:  # a step without a forward pass (wait_for_save never ran)
-            logger.error("dropping injection launches for layers %s: no forward pass ran them", sorted(self._deferred))
-        self._deferred, self._step_table = {}, None
 
-    def _inject(self, loads: list[LoadRequest], forward_context: "ForwardContext", layerwise: bool) -> None:
+    def _inject(self, loads: list[LoadRequest], forward_context: "ForwardContext") -> None:
         # Hundreds of spans per step at large k: per span a dict lookup and a few attribute reads
         # (FactKV.layout() reads the tensors once per FactKV); the arithmetic is numpy's.
         staged = self._bridge().staged
@@ -303,7 +234,6 @@ class InferScaleConnector(KVConnectorBase_V1):
         keys, rows, positions, counts = zip(*pieces) if pieces else ((), (), (), ())
         kvs: list[FactKV] = []
         encoded_at: list[int] = []
-        pending = {}  # promotions still copying: per-layer-group events, by identity
         for key in keys:
             kv = staged.get(key)
             if kv is None:
@@ -311,8 +241,6 @@ class InferScaleConnector(KVConnectorBase_V1):
             _, _, _, layers = kv.layout()
             if layers != num_layers:
                 raise RuntimeError(f"stored KV has {layers} layers, the model has {num_layers}")
-            if kv.ready is not None:
-                pending[id(kv.ready)] = kv.ready
             kvs.append(kv)
             encoded_at.append(kv.position)
         row = np.array(rows, dtype=np.int64)
@@ -321,9 +249,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         slots = np.concatenate([load.slots(self._block_size) for load in loads])
         device = compat.layer_kv_cache(self._layers[0][1], forward_context).device
         if self._fused and device.type == "cuda" and self._fused_ready(forward_context):
-            self._inject_fused(spans, slots, device, list(pending.values()), layerwise)
+            self._inject_fused(spans, slots, device)
         else:
-            _wait_on_host([ready[-1][1] for ready in pending.values()])
             self._inject_torch(spans, slots, device, forward_context)
 
     def _paged_views(self, forward_context: "ForwardContext") -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -351,29 +278,15 @@ class InferScaleConnector(KVConnectorBase_V1):
                 self._fused_views = False
         return bool(self._fused_views)
 
-    def _inject_fused(
-        self, spans: SpanColumns, slots: np.ndarray, device: torch.device, pending: list[LayerReady], layerwise: bool
-    ) -> None:
-        table = InjectionTable.build_columns(spans, slots, device)
-        num_layers = len(self._layers)
-        if not layerwise:  # wait_for_layer_load will not run this step (or not known yet): all now
-            pending = [((num_layers, ready[-1][1]),) for ready in pending]
-        else:
-            pending = [landed_merged(ready) for ready in pending]
-        first, *later = layer_launches(pending, num_layers)
-        self._step_table = table
-        self._launch(first)
-        self._deferred = {launch.start: launch for launch in later}
-
-    def _launch(self, launch: LayerLaunch) -> None:
-        """Queue one layer range's writes once the copies they read have landed."""
+    def _inject_fused(self, spans: SpanColumns, slots: np.ndarray, device: torch.device) -> None:
+        """Rotate and write every layer's rows in one Triton launch, queued ahead of the forward
+        pass on its stream."""
         from inferscale_engine.rope_triton import inject_rows
 
-        assert self._fused_views and self._step_table is not None
+        assert self._fused_views
         key_ptrs, value_ptrs, view = self._fused_views
-        _wait_on_host(launch.events)
-        rope = self._bridge().ropes[self._layers[0][0]]
-        inject_rows(self._step_table, rope, key_ptrs, value_ptrs, view, layers=(launch.start, launch.stop))
+        table = InjectionTable.build_columns(spans, slots, device)
+        inject_rows(table, self._bridge().ropes[self._layers[0][0]], key_ptrs, value_ptrs, view)
 
     def _inject_torch(
         self, spans: SpanColumns, slots: np.ndarray, device: torch.device, forward_context: "ForwardContext"

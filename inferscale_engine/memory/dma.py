@@ -1,11 +1,11 @@
 """Host-to-device copies of many byte ranges at a fraction of a microsecond of host time each.
 
-Promoting ``k`` host-tier facts layer group by layer group takes ``groups × k`` copies. Through
-``Tensor.copy_`` each costs ~20–30 µs of host time (views, dispatch, an event recorded per
-pinned source), which would put milliseconds on the request's critical path. The CUDA runtime's
-``cudaMemcpyBatchAsync`` (CUDA ≥ 12.8) queues a whole layer group in one call; older runtimes
-get one ``cudaMemcpyAsync`` per range (a few µs each), and without a loadable runtime library
-``copy_`` does the same work, slower.
+Promoting ``k`` host-tier facts into the device slab takes a copy per run of slab pages (about
+``k`` to ``2k``). Through ``Tensor.copy_`` each costs ~20–30 µs of host time (views, dispatch, an
+event recorded per pinned source), which would put milliseconds on the request's critical path.
+The CUDA runtime's ``cudaMemcpyBatchAsync`` (CUDA ≥ 12.8) queues them all in one call; older
+runtimes get one ``cudaMemcpyAsync`` per range (a few µs each), and without a loadable runtime
+library ``copy_`` does the same work, slower.
 
 The caller keeps the sources alive (and unchanged) until the copies have run: unlike
 ``copy_``, nothing here tells PyTorch's pinned-memory allocator that a copy is in flight.
@@ -89,8 +89,8 @@ def _cudart() -> _Runtime | None:
 
 @dataclass(frozen=True)
 class Sources:
-    """Pinned host tensors to copy from, with their addresses and sizes read once: a promotion
-    copies from the same facts once per layer group."""
+    """Pinned host tensors to copy from (one per range), with their addresses and sizes read
+    once, where the tier keeps them."""
 
     tensors: Sequence[torch.Tensor]
     address: np.ndarray  # int64, as is nbytes

@@ -4,30 +4,27 @@
   ``[num_pages, layers, 2, page_tokens, kv_heads, head_dim]``: a fact of ``n`` tokens takes
   ``ceil(n / page_tokens)`` pages from a free list, so nothing is allocated per fact. On a CPU
   engine the "device" is the CPU and the slab is an ordinary tensor.
-* **Host tier** – per-fact CPU tensors, layer-major (``[layers, 2, tokens, heads, dim]``,
-  pinned when CUDA is available). Host hits are promoted together without stalling the caller:
-  on a side stream, layer group by layer group (:data:`LAYER_GROUPS`), one batch of DMAs (a
-  range per fact) per group into one device staging buffer; the KV handed out carries one CUDA
-  event per group (``FactKV.ready``), and the injection writes each group once its own event has
-  fired, so a forward pass can run its first layers while the later ones are still crossing PCIe.
-  The slab caches the promoted facts from the same staging copy, on the same side stream.
+* **Host tier** – per-fact CPU tensors in the slab's page layout (``[pages, layers, 2,
+  page_tokens, heads, dim]``, pinned when CUDA is available). A host hit is promoted by DMA
+  straight into the slab pages it gets, on a side stream: one ``cudaMemcpyBatchAsync`` for the
+  whole batch, a range per run of pages the slab has consecutive. The promoted facts are then
+  device-tier facts and are read like the others, in the same gather; that gather waits for the
+  copies on the device (stream order), so the caller never blocks on PCIe.
 * **Disk tier** – one safetensors file per fact version, written atomically (temp file in the
   same folder, fsync, ``os.replace``, fsync of the folder) and carrying the model fingerprint
   in its metadata. Disk is write-through and unbounded: every encoded fact has its file before
   it enters memory, so the memory tiers are pure caches.
 
 Memory tiers are exclusive and LRU: a ``put`` or a promotion lands on the device; the device
-evicts its least recently used fact to the host, the host drops its least recently used fact
-(the disk still holds it). ``get_many`` returns device-tier facts as views of *one copy*
-gathered from the slab for all of them (two kernels whatever ``k``), so a span in flight never
-sees its pages reused. Bytes are never converted: KV read back from any tier is
-``torch.equal`` to what was put.
+evicts its least recently used fact to the host (never one the same ``get_many`` serves), the
+host drops its least recently used fact (the disk still holds it). ``get_many`` returns its
+facts as views of *one copy* gathered from the slab for all of them (two kernels whatever
+``k``), so a span in flight never sees its pages reused. Bytes are never converted: KV read
+back from any tier is ``torch.equal`` to what was put.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
 import math
 import os
@@ -44,7 +41,7 @@ import numpy as np
 import torch
 
 from inferscale_engine.errors import StaleKVError
-from inferscale_engine.kv import FactKV, LayerReady
+from inferscale_engine.kv import FactKV
 from inferscale_engine.memory.dma import ByteCopier, Sources
 
 logger = logging.getLogger(__name__)
@@ -53,9 +50,6 @@ KVKey = tuple[str, int]  # (fact id, kv version)
 Tier = Literal["device", "host", "disk"]
 
 FILE_FORMAT = "inferscale-kv/1"
-#: Layer groups of a host-tier promotion: each has its own batch of copies and event. More
-#: groups start the forward pass sooner but cost a batch (or, before CUDA 12.8, ``k`` copies) each.
-LAYER_GROUPS = 4
 _FILE_RE = re.compile(r"^([0-9a-f]{16})-(\d+)\.safetensors$")
 
 
@@ -73,22 +67,20 @@ class _DeviceEntry:
 
 @dataclass
 class _HostEntry:
-    # Layer-major, [layers, 2, pages * page_tokens, heads, dim]: any run of layers is one
-    # contiguous range, so a promotion moves a layer group of a fact in one copy.
+    # The slab's page layout, [pages, layers, 2, page_tokens, heads, dim]: each page is one
+    # contiguous range, copied by DMA straight into a slab page.
     block: torch.Tensor
     num_tokens: int
     position: int
     fingerprint: str
-    # The block's geometry, read once: a promotion of k facts would otherwise ask torch for it
-    # several times per fact, on the request's path. The block is never replaced or resized.
-    shape: tuple[int, ...] = field(init=False)
-    numel: int = field(init=False)
+    # Read once: a promotion of k facts would otherwise ask torch for them per fact, on the
+    # request's path. The block is never replaced or resized.
+    pages: int = field(init=False)
     nbytes: int = field(init=False)
     address: int = field(init=False)
 
     def __post_init__(self) -> None:
-        block = self.block
-        self.shape, self.numel, self.nbytes, self.address = tuple(block.shape), block.numel(), block.nbytes, block.data_ptr()
+        self.pages, self.nbytes, self.address = self.block.shape[0], self.block.nbytes, self.block.data_ptr()
 
 
 class KVTiers:
@@ -122,12 +114,14 @@ class KVTiers:
         self._device: OrderedDict[KVKey, _DeviceEntry] = OrderedDict()
         self._host: OrderedDict[KVKey, _HostEntry] = OrderedDict()
         self._host_used = 0
-        # CUDA: promotions copy and write the slab on a side stream; slab readers on the
-        # caller's stream wait for the last such write, and host sources stay referenced until
-        # their copies have run.
+        # CUDA: promotions copy into the slab on a side stream. Slab readers and writers on the
+        # caller's stream wait for the last such copy; a copy waits for the caller's last slab
+        # access (it may reuse the pages that one read), not for all the caller's queued work;
+        # host sources stay referenced until their copies have run.
         self._side: torch.cuda.Stream | None = None
         self._copier: ByteCopier | None = None
         self._slab_written: torch.cuda.Event | None = None
+        self._slab_used: torch.cuda.Event | None = None
         self._in_flight: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
         self.counters = {
             "disk_writes": 0, "disk_reads": 0, "host_to_device": 0, "device_to_host": 0, "host_drops": 0,
@@ -148,9 +142,10 @@ class KVTiers:
         return self.get_many([key], fingerprint)[0]
 
     def get_many(self, keys: list[KVKey], fingerprint: str) -> list[FactKV]:
-        """KV of each key on the device, for injection: device-tier facts as views of one
-        gathered copy, host-tier facts promoted (asynchronously on CUDA: their KV carries
-        per-layer-group ``ready`` events), disk-tier facts read and cached on the device.
+        """KV of each key on the device, for injection, as views of one copy gathered from the
+        slab: host-tier facts are promoted into the slab first (asynchronously on CUDA: the
+        gather waits for their copies on the device, not on the host), disk-tier facts are read
+        and cached on the device.
 
         Raises :class:`KVMissingError` when no tier has a key and :class:`StaleKVError` when
         its stored KV was made under another model fingerprint.
@@ -172,11 +167,15 @@ class KVTiers:
                 if host is not None:
                     _check_fingerprint(key, host.fingerprint, fingerprint, "host tier")
                     on_host.setdefault(key, []).append(i)
+            if on_host:
+                promoted, served = self._promote(list(on_host), keep={keys[i] for i, _ in on_device})
+                for key, entry in promoted.items():
+                    on_device.extend((i, entry) for i in on_host[key])
+                for key, kv in served.items():
+                    for i in on_host[key]:
+                        out[i] = kv
             for (i, _), kv in zip(on_device, self._read_device([e for _, e in on_device])):
                 out[i] = kv
-            for key, kv in zip(on_host, self._promote(list(on_host))):
-                for i in on_host[key]:
-                    out[i] = kv
         for i, key in enumerate(keys):
             if out[i] is None:
                 out[i] = self._get_from_disk(key, fingerprint)
@@ -319,127 +318,71 @@ class KVTiers:
         # Too large for the slab: served from the file (the host tier may keep a copy).
         return FactKV(k.to(self.device), v.to(self.device), position)
 
-    def _promote(self, keys: list[KVKey]) -> list[FactKV]:
-        """Move host-tier facts to the device (lock held) and return their KV without waiting
-        for the copies: views of one staging copy, which the slab then caches."""
-        if not keys:
-            return []
-        hosts = [self._host.pop(key) for key in keys]
-        for h in hosts:
+    def _promote(
+        self, keys: list[KVKey], keep: set[KVKey]
+    ) -> tuple[dict[KVKey, _DeviceEntry], dict[KVKey, FactKV]]:
+        """Move host-tier facts into slab pages (lock held), evicting device facts not in
+        ``keep`` as needed; return the new device entries, and the KV of facts the slab could
+        not take, which stay on the host and are served from there."""
+        placed: list[tuple[KVKey, _HostEntry, list[int]]] = []
+        served: dict[KVKey, FactKV] = {}
+        for key in keys:
+            h = self._host.pop(key)
             self._host_used -= h.nbytes
-        placed = self._place(keys, hosts)
-        # Facts of one shape side by side in the staging buffer: each run of one page count goes
-        # to the slab in one write, and each run of one shape is handed out in two view ops.
-        order = sorted(range(len(hosts)), key=lambda i: _shape_of(hosts[i]))
-        offsets = [0] * len(hosts)
-        total = 0
-        for i in order:
-            offsets[i] = total
-            total += hosts[i].numel
-        cuda = self.device.type == "cuda"
-        caller = torch.cuda.current_stream(self.device) if cuda else None
-        side = self._side_stream() if cuda else None
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            staging = torch.empty(total, dtype=hosts[0].block.dtype, device=self.device)
-            ready: LayerReady = ()
-            if side is not None:
-                ready = self._upload(hosts, order, offsets, staging, side)
-            else:
-                for h, o in zip(hosts, offsets):
-                    staging[o : o + h.numel].view(h.shape).copy_(h.block)
-            if placed:
-                if side is not None:  # after the caller's reads of pages this write may reuse
-                    side.wait_stream(caller)  # type: ignore[arg-type]
-                self._write_promoted(keys, hosts, placed, order, offsets, staging)
-                if side is not None:
-                    self._slab_written = torch.cuda.Event()
-                    self._slab_written.record(side)
-        if side is not None:
-            staging.record_stream(caller)  # type: ignore[arg-type]
-            done = torch.cuda.Event()
-            done.record(side)
-            self._in_flight.append((done, [h.block for h in hosts]))
-        for key, h in zip(keys, hosts):
-            if key in placed:
-                self._device[key] = _DeviceEntry(placed[key], h.num_tokens, h.position, h.fingerprint)
-        self.counters["host_to_device"] += len(placed)
-        out: list[FactKV | None] = [None] * len(hosts)
-        for run, ks, vs in _promoted_views(staging, hosts, order, offsets):
-            facts = FactKV.cut_alike(ks, vs, [hosts[i].position for i in run], ready or None)
-            for i, fact in zip(run, facts):
-                out[i] = fact
-        return out  # type: ignore[return-value]
-
-    def _place(self, keys: list[KVKey], hosts: list[_HostEntry]) -> dict[KVKey, list[int]]:
-        """Slab pages for each promoted fact, evicting older entries as needed (lock held); a
-        fact the slab cannot take stays on the host."""
-        placed: dict[KVKey, list[int]] = {}
-        for key, h in zip(keys, hosts):
-            m = h.shape[2] // self.page_tokens
-            # Only entries from before this batch may be evicted: the batch's own pages are not
-            # written yet.
-            while len(self._free) < m and self._device:
-                self._evict_device(next(iter(self._device)))
-            if self._slab is None or len(self._free) < m:
-                self._host[key] = h
-                self._host_used += h.nbytes
+            while len(self._free) < h.pages:
+                victim = next((k for k in self._device if k not in keep), None)
+                if victim is None:
+                    break
+                self._evict_device(victim)
+            if self._slab is None or len(self._free) < h.pages:
+                self._keep_on_host(key, h)
+                pages = h.block.to(self.device, non_blocking=h.block.is_pinned(), copy=True)
+                served[key] = self._hand_out(pages, [(h.num_tokens, h.pages, h.position)])[0]
                 continue
-            placed[key] = [self._free.pop() for _ in range(m)]
-        return placed
+            placed.append((key, h, [self._free.pop() for _ in range(h.pages)]))
+        if placed:
+            self._copy_to_slab(placed)
+        promoted = {}
+        for key, h, pages in placed:
+            promoted[key] = self._device[key] = _DeviceEntry(pages, h.num_tokens, h.position, h.fingerprint)
+        self.counters["host_to_device"] += len(placed)
+        return promoted, served
 
-    def _upload(
-        self, hosts: list[_HostEntry], order: list[int], offsets: list[int], staging: torch.Tensor,
-        side: torch.cuda.Stream,
-    ) -> LayerReady:
-        """Queue the copies on ``side``, layer group by layer group: one batch and one event per
-        group."""
+    def _copy_to_slab(self, placed: list[tuple[KVKey, _HostEntry, list[int]]]) -> None:
+        """Copy host blocks into their slab pages: on CUDA one batch of DMAs on the side stream,
+        a range per run of pages that lie one after the other in both the block and the slab."""
+        assert self._slab is not None
+        if self.device.type != "cuda":
+            pages = [p for _, _, ps in placed for p in ps]
+            self._slab.index_copy_(0, self._index(pages), torch.cat([h.block for _, h, _ in placed]))
+            return
+        page_bytes = self._slab[0].nbytes
+        counts = np.array([len(ps) for _, _, ps in placed], dtype=np.int64)
+        fact = np.repeat(np.arange(len(placed)), counts)  # which fact each page belongs to
+        first_page = np.repeat(np.cumsum(counts) - counts, counts)
+        src = (np.arange(len(fact)) - first_page) * page_bytes  # byte offset in its host block
+        dst = np.fromiter((p for _, _, ps in placed for p in ps), dtype=np.int64, count=len(fact)) * page_bytes
+        run_start = np.ones(len(fact), dtype=bool)
+        run_start[1:] = (fact[1:] != fact[:-1]) | (dst[1:] != dst[:-1] + page_bytes)
+        starts = np.flatnonzero(run_start)
+        sizes = np.diff(np.append(starts, len(fact))) * page_bytes
+        blocks = [h.block for _, h, _ in placed]
+        owner = fact[starts]
+        srcs = Sources(
+            [blocks[i] for i in owner.tolist()],
+            np.array([h.address for _, h, _ in placed], dtype=np.int64)[owner],
+            np.array([h.nbytes for _, h, _ in placed], dtype=np.int64)[owner],
+        )
+        side = self._side_stream()
         if self._copier is None:
             self._copier = ByteCopier(side)
-        layers = hosts[0].shape[0]
-        srcs = Sources(
-            [hosts[i].block for i in order],
-            np.array([hosts[i].address for i in order], dtype=np.int64),
-            np.array([hosts[i].nbytes for i in order], dtype=np.int64),
-        )
-        per_layer = srcs.nbytes // layers
-        dst = np.array([offsets[i] for i in order], dtype=np.int64) * staging.element_size()
-        groups = min(LAYER_GROUPS, layers)
-        ready = []
-        start = 0
-        for stop in [round(layers * (g + 1) / groups) for g in range(groups)]:
-            first = start * per_layer
-            self._copier.copy(staging, dst + first, srcs, first, (stop - start) * per_layer)
-            event = torch.cuda.Event()
-            event.record(side)
-            ready.append((stop, event))
-            start = stop
-        return tuple(ready)
-
-    def _write_promoted(
-        self, keys: list[KVKey], hosts: list[_HostEntry], placed: dict[KVKey, list[int]], order: list[int],
-        offsets: list[int], staging: torch.Tensor,
-    ) -> None:
-        """Write the placed facts' pages from the staging copy to the slab: per run of one page
-        count, one indexed write straight from the staging layout (no relayout copy first)."""
-        assert self._slab is not None
-        pt = self.page_tokens
-        runs = [list(run) for _, run in itertools.groupby(order, key=lambda i: hosts[i].shape[2])]
-        index = self._index([p for run in runs for i in run for p in placed.get(keys[i], ())])
-        used = 0
-        for run in runs:
-            first = hosts[run[0]]
-            layers, _, tokens, heads, dim = first.shape
-            m = tokens // pt
-            start = offsets[run[0]]
-            pages = (staging[start : start + len(run) * first.numel]
-                     .view(len(run), layers, 2, m, pt, heads, dim).permute(0, 3, 1, 2, 4, 5, 6))
-            kept = [r for r, i in enumerate(run) if keys[i] in placed]
-            if not kept:
-                continue
-            if len(kept) < len(run):  # the slab is full: some facts of this run stay on the host
-                pages = pages.index_select(0, self._index(kept))
-            self._slab.index_put_((index[used : used + len(kept) * m].view(len(kept), m),), pages)
-            used += len(kept) * m
+        if self._slab_used is not None:  # the pages may have been read or written there last
+            side.wait_event(self._slab_used)
+        self._copier.copy(self._slab, dst[starts], srcs, src[starts], sizes)
+        written = torch.cuda.Event()
+        written.record(side)
+        self._slab_written = written
+        self._in_flight.append((written, blocks))
 
     def _read_device(self, entries: list[_DeviceEntry]) -> list[FactKV]:
         """Every entry's KV as views of one copy of their pages (lock held): one gather and one
@@ -448,43 +391,54 @@ class KVTiers:
             return []
         assert self._slab is not None
         self._after_slab_writes()
-        index = self._index([p for e in entries for p in e.pages])
+        pages = self._slab.index_select(0, self._index([p for e in entries for p in e.pages]))
+        self._used_slab()
+        return self._hand_out(pages, [(e.num_tokens, len(e.pages), e.position) for e in entries])
+
+    def _hand_out(self, pages: torch.Tensor, facts: list[tuple[int, int, int]]) -> list[FactKV]:
+        """FactKVs of facts laid out one after the other in ``pages`` (page layout), given as
+        ``(tokens, pages, position)`` each."""
         # [2, layers, tokens, heads, dim], contiguous from offset 0 (a one-page gather could
         # otherwise come back as a strided view).
-        block = self._pages_to_block(self._slab.index_select(0, index)).contiguous()
+        block = self._pages_to_block(pages).contiguous()
         # Each fact's rows, then its page padding, along the token axis: two splits hand out
         # every fact's K and V (k=200 facts a request; one op per tensor would cost ~1 ms).
-        sizes = [n for e in entries for n in (e.num_tokens, len(e.pages) * self.page_tokens - e.num_tokens)]
+        pt = self.page_tokens
+        sizes = [n for tokens, m, _ in facts for n in (tokens, m * pt - tokens)]
         ks, vs = block[0].split(sizes, dim=1)[::2], block[1].split(sizes, dim=1)[::2]
-        return FactKV.cut_alike(ks, vs, [e.position for e in entries])
+        return FactKV.cut_alike(ks, vs, [position for _, _, position in facts])
 
     def _insert(self, key: KVKey, pages: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
         """Cache a fact's pages on the device slab (lock held)."""
         need = pages.shape[0]
         if self._slab is None or need > self._slab.shape[0]:  # larger than the whole slab: the host serves it
-            self._insert_host(key, self._pages_to_fact(pages), n, position, fingerprint)
+            self._insert_host(key, pages, n, position, fingerprint)
             return
         while len(self._free) < need:
             self._evict_device(next(iter(self._device)))
         slots = [self._free.pop() for _ in range(need)]
         self._after_slab_writes()
         self._slab.index_copy_(0, self._index(slots), pages.to(self.device, non_blocking=pages.is_pinned()))
+        self._used_slab()
         self._device[key] = _DeviceEntry(slots, n, position, fingerprint)
 
     def _evict_device(self, key: KVKey) -> None:
         entry = self._device.pop(key)
         self._after_slab_writes()
-        block = self._pages_to_fact(self._slab.index_select(0, self._index(entry.pages))).to("cpu")  # type: ignore[union-attr]
+        pages = self._slab.index_select(0, self._index(entry.pages)).to("cpu")  # type: ignore[union-attr]
         self._free.extend(entry.pages)
         self.counters["device_to_host"] += 1
-        self._insert_host(key, block, entry.num_tokens, entry.position, entry.fingerprint)
+        self._insert_host(key, pages, entry.num_tokens, entry.position, entry.fingerprint)
 
-    def _insert_host(self, key: KVKey, block: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
+    def _insert_host(self, key: KVKey, pages: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
         # Own copy: the caller's tensor (or the slab pages it came from) may change later.
-        block = block.to("cpu", copy=True).contiguous()
+        block = pages.to("cpu", copy=True).contiguous()
         if self.pin_memory:
             block = block.pin_memory()
-        entry = _HostEntry(block, n, position, fingerprint)
+        self._keep_on_host(key, _HostEntry(block, n, position, fingerprint))
+
+    def _keep_on_host(self, key: KVKey, entry: _HostEntry) -> None:
+        """Put ``entry`` in the host tier, dropping least recently used ones to make room."""
         if entry.nbytes > self.host_bytes:
             self.counters["host_drops"] += 1
             return  # the disk has it
@@ -498,6 +452,13 @@ class KVTiers:
         """Order the caller's stream after the last promotion's slab write (side stream)."""
         if self._slab_written is not None:
             torch.cuda.current_stream(self.device).wait_event(self._slab_written)
+
+    def _used_slab(self) -> None:
+        """Mark the caller's last slab access: promotions reusing pages wait for it."""
+        if self.device.type == "cuda":
+            used = torch.cuda.Event()
+            used.record(torch.cuda.current_stream(self.device))
+            self._slab_used = used
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._side is None:
@@ -535,12 +496,6 @@ class KVTiers:
     def _pages_to_block(pages: torch.Tensor) -> torch.Tensor:
         m, layers, _, pt, heads, dim = pages.shape
         return pages.permute(2, 1, 0, 3, 4, 5).reshape(2, layers, m * pt, heads, dim)
-
-    @staticmethod
-    def _pages_to_fact(pages: torch.Tensor) -> torch.Tensor:
-        """Page layout to the host tier's ``[layers, 2, m * page_tokens, heads, dim]``."""
-        m, layers, _, pt, heads, dim = pages.shape
-        return pages.permute(1, 2, 0, 3, 4, 5).reshape(layers, 2, m * pt, heads, dim)
 
     # ------------------------------------------------------------------ disk tier
 
@@ -595,29 +550,6 @@ class KVTiers:
             raise KVMissingError(f"KV file {path.name} is inconsistent")
         self.counters["disk_reads"] += 1
         return k, v, int(meta["position"])
-
-
-def _promoted_views(
-    staging: torch.Tensor, hosts: list[_HostEntry], order: list[int], offsets: list[int]
-) -> list[tuple[list[int], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
-    """Facts of the staging copy and their K and V views, per run of facts of one shape (host
-    block and token count) in ``order``: each fact is its host block's ``[layers, 2, tokens,
-    heads, dim]`` at its offset, so a run is one ``[facts, layers, 2, tokens, heads, dim]``
-    tensor, unbound — two view ops per run instead of two per fact."""
-    out = []
-    for _, group in itertools.groupby(order, key=lambda i: _shape_of(hosts[i])):
-        run = list(group)
-        first = hosts[run[0]]
-        start = offsets[run[0]]
-        views = staging[start : start + len(run) * first.numel].view(len(run), *first.shape)
-        rows = views[:, :, :, : first.num_tokens]
-        out.append((run, rows[:, :, 0].unbind(0), rows[:, :, 1].unbind(0)))
-    return out
-
-
-def _shape_of(h: _HostEntry) -> tuple[int, int]:
-    """Padded and real token counts: facts equal in both are laid out and viewed alike."""
-    return h.shape[2], h.num_tokens
 
 
 def _check_fingerprint(key: KVKey, found: str | None, expected: str, where: str) -> None:
