@@ -202,6 +202,12 @@ class InferScaleEngine:
             self._memory.close()
         self.loop.close()
         drop_bridge(self.bridge.id)
+        if self.loop.running:
+            # A step outlived close()'s wait: tearing vLLM down under it is not safe. Its
+            # process-global state then goes whenever vLLM's own finalizer runs (see below).
+            logger.warning("vLLM engine loop did not stop; leaving vLLM's teardown to garbage collection")
+        else:
+            _shutdown_vllm(self._vllm)
         compat.release_worker_connector()
         del self._vllm
 
@@ -513,6 +519,31 @@ class _Accumulator:
             first_logprobs=first,
         )
         return StreamDelta(text, result)
+
+
+def _shutdown_vllm(vllm_engine: Any) -> None:
+    """Tear down an in-process vLLM engine now rather than whenever it is garbage-collected.
+
+    vLLM's in-process client registers ``weakref.finalize(self, engine_core.shutdown)``
+    (vllm/v1/engine/core_client.py, ``InprocClient.__init__``), and ``EngineCore.shutdown`` ends
+    in ``cleanup_dist_env_and_memory()`` (vllm/v1/engine/core.py), which destroys the
+    *process-global* tensor/pipeline-parallel and world groups and torch.distributed's process
+    group; the worker's shutdown also drops the process-global KV connector. So a closed engine
+    whose ``LLMEngine`` is still reachable (a reference cycle, vLLM's ``gc.freeze()`` of the
+    startup heap) tears down the state of the *next* engine in this process when it is finally
+    collected: during that engine's construction (vLLM's loader calls ``gc.collect()`` between
+    creating the parallel groups and creating the KV connector: "tensor model parallel group is
+    not initialized") or while it serves. ``InprocClient.shutdown`` detaches that finalizer before
+    shutting down, so the teardown happens here, once, while the state is still this engine's.
+    """
+    client = getattr(vllm_engine, "engine_core", None)
+    shutdown = getattr(client, "shutdown", None)
+    if shutdown is None:  # a multiprocess client owns no state in this process; its own finalizer stops it
+        return
+    try:
+        shutdown()
+    except Exception:
+        logger.exception("vLLM engine shutdown failed")
 
 
 def _check_seed(seed: Any) -> None:

@@ -61,6 +61,11 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    @property
+    def running(self) -> bool:
+        """Whether the loop thread is still alive (after ``close()``: a step outlived its wait)."""
+        return self._thread.is_alive()
+
     def close(self) -> None:
         if not self._closed:
             self._closed = True

@@ -112,7 +112,7 @@ def test_throughput_quick(tmp_path, tiny_llama):
 def test_tiers_quick(tmp_path, tiny_llama):
     data = _run(tmp_path, "tiers", [*_tiny(tiny_llama), "--k", "4", "--repeats", "2", "--fact-tokens", "20"])
     rows = {r["tier"]: r for r in data["results"]}
-    assert set(rows) == {"device", "host", "disk", "prompt"}
+    assert set(rows) == {"device", "host", "disk", "host-slab-full", "prompt"}
     for tier, r in rows.items():
         assert r["k"] == 4 and r["device"] == "cpu"
         assert _finite_positive(r["ttft_ms_p50"]) and r["ttft_ms_p50"] >= r["promote_ms_p50"]

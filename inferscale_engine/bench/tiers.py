@@ -7,6 +7,9 @@ into the device slab asynchronously, then one gather from the slab that waits fo
 on the device) plus an injected request of those spans (``max_tokens=1``). Spans get fresh keys every time so
 vLLM's prefix cache never serves them: each request really injects.
 
+``host-slab-full`` is the host tier in steady state: the device slab holds exactly ``k`` facts,
+all of them other facts, so the promotion first evicts ``k`` facts to the host.
+
 ``disk`` reads are cold by default: each fact file's pages are dropped from the OS page cache
 (``posix_fadvise(DONTNEED)``, per file, harmless to other processes) before the timed read;
 ``warm_disk=True`` keeps them cached (a disk tier that fits in RAM).
@@ -29,6 +32,8 @@ if TYPE_CHECKING:
     from inferscale_engine.engine import InferScaleEngine
 
 TIERS = ("device", "host", "disk")
+#: The host tier when the slab is full of other facts: each promotion evicts as many.
+HOST_SLAB_FULL = "host-slab-full"
 #: Row of the same prompt with the facts pasted as text (prefilled, nothing injected): the baseline.
 PROMPT = "prompt"
 
@@ -63,7 +68,8 @@ def run_tiers(
     host time is ``promote_ms``) + the engine's time to first token; ``tier_answers_differ`` counts repeats whose greedy token was
     not the same from every tier (must be 0), ``tier_max_logprob_diff`` the largest difference
     of a top-5 first-token logprob from the device tier's (must be 0: same bytes). Tiers interleave per repeat so
-    drift hits them alike, each after a short request. An extra ``tier="prompt"`` row is the baseline: the same number of
+    drift hits them alike, each after a short request. ``tier="host-slab-full"`` is the host tier with a slab full of other
+    facts (each promotion evicts ``k``). An extra ``tier="prompt"`` row is the baseline: the same number of
     facts pasted as text and prefilled (no tier, nothing injected).
     """
     import torch
@@ -73,7 +79,8 @@ def run_tiers(
 
     kmax = max(ks)
     # Twice the facts needed: the prompt baseline samples k of them in random order, so vLLM's
-    # prefix cache cannot serve its facts from an earlier repeat.
+    # prefix cache cannot serve its facts from an earlier repeat, and the full slab is filled
+    # with the other half.
     work = SyntheticWorkload.build(engine, pool=max(2 * kmax, 16), fact_tokens=fact_tokens, head_tokens=head_tokens,
                                    question_tokens=question_tokens, seed=seed)
     device = "cuda" if engine.config.device == "cuda" else "cpu"
@@ -87,9 +94,11 @@ def run_tiers(
     tmp = tempfile.mkdtemp(prefix="inferscale-tiers-", dir=root)
     tiers = KVTiers(tmp, device=device, device_bytes=capacity, host_bytes=capacity, page_tokens=page_tokens)
     fp = engine.fingerprint
-    keys = [(f"{i:016x}", 1) for i in range(kmax)]
+    keys = [(f"{i:016x}", 1) for i in range(2 * kmax)]
     for key, span in zip(keys, work.facts):
         tiers.put(key, span.kv, fp)
+    fillers = keys[kmax:]
+    keys = keys[:kmax]
 
     def sync() -> None:
         if cuda:
@@ -108,14 +117,24 @@ def run_tiers(
         if where != {tier}:
             raise RuntimeError(f"facts meant for the {tier} tier sit in {sorted(map(str, where))}")
 
+    def fill_slab(k: int) -> KVTiers:
+        """Tiers over the same files whose slab holds exactly ``k`` facts: the fillers, with the
+        measured facts on the host."""
+        full = KVTiers(tmp, device=device, device_bytes=k * fact_bytes, host_bytes=capacity, page_tokens=page_tokens)
+        full.get_many(keys[:k], fp)
+        full.get_many(fillers[:k], fp)
+        return full
+
     rows = []
     serial = 0
     try:
         for k in ks:
             picked_keys = keys[:k]
             picked_ids = work.fact_ids[:k]
-            ttft: dict[str, list[float]] = {t: [] for t in (*TIERS, PROMPT)}
-            promote: dict[str, list[float]] = {t: [] for t in (*TIERS, PROMPT)}
+            names = (*TIERS, HOST_SLAB_FULL, PROMPT)
+            ttft: dict[str, list[float]] = {t: [] for t in names}
+            promote: dict[str, list[float]] = {t: [] for t in names}
+            full = fill_slab(k)
             mismatches = 0
             worst = 0.0  # largest top-5 logprob difference of any tier from the device tier
             for rep in tqdm(range(warmup + repeats), desc=f"tiers k={k}", leave=False):
@@ -131,11 +150,18 @@ def run_tiers(
                 question = work.question()
                 answers = set()
                 logprobs: dict[str, dict[int, float]] = {}
-                order = TIERS if rep % 2 == 0 else ("host", "device", *TIERS[2:])
+                order = (*TIERS, HOST_SLAB_FULL) if rep % 2 == 0 else ("host", "device", *TIERS[2:], HOST_SLAB_FULL)
                 for tier in order:
-                    move_to(tier, picked_keys)
+                    store = full if tier == HOST_SLAB_FULL else tiers
+                    if tier == HOST_SLAB_FULL:
+                        full.get_many(fillers[:k], fp)  # evicts the measured facts to the host
+                        sync()
+                        if {full.where(key) for key in picked_keys} != {"host"}:
+                            raise RuntimeError("facts meant for the host tier of a full slab are elsewhere")
+                    else:
+                        move_to(tier, picked_keys)
                     t0 = time.perf_counter()
-                    kvs = tiers.get_many(picked_keys, fp)  # host copies may still be in flight: no sync
+                    kvs = store.get_many(picked_keys, fp)  # host copies may still be in flight: no sync
                     t_promote = time.perf_counter() - t0
                     serial += 1
                     spans = [Span(f"tiers:{serial}:{i}", tuple(ids), kv) for i, (ids, kv) in enumerate(zip(picked_ids, kvs))]
@@ -150,10 +176,10 @@ def run_tiers(
                         promote[tier].append(t_promote)
                 # Same KV bytes from every tier: the same greedy token, or a tier serves wrong KV.
                 mismatches += len(answers) > 1
-                for tier in TIERS[1:]:
+                for tier in (*TIERS[1:], HOST_SLAB_FULL):
                     worst = max(worst, max((abs(logprobs[tier].get(t, math.inf) - lp)
                                             for t, lp in logprobs[TIERS[0]].items()), default=0.0))
-            for tier in (*TIERS, PROMPT):
+            for tier in names:
                 rows.append({
                     "tier": tier, "k": k,
                     "ttft_ms_p50": 1e3 * median(ttft[tier]), "ttft_ms_p95": 1e3 * percentile(ttft[tier], 95),
