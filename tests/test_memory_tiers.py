@@ -154,6 +154,25 @@ def test_promotion_never_evicts_a_fact_its_own_batch_serves(tmp_path):
     assert [tiers.where(k) for k in kvs] == ["host", "device", "device"]
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+def test_host_tier_pins_chunks_as_it_fills_and_facts_may_span_them(tmp_path, monkeypatch, device):
+    from inferscale_engine.memory import tiers as tiers_mod
+
+    monkeypatch.setattr(tiers_mod, "HOST_CHUNK_BYTES", 2 * page_bytes())  # two pages a chunk
+    tiers = KVTiers(tmp_path, device=device, device_bytes=page_bytes() * 3, host_bytes=1 << 30, page_tokens=PT)
+    kvs = {key(i): make_kv(n, i, position=i) for i, n in enumerate([9, 3, 6, 12, 1])}  # 3, 1, 2, 3, 1 pages
+    for k, kv in kvs.items():
+        tiers.put(k, kv, FP)
+        tiers.evict(k, to="host")
+    s = tiers.stats()
+    assert s["host_bytes"] == 10 * page_bytes() and s["host_bytes_allocated"] == 10 * page_bytes()  # not 1 GiB
+    for k, kv in kvs.items():  # each promotion evicts the one before: pages move both ways
+        assert_same(tiers.get(k, FP), kv)
+    tiers.drop_memory()
+    for k, kv in kvs.items():
+        assert_same(tiers.get(k, FP), kv)
+
+
 def _cuda_facts(layers: int, lengths: list[int]) -> dict[tuple[str, int], FactKV]:
     g = torch.Generator().manual_seed(0)
     kvs = {}
@@ -213,14 +232,19 @@ def test_cuda_byte_copier_lands_every_range(path):
     dst = torch.zeros(8192, dtype=torch.uint8, device="cuda")
     src_offsets, sizes = np.array([100, 0, 3]), np.array([3000, 100, 4])
     dst_offsets = np.array([0, 5000, 8188])
-    copier.copy(dst, dst_offsets, srcs, src_offsets, sizes)
+    copier.copy(Sources.of([dst] * 3), dst_offsets, srcs, src_offsets, sizes)
     copier.stream.synchronize()
     want = torch.zeros(8192, dtype=torch.uint8)
     for src, d, s, n in zip(srcs.tensors, dst_offsets, src_offsets, sizes):
         want[d : d + n] = src[s : s + n]
     assert torch.equal(dst.cpu(), want)
+    # And back down, into two pinned tensors.
+    down = [torch.zeros(3000, dtype=torch.uint8).pin_memory(), torch.zeros(8, dtype=torch.uint8).pin_memory()]
+    copier.copy(Sources.of(down), np.array([0, 4]), Sources.of([dst, dst]), np.array([0, 8188]), np.array([3000, 4]))
+    copier.stream.synchronize()
+    assert torch.equal(down[0], want[:3000]) and torch.equal(down[1][4:], want[8188:])
     with pytest.raises(ValueError, match="outside"):  # one byte past the end of dst
-        copier.copy(dst, np.array([8189]), Sources.of(srcs.tensors[:1]), np.array([0]), np.array([4]))
+        copier.copy(Sources.of([dst]), np.array([8189]), Sources.of(srcs.tensors[:1]), np.array([0]), np.array([4]))
 
 
 def test_get_many_fails_whole_on_a_missing_key(tmp_path):
@@ -401,3 +425,26 @@ def test_geometry_mismatch_rejected(tmp_path):
     bad = FactKV(torch.zeros(LAYERS + 1, 3, HEADS, DIM), torch.zeros(LAYERS + 1, 3, HEADS, DIM), 0)
     with pytest.raises(ValueError, match="geometry"):
         tiers.put(key(1), bad, FP)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_eviction_does_not_wait_for_the_callers_queued_work(tmp_path):
+    kvs = _cuda_facts(4, [28, 28, 28])  # 2 pages each; the slab holds two facts
+    a, b, c = kvs
+    page = 4 * 2 * 16 * 8 * 128 * 2
+    tiers = KVTiers(tmp_path, device="cuda", device_bytes=4 * page, host_bytes=64 << 20, page_tokens=16)
+    tiers.put(c, kvs[c], FP)
+    tiers.evict(c, to="host")
+    for k in (a, b):
+        tiers.put(k, kvs[k], FP)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # ~50 ms of work queued on the caller's stream
+    slept = torch.cuda.Event()
+    slept.record()
+    got = tiers.get_many([c], FP)  # evicts a to the host and promotes c into its pages
+    assert not slept.query(), "get_many waited for the caller's queued work"
+    assert [tiers.where(k) for k in (a, b, c)] == ["host", "device", "device"]
+    assert torch.equal(got[0].k.cpu(), kvs[c].k) and torch.equal(got[0].v.cpu(), kvs[c].v)
+    for k in (a, b, c):
+        kv = tiers.get(k, FP)
+        assert torch.equal(kv.k.cpu(), kvs[k].k) and torch.equal(kv.v.cpu(), kvs[k].v)

@@ -1,14 +1,15 @@
-"""Host-to-device copies of many byte ranges at a fraction of a microsecond of host time each.
+"""Copies of many byte ranges between pinned host memory and the device, at a fraction of a
+microsecond of host time each.
 
-Promoting ``k`` host-tier facts into the device slab takes a copy per run of slab pages (about
+Moving ``k`` facts between the host tier and the device slab takes a copy per run of pages (about
 ``k`` to ``2k``). Through ``Tensor.copy_`` each costs ~20–30 µs of host time (views, dispatch, an
-event recorded per pinned source), which would put milliseconds on the request's critical path.
+event recorded per pinned tensor), which would put milliseconds on the request's critical path.
 The CUDA runtime's ``cudaMemcpyBatchAsync`` (CUDA ≥ 12.8) queues them all in one call; older
 runtimes get one ``cudaMemcpyAsync`` per range (a few µs each), and without a loadable runtime
 library ``copy_`` does the same work, slower.
 
-The caller keeps the sources alive (and unchanged) until the copies have run: unlike
-``copy_``, nothing here tells PyTorch's pinned-memory allocator that a copy is in flight.
+The caller keeps both sides alive (and the sources unchanged) until the copies have run:
+unlike ``copy_``, nothing here tells PyTorch's pinned-memory allocator that a copy is in flight.
 """
 
 from __future__ import annotations
@@ -83,14 +84,14 @@ def _cudart() -> _Runtime | None:
                               ctypes.c_size_t, *([ctypes.c_void_p] if fail_index else []), ctypes.c_void_p]
             batch.restype = ctypes.c_int
         return _Runtime(lib, batch, fail_index)
-    logger.info("CUDA runtime library not found by name; host-to-device copies go through torch")
+    logger.info("CUDA runtime library not found by name; host-device copies go through torch")
     return None
 
 
 @dataclass(frozen=True)
 class Sources:
-    """Pinned host tensors to copy from (one per range), with their addresses and sizes read
-    once, where the tier keeps them."""
+    """The tensor each range lies in (one entry per range), with their addresses and sizes read
+    once: all on the device, or all in pinned host memory."""
 
     tensors: Sequence[torch.Tensor]
     address: np.ndarray  # int64, as is nbytes
@@ -107,7 +108,7 @@ class Sources:
 
 
 class ByteCopier:
-    """Queue copies of byte ranges from pinned host tensors into one device tensor on ``stream``.
+    """Queue copies of byte ranges between pinned host tensors and device tensors on ``stream``.
 
     ``path`` picks how: ``"auto"`` (a batch per call where the runtime has one, else a call per
     range), ``"per-range"`` (one ``cudaMemcpyAsync`` each) or ``"torch"`` (``Tensor.copy_``);
@@ -121,30 +122,34 @@ class ByteCopier:
         self._runtime = _cudart() if path != "torch" else None
         self._batch = path == "auto" and self._runtime is not None and self._runtime.batch is not None
         device = stream.device.index if stream.device.index is not None else torch.cuda.current_device()
-        self._attributes = _MemcpyAttributes(
-            _ORDER_STREAM, _MemLocation(_LOCATION_HOST, 0), _MemLocation(_LOCATION_DEVICE, device),
-            _PREFER_OVERLAP_WITH_COMPUTE,
-        )
+        host, gpu = _MemLocation(_LOCATION_HOST, 0), _MemLocation(_LOCATION_DEVICE, device)
+        self._attributes = {  # by whether the destination is on the device
+            True: _MemcpyAttributes(_ORDER_STREAM, host, gpu, _PREFER_OVERLAP_WITH_COMPUTE),
+            False: _MemcpyAttributes(_ORDER_STREAM, gpu, host, _PREFER_OVERLAP_WITH_COMPUTE),
+        }
         self._first_attribute = np.zeros(1, dtype=np.uint64)  # attrsIdxs: one attribute for all
 
     def copy(
-        self, dst: torch.Tensor, dst_offsets: np.ndarray, srcs: Sources, src_offsets: np.ndarray, sizes: np.ndarray
+        self, dsts: Sources, dst_offsets: np.ndarray, srcs: Sources, src_offsets: np.ndarray, sizes: np.ndarray
     ) -> None:
         """Copy ``sizes[i]`` bytes of ``srcs.tensors[i]``, from byte ``src_offsets[i]``, into
-        ``dst`` at byte ``dst_offsets[i]``, for every ``i`` (int64 arrays), in one batch where
-        the runtime can."""
-        if not len(srcs.tensors):
+        ``dsts.tensors[i]`` at byte ``dst_offsets[i]``, for every ``i`` (int64 arrays), in one
+        batch where the runtime can. Host to device or device to host, one direction per call."""
+        if not len(sizes):
             return
-        if ((sizes < 0) | (dst_offsets < 0) | (src_offsets < 0) | (dst_offsets + sizes > dst.nbytes)
+        if ((sizes < 0) | (dst_offsets < 0) | (src_offsets < 0) | (dst_offsets + sizes > dsts.nbytes)
                 | (src_offsets + sizes > srcs.nbytes)).any():
             raise ValueError("copy range outside its tensor")
+        to_device = dsts.tensors[0].is_cuda  # the first of each side stands for all: checking every one costs µs
+        if srcs.tensors[0].is_cuda == to_device:
+            raise ValueError("copies go host to device or device to host")
         runtime = self._runtime
         if runtime is None:
-            self._copy_torch(dst, dst_offsets, srcs.tensors, src_offsets, sizes)
+            self._copy_torch(dsts.tensors, dst_offsets, srcs.tensors, src_offsets, sizes)
             return
         src_ptrs = srcs.address + src_offsets
-        dst_ptrs = dst.data_ptr() + dst_offsets
-        if self._batch and self._copy_batch(runtime, dst_ptrs, src_ptrs, sizes):
+        dst_ptrs = dsts.address + dst_offsets
+        if self._batch and self._copy_batch(runtime, dst_ptrs, src_ptrs, sizes, to_device):
             return
         memcpy, stream = runtime.lib.cudaMemcpyAsync, self.stream.cuda_stream
         for d, s, n in zip(dst_ptrs.tolist(), src_ptrs.tolist(), sizes.tolist()):  # ints and one C call each
@@ -152,13 +157,15 @@ class ByteCopier:
             if err:
                 raise RuntimeError(f"cudaMemcpyAsync failed: {runtime.error(err)}")
 
-    def _copy_batch(self, runtime: _Runtime, dst_ptrs: np.ndarray, src_ptrs: np.ndarray, sizes: np.ndarray) -> bool:
+    def _copy_batch(
+        self, runtime: _Runtime, dst_ptrs: np.ndarray, src_ptrs: np.ndarray, sizes: np.ndarray, to_device: bool
+    ) -> bool:
         """One ``cudaMemcpyBatchAsync``; ``False`` (and per-range copies from then on) when the
         runtime refuses it, which it does before queueing anything."""
         dsts, srcs = dst_ptrs.astype(np.uint64), src_ptrs.astype(np.uint64)
         counts = sizes.astype(np.uint64)
-        args = [dsts.ctypes.data, srcs.ctypes.data, counts.ctypes.data, len(counts), ctypes.byref(self._attributes),
-                self._first_attribute.ctypes.data, 1]
+        args = [dsts.ctypes.data, srcs.ctypes.data, counts.ctypes.data, len(counts),
+                ctypes.byref(self._attributes[to_device]), self._first_attribute.ctypes.data, 1]
         if runtime.batch_fail_index:
             args.append(ctypes.byref(ctypes.c_size_t(0)))
         err = runtime.batch(*args, self.stream.cuda_stream)  # type: ignore[misc]
@@ -168,10 +175,9 @@ class ByteCopier:
         return not err
 
     def _copy_torch(
-        self, dst: torch.Tensor, dst_offsets: np.ndarray, srcs: Sequence[torch.Tensor], src_offsets: np.ndarray,
-        sizes: np.ndarray,
+        self, dsts: Sequence[torch.Tensor], dst_offsets: np.ndarray, srcs: Sequence[torch.Tensor],
+        src_offsets: np.ndarray, sizes: np.ndarray,
     ) -> None:
-        flat = dst.view(-1).view(torch.uint8)
         with torch.cuda.stream(self.stream):
-            for d, src, s, n in zip(dst_offsets.tolist(), srcs, src_offsets.tolist(), sizes.tolist()):
-                flat[d : d + n].copy_(src.view(-1).view(torch.uint8)[s : s + n], non_blocking=True)
+            for dst, d, src, s, n in zip(dsts, dst_offsets.tolist(), srcs, src_offsets.tolist(), sizes.tolist()):
+                dst.view(-1).view(torch.uint8)[d : d + n].copy_(src.view(-1).view(torch.uint8)[s : s + n], non_blocking=True)

@@ -4,12 +4,14 @@
   ``[num_pages, layers, 2, page_tokens, kv_heads, head_dim]``: a fact of ``n`` tokens takes
   ``ceil(n / page_tokens)`` pages from a free list, so nothing is allocated per fact. On a CPU
   engine the "device" is the CPU and the slab is an ordinary tensor.
-* **Host tier** – per-fact CPU tensors in the slab's page layout (``[pages, layers, 2,
-  page_tokens, heads, dim]``, pinned when CUDA is available). A host hit is promoted by DMA
-  straight into the slab pages it gets, on a side stream: one ``cudaMemcpyBatchAsync`` for the
-  whole batch, a range per run of pages the slab has consecutive. The promoted facts are then
-  device-tier facts and are read like the others, in the same gather; that gather waits for the
-  copies on the device (stream order), so the caller never blocks on PCIe.
+* **Host tier** – pages in the slab's layout in CPU memory (pinned when CUDA is available),
+  allocated :data:`HOST_CHUNK_BYTES` at a time as the tier fills, up to ``host_bytes``, with
+  their own free list. Facts move between the tiers as page copies queued on a side stream,
+  one ``cudaMemcpyBatchAsync`` per batch of facts (a range per run of consecutive pages): a
+  promotion copies host pages straight into the slab pages it takes, an eviction copies slab
+  pages down. Nothing waits on the host for either; the slab's readers and writers on the
+  caller's stream wait for the side stream's last copy on the device, and a copy waits for
+  their last access (:meth:`KVTiers._copy`).
 * **Disk tier** – one safetensors file per fact version, written atomically (temp file in the
   same folder, fsync, ``os.replace``, fsync of the folder) and carrying the model fingerprint
   in its metadata. Disk is write-through and unbounded: every encoded fact has its file before
@@ -33,7 +35,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -50,6 +52,8 @@ KVKey = tuple[str, int]  # (fact id, kv version)
 Tier = Literal["device", "host", "disk"]
 
 FILE_FORMAT = "inferscale-kv/1"
+#: Host-tier pages are pinned this many bytes at a time, as the tier fills.
+HOST_CHUNK_BYTES = 64 << 20
 _FILE_RE = re.compile(r"^([0-9a-f]{16})-(\d+)\.safetensors$")
 
 
@@ -58,29 +62,13 @@ class KVMissingError(LookupError):
 
 
 @dataclass
-class _DeviceEntry:
+class _Entry:
+    """A fact cached in a memory tier: the pages it holds in that tier's slab."""
+
     pages: list[int]
     num_tokens: int
     position: int
     fingerprint: str
-
-
-@dataclass
-class _HostEntry:
-    # The slab's page layout, [pages, layers, 2, page_tokens, heads, dim]: each page is one
-    # contiguous range, copied by DMA straight into a slab page.
-    block: torch.Tensor
-    num_tokens: int
-    position: int
-    fingerprint: str
-    # Read once: a promotion of k facts would otherwise ask torch for them per fact, on the
-    # request's path. The block is never replaced or resized.
-    pages: int = field(init=False)
-    nbytes: int = field(init=False)
-    address: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.pages, self.nbytes, self.address = self.block.shape[0], self.block.nbytes, self.block.data_ptr()
 
 
 class KVTiers:
@@ -107,22 +95,29 @@ class KVTiers:
         self.host_bytes = int(host_bytes)
         self.page_tokens = int(page_tokens)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._cuda = self.device.type == "cuda"
         self._lock = threading.RLock()
         self._geometry: tuple[int, int, int, torch.dtype] | None = None  # layers, kv heads, head dim, dtype
+        self._page_bytes = 0
         self._slab: torch.Tensor | None = None
+        self._slab_pool: Sources | None = None  # the slab, as a copy pool
         self._free: list[int] = []
-        self._device: OrderedDict[KVKey, _DeviceEntry] = OrderedDict()
-        self._host: OrderedDict[KVKey, _HostEntry] = OrderedDict()
-        self._host_used = 0
-        # CUDA: promotions copy into the slab on a side stream. Slab readers and writers on the
-        # caller's stream wait for the last such copy; a copy waits for the caller's last slab
-        # access (it may reuse the pages that one read), not for all the caller's queued work;
-        # host sources stay referenced until their copies have run.
+        self._device: OrderedDict[KVKey, _Entry] = OrderedDict()
+        # Host pages live in chunks allocated as the tier fills (pinning is slow and locks
+        # memory): page p is page p % chunk_pages of chunk p // chunk_pages.
+        self._host_chunks: list[torch.Tensor] = []
+        self._host_chunk_pages = 0
+        self._host_pages_total = 0  # capacity
+        self._host_free: list[int] = []
+        self._host_pool_cache: Sources | None = None
+        self._host: OrderedDict[KVKey, _Entry] = OrderedDict()
+        # CUDA: every copy between the tiers runs on a side stream. The caller's slab accesses
+        # wait for the side stream's last copy, and a copy waits for the caller's last slab
+        # access (it may reuse the pages that one read) rather than for all its queued work.
         self._side: torch.cuda.Stream | None = None
         self._copier: ByteCopier | None = None
-        self._slab_written: torch.cuda.Event | None = None
-        self._slab_used: torch.cuda.Event | None = None
-        self._in_flight: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
+        self._side_done: torch.cuda.Event | None = None
+        self._caller_done: torch.cuda.Event | None = None
         self.counters = {
             "disk_writes": 0, "disk_reads": 0, "host_to_device": 0, "device_to_host": 0, "host_drops": 0,
         }
@@ -143,8 +138,8 @@ class KVTiers:
 
     def get_many(self, keys: list[KVKey], fingerprint: str) -> list[FactKV]:
         """KV of each key on the device, for injection, as views of one copy gathered from the
-        slab: host-tier facts are promoted into the slab first (asynchronously on CUDA: the
-        gather waits for their copies on the device, not on the host), disk-tier facts are read
+        slab: host-tier facts are copied into the slab first (asynchronously on CUDA: the
+        gather waits for those copies on the device, not on the host), disk-tier facts are read
         and cached on the device.
 
         Raises :class:`KVMissingError` when no tier has a key and :class:`StaleKVError` when
@@ -152,9 +147,7 @@ class KVTiers:
         """
         out: list[FactKV | None] = [None] * len(keys)
         with self._lock:
-            if self._in_flight:  # pinned sources of earlier promotions, once copied
-                self._in_flight = [(e, t) for e, t in self._in_flight if not e.query()]
-            on_device: list[tuple[int, _DeviceEntry]] = []
+            on_device: list[tuple[int, _Entry]] = []
             on_host: dict[KVKey, list[int]] = {}
             for i, key in enumerate(keys):
                 entry = self._device.get(key)
@@ -193,26 +186,22 @@ class KVTiers:
     def evict(self, key: KVKey, to: Literal["host", "disk"] = "host") -> None:
         """Move ``key`` down to ``to`` (for tests and benchmarks; LRU does this on its own)."""
         with self._lock:
-            if key in self._device and (to == "host" or to == "disk"):
-                self._evict_device(key)
-            if to == "disk" and key in self._host:
-                self._host_used -= self._host.pop(key).nbytes
+            if to == "disk":
+                self._drop_memory(key)
+            elif key in self._device:
+                self._evict([key])
 
     def drop_memory(self) -> None:
         """Forget every cached copy (device and host); disk keeps everything."""
         with self._lock:
-            for key in list(self._device):
-                self._free.extend(self._device.pop(key).pages)
-            self._host.clear()
-            self._host_used = 0
+            for key in list(self._device) + list(self._host):
+                self._drop_memory(key)
 
     def delete(self, fact_id: str) -> None:
         """Free every version of ``fact_id`` in every tier, its disk files included."""
         with self._lock:
-            for key in [k for k in self._device if k[0] == fact_id]:
-                self._free.extend(self._device.pop(key).pages)
-            for key in [k for k in self._host if k[0] == fact_id]:
-                self._host_used -= self._host.pop(key).nbytes
+            for key in [k for k in (*self._device, *self._host) if k[0] == fact_id]:
+                self._drop_memory(key)
             folder = self.root / fact_id[:2]
             if folder.is_dir():
                 for p in folder.glob(f"{fact_id}-*.safetensors"):
@@ -262,25 +251,25 @@ class KVTiers:
                             removed += 1
         return kept, removed
 
+
     def stats(self) -> dict[str, int]:
         with self._lock:
             total = 0 if self._slab is None else self._slab.shape[0]
+            host_pages = sum(len(e.pages) for e in self._host.values())
             return {
                 "device_facts": len(self._device),
                 "device_pages_used": total - len(self._free),
                 "device_pages_total": total,
                 "device_bytes": 0 if self._slab is None else self._slab.nbytes,
                 "host_facts": len(self._host),
-                "host_bytes": self._host_used,
+                "host_bytes": host_pages * self._page_bytes,
+                "host_bytes_allocated": sum(c.nbytes for c in self._host_chunks),
                 **self.counters,
             }
 
     @property
     def page_bytes(self) -> int | None:
-        if self._geometry is None:
-            return None
-        layers, heads, dim, dtype = self._geometry
-        return layers * 2 * self.page_tokens * heads * dim * torch.empty((), dtype=dtype).element_size()
+        return self._page_bytes or None
 
     # ------------------------------------------------------------------ memory tiers
 
@@ -292,17 +281,24 @@ class KVTiers:
         with self._lock:
             if self._geometry is None:
                 self._geometry = geometry
-                num_pages = self.device_bytes // self.page_bytes  # type: ignore[operator]
+                self._page_bytes = pb = layers * 2 * self.page_tokens * heads * dim * kv.k.element_size()
+                num_pages = self.device_bytes // pb
                 if num_pages > 0:
-                    shape = (num_pages, layers, 2, self.page_tokens, heads, dim)
-                    self._slab = torch.empty(shape, dtype=kv.k.dtype, device=self.device)
+                    self._slab = torch.empty((num_pages, *self._page_shape()), dtype=kv.k.dtype, device=self.device)
+                    self._slab_pool = Sources.of([self._slab])
                     self._free = list(range(num_pages - 1, -1, -1))
+                self._host_pages_total = self.host_bytes // pb
+                self._host_chunk_pages = max(1, min(HOST_CHUNK_BYTES // pb, self._host_pages_total))
                 logger.info(
-                    "KV device slab: %d pages of %d tokens (%.1f MiB) on %s",
-                    num_pages, self.page_tokens, num_pages * self.page_bytes / 2**20, self.device,  # type: ignore[operator]
+                    "KV device slab: %d pages of %d tokens (%.1f MiB) on %s; host tier: up to %d pages",
+                    num_pages, self.page_tokens, num_pages * pb / 2**20, self.device, self._host_pages_total,
                 )
             elif geometry != self._geometry:
                 raise ValueError(f"KV geometry {geometry} does not match this store's {self._geometry}")
+
+    def _page_shape(self) -> tuple[int, ...]:
+        layers, heads, dim, _ = self._geometry  # type: ignore[misc]
+        return (layers, 2, self.page_tokens, heads, dim)
 
     def _get_from_disk(self, key: KVKey, fingerprint: str) -> FactKV:
         k, v, position = self._read_file(key, fingerprint)
@@ -318,81 +314,160 @@ class KVTiers:
         # Too large for the slab: served from the file (the host tier may keep a copy).
         return FactKV(k.to(self.device), v.to(self.device), position)
 
-    def _promote(
-        self, keys: list[KVKey], keep: set[KVKey]
-    ) -> tuple[dict[KVKey, _DeviceEntry], dict[KVKey, FactKV]]:
+    def _promote(self, keys: list[KVKey], keep: set[KVKey]) -> tuple[dict[KVKey, _Entry], dict[KVKey, FactKV]]:
         """Move host-tier facts into slab pages (lock held), evicting device facts not in
-        ``keep`` as needed; return the new device entries, and the KV of facts the slab could
+        ``keep`` for room; return the new device entries, and the KV of facts the slab could
         not take, which stay on the host and are served from there."""
-        placed: list[tuple[KVKey, _HostEntry, list[int]]] = []
+        hosts = [self._host.pop(key) for key in keys]
+        self._make_room(sum(len(h.pages) for h in hosts), keep)
+        promoted: dict[KVKey, _Entry] = {}
         served: dict[KVKey, FactKV] = {}
-        for key in keys:
-            h = self._host.pop(key)
-            self._host_used -= h.nbytes
-            while len(self._free) < h.pages:
-                victim = next((k for k in self._device if k not in keep), None)
-                if victim is None:
-                    break
-                self._evict_device(victim)
-            if self._slab is None or len(self._free) < h.pages:
-                self._keep_on_host(key, h)
-                pages = h.block.to(self.device, non_blocking=h.block.is_pinned(), copy=True)
-                served[key] = self._hand_out(pages, [(h.num_tokens, h.pages, h.position)])[0]
+        to_pages: list[int] = []
+        from_pages: list[int] = []
+        for key, h in zip(keys, hosts):
+            m = len(h.pages)
+            if len(self._free) < m:
+                self._host[key] = h
+                served[key] = self._read_host(h)
                 continue
-            placed.append((key, h, [self._free.pop() for _ in range(h.pages)]))
-        if placed:
-            self._copy_to_slab(placed)
-        promoted = {}
-        for key, h, pages in placed:
-            promoted[key] = self._device[key] = _DeviceEntry(pages, h.num_tokens, h.position, h.fingerprint)
-        self.counters["host_to_device"] += len(placed)
+            pages = [self._free.pop() for _ in range(m)]
+            to_pages += pages
+            from_pages += h.pages
+            promoted[key] = _Entry(pages, h.num_tokens, h.position, h.fingerprint)
+        if promoted:
+            self._copy(self._slab_pool, to_pages, self._host_pool(), from_pages)
+            # Only now: an eviction into these host pages is queued after the copy reading them.
+            self._host_free += from_pages
+            self._device.update(promoted)
+            self.counters["host_to_device"] += len(promoted)
         return promoted, served
 
-    def _copy_to_slab(self, placed: list[tuple[KVKey, _HostEntry, list[int]]]) -> None:
-        """Copy host blocks into their slab pages: on CUDA one batch of DMAs on the side stream,
-        a range per run of pages that lie one after the other in both the block and the slab."""
-        assert self._slab is not None
-        if self.device.type != "cuda":
-            pages = [p for _, _, ps in placed for p in ps]
-            self._slab.index_copy_(0, self._index(pages), torch.cat([h.block for _, h, _ in placed]))
+    def _make_room(self, need: int, keep: set[KVKey]) -> None:
+        """Evict least recently used device facts not in ``keep`` until ``need`` slab pages are
+        free, or no other fact is left (lock held)."""
+        free = len(self._free)
+        if free >= need:
             return
-        page_bytes = self._slab[0].nbytes
-        counts = np.array([len(ps) for _, _, ps in placed], dtype=np.int64)
-        fact = np.repeat(np.arange(len(placed)), counts)  # which fact each page belongs to
-        first_page = np.repeat(np.cumsum(counts) - counts, counts)
-        src = (np.arange(len(fact)) - first_page) * page_bytes  # byte offset in its host block
-        dst = np.fromiter((p for _, _, ps in placed for p in ps), dtype=np.int64, count=len(fact)) * page_bytes
-        run_start = np.ones(len(fact), dtype=bool)
-        run_start[1:] = (fact[1:] != fact[:-1]) | (dst[1:] != dst[:-1] + page_bytes)
-        starts = np.flatnonzero(run_start)
-        sizes = np.diff(np.append(starts, len(fact))) * page_bytes
-        blocks = [h.block for _, h, _ in placed]
-        owner = fact[starts]
-        srcs = Sources(
-            [blocks[i] for i in owner.tolist()],
-            np.array([h.address for _, h, _ in placed], dtype=np.int64)[owner],
-            np.array([h.nbytes for _, h, _ in placed], dtype=np.int64)[owner],
-        )
+        victims = []
+        for key, entry in self._device.items():
+            if key not in keep:
+                victims.append(key)
+                free += len(entry.pages)
+                if free >= need:
+                    break
+        if victims:
+            self._evict(victims)
+
+    def _evict(self, keys: list[KVKey]) -> None:
+        """Move device facts to the host tier (lock held): one batch of copies for all of them,
+        queued on the side stream on CUDA, so no one waits for it; their slab pages are free at
+        once (later slab writes queue after the copies)."""
+        entries = [self._device.pop(key) for key in keys]
+        moved: list[tuple[KVKey, _Entry]] = []
+        to_pages: list[int] = []
+        from_pages: list[int] = []
+        for key, e in zip(keys, entries):
+            pages = self._take_host_pages(len(e.pages))
+            if pages is None:  # the disk has it
+                self.counters["host_drops"] += 1
+                continue
+            to_pages += pages
+            from_pages += e.pages
+            moved.append((key, _Entry(pages, e.num_tokens, e.position, e.fingerprint)))
+        if moved:
+            self._copy(self._host_pool(), to_pages, self._slab_pool, from_pages)
+        # Entered only now, so a later fact of this batch cannot drop them to make room.
+        self._host.update(moved)
+        self.counters["device_to_host"] += len(moved)
+        self._free += [p for e in entries for p in e.pages]
+
+    def _take_host_pages(self, m: int) -> list[int] | None:
+        """``m`` free host pages (lock held), allocating a chunk or dropping least recently used
+        host facts (the disk keeps them) for room; ``None`` when the whole tier is smaller."""
+        if m > self._host_pages_total:
+            return None
+        while len(self._host_free) < m:
+            if self._grow_host():
+                continue
+            if not self._host:
+                return None  # the facts holding the room are in flight in this very batch
+            _, old = self._host.popitem(last=False)
+            self._host_free += old.pages
+            self.counters["host_drops"] += 1
+        return [self._host_free.pop() for _ in range(m)]
+
+    def _grow_host(self) -> bool:
+        """Allocate the next host chunk, if the tier's capacity has room for one."""
+        first = len(self._host_chunks) * self._host_chunk_pages
+        n = min(self._host_chunk_pages, self._host_pages_total - first)
+        if n <= 0:
+            return False
+        dtype = self._geometry[3]  # type: ignore[index]
+        self._host_chunks.append(torch.empty((n, *self._page_shape()), dtype=dtype, pin_memory=self.pin_memory))
+        self._host_pool_cache = None
+        self._host_free += range(first + n - 1, first - 1, -1)
+        return True
+
+    def _host_pool(self) -> Sources:
+        if self._host_pool_cache is None:
+            self._host_pool_cache = Sources.of(self._host_chunks)
+        return self._host_pool_cache
+
+    def _copy(self, dst: Sources, dst_pages: list[int], src: Sources, src_pages: list[int]) -> None:
+        """Copy pages between pools (the slab, the host chunks, a buffer), page ``src_pages[i]``
+        of ``src`` to page ``dst_pages[i]`` of ``dst``. A pool's page ``p`` is page ``p % n``
+        of its tensor ``p // n``, ``n`` the pages of its first tensor (the host tier's chunks;
+        other pools are one tensor). On CUDA: one batch of DMAs on the side stream, a range per
+        run of pages that lie one after the other on both sides."""
+        dst_which, dst_index = self._split_pages(dst, dst_pages)
+        src_which, src_index = self._split_pages(src, src_pages)
+        if not self._cuda:
+            for dw, di, sw, si in zip(dst_which.tolist(), dst_index.tolist(), src_which.tolist(), src_index.tolist()):
+                dst.tensors[dw][di].copy_(src.tensors[sw][si])
+            return
+        pb = self._page_bytes
+        dst_at, src_at = dst_index * pb, src_index * pb
+        run = np.ones(len(dst_at), dtype=bool)
+        run[1:] = ((dst_which[1:] != dst_which[:-1]) | (src_which[1:] != src_which[:-1])
+                   | (dst_at[1:] != dst_at[:-1] + pb) | (src_at[1:] != src_at[:-1] + pb))
+        starts = np.flatnonzero(run)
+        sizes = np.diff(np.append(starts, len(run))) * pb
         side = self._side_stream()
         if self._copier is None:
             self._copier = ByteCopier(side)
-        if self._slab_used is not None:  # the pages may have been read or written there last
-            side.wait_event(self._slab_used)
-        self._copier.copy(self._slab, dst[starts], srcs, src[starts], sizes)
-        written = torch.cuda.Event()
-        written.record(side)
-        self._slab_written = written
-        self._in_flight.append((written, blocks))
+        if self._caller_done is not None:  # the pages may have been read or written there last
+            side.wait_event(self._caller_done)
+        self._copier.copy(_ranges(dst, dst_which[starts]), dst_at[starts], _ranges(src, src_which[starts]),
+                          src_at[starts], sizes)
+        done = torch.cuda.Event()
+        done.record(side)
+        self._side_done = done
 
-    def _read_device(self, entries: list[_DeviceEntry]) -> list[FactKV]:
+    @staticmethod
+    def _split_pages(pool: Sources, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Each page's tensor in ``pool`` and its index there."""
+        at = np.array(pages, dtype=np.int64)
+        if len(pool.tensors) == 1:
+            return np.zeros_like(at), at
+        return np.divmod(at, pool.tensors[0].shape[0])
+
+    def _read_host(self, entry: _Entry) -> FactKV:
+        """A host-tier fact's KV on the device, without caching it there (lock held)."""
+        m = len(entry.pages)
+        buffer = torch.empty((m, *self._page_shape()), dtype=self._geometry[3], device=self.device)  # type: ignore[index]
+        self._copy(Sources.of([buffer]), list(range(m)), self._host_pool(), entry.pages)
+        self._after_side()
+        return self._hand_out(buffer, [(entry.num_tokens, m, entry.position)])[0]
+
+    def _read_device(self, entries: list[_Entry]) -> list[FactKV]:
         """Every entry's KV as views of one copy of their pages (lock held): one gather and one
         relayout for all, and later slab writes never change KV handed out."""
         if not entries:
             return []
         assert self._slab is not None
-        self._after_slab_writes()
+        self._after_side()
         pages = self._slab.index_select(0, self._index([p for e in entries for p in e.pages]))
-        self._used_slab()
+        self._mark_caller()
         return self._hand_out(pages, [(e.num_tokens, len(e.pages), e.position) for e in entries])
 
     def _hand_out(self, pages: torch.Tensor, facts: list[tuple[int, int, int]]) -> list[FactKV]:
@@ -414,51 +489,38 @@ class KVTiers:
         if self._slab is None or need > self._slab.shape[0]:  # larger than the whole slab: the host serves it
             self._insert_host(key, pages, n, position, fingerprint)
             return
-        while len(self._free) < need:
-            self._evict_device(next(iter(self._device)))
+        self._make_room(need, keep=set())
         slots = [self._free.pop() for _ in range(need)]
-        self._after_slab_writes()
+        self._after_side()
         self._slab.index_copy_(0, self._index(slots), pages.to(self.device, non_blocking=pages.is_pinned()))
-        self._used_slab()
-        self._device[key] = _DeviceEntry(slots, n, position, fingerprint)
-
-    def _evict_device(self, key: KVKey) -> None:
-        entry = self._device.pop(key)
-        self._after_slab_writes()
-        pages = self._slab.index_select(0, self._index(entry.pages)).to("cpu")  # type: ignore[union-attr]
-        self._free.extend(entry.pages)
-        self.counters["device_to_host"] += 1
-        self._insert_host(key, pages, entry.num_tokens, entry.position, entry.fingerprint)
+        self._mark_caller()
+        self._device[key] = _Entry(slots, n, position, fingerprint)
 
     def _insert_host(self, key: KVKey, pages: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
-        # Own copy: the caller's tensor (or the slab pages it came from) may change later.
-        block = pages.to("cpu", copy=True).contiguous()
-        if self.pin_memory:
-            block = block.pin_memory()
-        self._keep_on_host(key, _HostEntry(block, n, position, fingerprint))
-
-    def _keep_on_host(self, key: KVKey, entry: _HostEntry) -> None:
-        """Put ``entry`` in the host tier, dropping least recently used ones to make room."""
-        if entry.nbytes > self.host_bytes:
+        """Put a fact's pages in the host tier, written from the host (lock held)."""
+        slots = self._take_host_pages(pages.shape[0])
+        if slots is None:
             self.counters["host_drops"] += 1
             return  # the disk has it
-        while self._host_used + entry.nbytes > self.host_bytes:
-            self._host_used -= self._host.popitem(last=False)[1].nbytes
-            self.counters["host_drops"] += 1
-        self._host[key] = entry
-        self._host_used += entry.nbytes
+        if self._side is not None:  # copies still queued may read or write these pages
+            self._side.synchronize()
+        pages = pages.to("cpu")
+        which, index = self._split_pages(self._host_pool(), slots)
+        for j, (w, i) in enumerate(zip(which.tolist(), index.tolist())):
+            self._host_chunks[w][i].copy_(pages[j])
+        self._host[key] = _Entry(slots, n, position, fingerprint)
 
-    def _after_slab_writes(self) -> None:
-        """Order the caller's stream after the last promotion's slab write (side stream)."""
-        if self._slab_written is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._slab_written)
+    def _after_side(self) -> None:
+        """Order the caller's stream after the side stream's last copy."""
+        if self._side_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._side_done)
 
-    def _used_slab(self) -> None:
-        """Mark the caller's last slab access: promotions reusing pages wait for it."""
-        if self.device.type == "cuda":
-            used = torch.cuda.Event()
-            used.record(torch.cuda.current_stream(self.device))
-            self._slab_used = used
+    def _mark_caller(self) -> None:
+        """Mark the caller's last slab access: copies reusing its pages wait for it."""
+        if self._cuda:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.device))
+            self._caller_done = done
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._side is None:
@@ -468,17 +530,17 @@ class KVTiers:
     def _drop_memory(self, key: KVKey) -> None:
         entry = self._device.pop(key, None)
         if entry is not None:
-            self._free.extend(entry.pages)
+            self._free += entry.pages
         host = self._host.pop(key, None)
         if host is not None:
-            self._host_used -= host.nbytes
+            self._host_free += host.pages
 
     def _index(self, pages: list[int]) -> torch.Tensor:
         """Page numbers on the device without a host wait: a plain copy from pageable memory
         would first wait for everything queued on the stream (another request's forward pass,
-        promotions in flight)."""
+        copies in flight)."""
         index = torch.tensor(pages, dtype=torch.long)
-        if self.device.type != "cuda":
+        if not self._cuda:
             return index
         return index.pin_memory().to(self.device, non_blocking=True)
 
@@ -578,3 +640,8 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _ranges(pool: Sources, which: np.ndarray) -> Sources:
+    """``pool``'s tensor of each range, as :class:`ByteCopier` takes them."""
+    return Sources([pool.tensors[i] for i in which.tolist()], pool.address[which], pool.nbytes[which])

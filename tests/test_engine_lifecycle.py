@@ -1,0 +1,80 @@
+"""Engine lifecycle: build, close and rebuild an engine in one process (tiny random Llama, CPU).
+
+vLLM keeps its parallel groups (TP/PP/world) and the KV connector in module globals, and its
+in-process client tears them down from a ``weakref.finalize`` when it is garbage-collected. A
+closed engine whose vLLM engine was still reachable (an exception's traceback, any reference
+cycle) used to tear down the state of the *next* engine whenever the collector got to it:
+inside that engine's construction ("tensor model parallel group is not initialized", seen when
+test_memory_store.py ran before test_bench_quick.py) or while it served. ``close()`` now shuts
+vLLM down itself, so collecting a closed engine later changes nothing.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from inferscale_engine import InferScaleEngine, Span
+
+pytestmark = pytest.mark.timeout(300)
+
+OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 256}
+
+
+def _build(model: str, store) -> InferScaleEngine:
+    return InferScaleEngine(model=model, store_path=store, **OPTIONS)
+
+
+def _process_state_is_live() -> bool:
+    from vllm.distributed import parallel_state
+    from vllm.distributed.kv_transfer import kv_transfer_state
+
+    return parallel_state.model_parallel_is_initialized() and kv_transfer_state.has_kv_transfer_group()
+
+
+def _serves_injected_kv(engine: InferScaleEngine) -> None:
+    """An injected request goes through the KV connector; it must equal the prompt baseline."""
+    fact = engine.tokenize("My dog is called Rex.")
+    span = Span("lifecycle:rex", tuple(fact), engine.encode_fact(fact))  # at position 0: exact
+    question = engine.tokenize(" What is my dog called?")
+    injected = engine.generate_segments([span, question], max_tokens=4)
+    plain = engine.generate_segments([span, question], max_tokens=4, mode="prompt")
+    assert injected.usage.injected_tokens == len(fact)
+    assert injected.token_ids == plain.token_ids and len(injected.token_ids) == 4
+
+
+def test_rebuild_after_close_survives_collection_of_the_closed_engine(tiny_llama, tmp_path):
+    first = _build(tiny_llama, tmp_path / "a")
+    _serves_injected_kv(first)
+    was_enabled = gc.isenabled()
+    gc.disable()  # the collector runs only when vLLM runs it
+    try:
+        first.close()
+        # Leave the closed engine reachable only through a reference cycle, as a traceback kept
+        # after an exception does. vLLM's model loader calls gc.collect() after the next
+        # engine's parallel groups exist and before its KV connector does: where the old
+        # teardown struck.
+        cycle: list = [first]
+        cycle.append(cycle)
+        del first, cycle
+        second = _build(tiny_llama, tmp_path / "b")
+    finally:
+        if was_enabled:
+            gc.enable()
+    try:
+        assert _process_state_is_live()
+        _serves_injected_kv(second)
+    finally:
+        second.close()
+    # The other timing: a closed engine still referenced while the next one is built, and
+    # collected while that one serves.
+    third = _build(tiny_llama, tmp_path / "c")
+    try:
+        del second
+        gc.collect()
+        assert _process_state_is_live()
+        _serves_injected_kv(third)
+    finally:
+        third.close()
+    assert not _process_state_is_live()  # close() itself released the process-global state
