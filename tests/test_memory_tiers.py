@@ -38,7 +38,7 @@ def key(i: int, version: int = 1) -> tuple[str, int]:
 
 def assert_same(a: FactKV, b: FactKV) -> None:
     assert a.k.dtype == b.k.dtype and a.k.shape == b.k.shape
-    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
+    assert torch.equal(a.k.cpu(), b.k.cpu()) and torch.equal(a.v.cpu(), b.v.cpu())
     assert a.position == b.position
 
 
@@ -58,10 +58,11 @@ def test_round_trip_every_tier_is_bit_exact(tmp_path, dtype):
         assert tiers.where(k) == "disk"
         assert_same(tiers.get(k, FP), kv)  # disk -> device
         assert tiers.where(k) == "device"
-    # A fresh instance (restart) reads the same bytes from disk.
+    # A fresh instance (restart) reads the same bytes from disk, and caches them on the device.
     again = KVTiers(tmp_path, device_bytes=page_bytes(dtype) * 64, page_tokens=PT)
     for k, kv in kvs.items():
         assert_same(again.get(k, FP), kv)
+        assert again.where(k) == "device"
 
 
 def test_returned_kv_is_a_copy(tmp_path):

@@ -302,6 +302,7 @@ class KVTiers:
 
     def _get_from_disk(self, key: KVKey, fingerprint: str) -> FactKV:
         k, v, position = self._read_file(key, fingerprint)
+        self._check_geometry(FactKV(k, v, position))  # a store reopened reads before it writes
         with self._lock:
             if key in self._device or key in self._host:  # another thread loaded it meanwhile
                 return self.get_many([key], fingerprint)[0]
