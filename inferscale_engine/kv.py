@@ -36,6 +36,11 @@ class FactKV:
     k: torch.Tensor
     v: torch.Tensor
     position: int
+    #: CUDA event recorded on the producer's stream after the copy that made ``k`` and ``v``
+    #: (a tier's gather, which itself waits for a promotion's DMA): a reader on another stream
+    #: (vLLM's worker runs on its own) waits for it on the device first. ``None``: readable on
+    #: any stream.
+    ready: Any = field(default=None, repr=False, compare=False)
     _layout: KVLayout | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -76,6 +81,7 @@ class FactKV:
         ks: Sequence[torch.Tensor],
         vs: Sequence[torch.Tensor],
         positions: Sequence[int],
+        ready: Any = None,
     ) -> list["FactKV"]:
         """FactKVs for views cut the same way from one K and one V tensor (same shape but for the
         token count, same strides, dtype and device), as a tier hands out a batch of facts.
@@ -86,16 +92,16 @@ class FactKV:
         """
         if not ks:
             return []
-        first = cls(ks[0], vs[0], positions[0])
+        first = cls(ks[0], vs[0], positions[0], ready)
         addresses, dtype, is_cuda, num_layers = first.layout()
         out = [first]
         if addresses is None:  # rows not contiguous: the table builder rejects these anyway
-            return out + [cls(k, v, p) for k, v, p in zip(ks[1:], vs[1:], positions[1:])]
+            return out + [cls(k, v, p, ready) for k, v, p in zip(ks[1:], vs[1:], positions[1:])]
         strides = _ADDRESSES.unpack(addresses)[2:]
         for k, v, position in zip(ks[1:], vs[1:], positions[1:]):
             fact = cls.__new__(cls)  # skips the per-fact checks: the first view stood for all
             fact.__dict__.update(
-                k=k, v=v, position=position,
+                k=k, v=v, position=position, ready=ready,
                 _layout=(_ADDRESSES.pack(k.data_ptr(), v.data_ptr(), *strides), dtype, is_cuda, num_layers),
             )
             out.append(fact)
@@ -113,8 +119,9 @@ class FactKV:
             self.k.to(device, non_blocking=non_blocking),
             self.v.to(device, non_blocking=non_blocking),
             self.position,
+            self.ready,
         )
 
     def rows(self, start: int, stop: int) -> "FactKV":
         """Tokens ``[start, stop)`` of this span (a view)."""
-        return FactKV(self.k[:, start:stop], self.v[:, start:stop], self.position + start)
+        return FactKV(self.k[:, start:stop], self.v[:, start:stop], self.position + start, self.ready)

@@ -234,6 +234,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         keys, rows, positions, counts = zip(*pieces) if pieces else ((), (), (), ())
         kvs: list[FactKV] = []
         encoded_at: list[int] = []
+        ready = {}  # events of copies that made the KV on other streams, by identity
         for key in keys:
             kv = staged.get(key)
             if kv is None:
@@ -241,6 +242,8 @@ class InferScaleConnector(KVConnectorBase_V1):
             _, _, _, layers = kv.layout()
             if layers != num_layers:
                 raise RuntimeError(f"stored KV has {layers} layers, the model has {num_layers}")
+            if kv.ready is not None:
+                ready[id(kv.ready)] = kv.ready
             kvs.append(kv)
             encoded_at.append(kv.position)
         row = np.array(rows, dtype=np.int64)
@@ -248,6 +251,10 @@ class InferScaleConnector(KVConnectorBase_V1):
         spans = SpanColumns(kvs, row, np.array(counts, dtype=np.int64), delta)
         slots = np.concatenate([load.slots(self._block_size) for load in loads])
         device = compat.layer_kv_cache(self._layers[0][1], forward_context).device
+        if ready:  # a device-side wait: the host never blocks, the writes queue behind the copies
+            stream = torch.cuda.current_stream(device)
+            for event in ready.values():
+                stream.wait_event(event)
         if self._fused and device.type == "cuda" and self._fused_ready(forward_context):
             self._inject_fused(spans, slots, device)
         else:

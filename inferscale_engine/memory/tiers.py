@@ -251,7 +251,6 @@ class KVTiers:
                             removed += 1
         return kept, removed
 
-
     def stats(self) -> dict[str, int]:
         with self._lock:
             total = 0 if self._slab is None else self._slab.shape[0]
@@ -482,7 +481,11 @@ class KVTiers:
         pt = self.page_tokens
         sizes = [n for tokens, m, _ in facts for n in (tokens, m * pt - tokens)]
         ks, vs = block[0].split(sizes, dim=1)[::2], block[1].split(sizes, dim=1)[::2]
-        return FactKV.cut_alike(ks, vs, [position for _, _, position in facts])
+        ready = None
+        if self._cuda:  # readers on other streams (vLLM's worker) wait for this copy on the device
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        return FactKV.cut_alike(ks, vs, [position for _, _, position in facts], ready)
 
     def _insert(self, key: KVKey, pages: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
         """Cache a fact's pages on the device slab (lock held)."""
