@@ -23,10 +23,9 @@ def test_injection_waits_for_kv_still_being_copied(tiny_llama):
     with InferScaleEngine(model=tiny_llama, device="cuda", dtype="bfloat16", max_model_len=512) as engine:
         fact = engine.tokenize("My dog is called Rex.")
         question = engine.tokenize(" What is my dog called?")
-        kv = engine.encode_fact(fact)  # at position 0: exact
+        kv = engine.encode_fact(fact)
         torch.cuda.synchronize()
-        plain = engine.generate_segments([Span("streams:plain", tuple(fact), kv), question], max_tokens=4,
-                                         mode="prompt")
+        landed = engine.generate_segments([Span("streams:landed", tuple(fact), kv), question], max_tokens=4)
 
         # The KV lands only after ~0.5 s of work queued on a side stream; until then its
         # tensors hold zeros. A connector that did not wait would inject the zeros.
@@ -42,4 +41,4 @@ def test_injection_waits_for_kv_still_being_copied(tiny_llama):
         injected = engine.generate_segments([Span("streams:late", tuple(fact), late), question], max_tokens=4)
         assert ready.query()  # the request could not finish before the copy
     assert injected.usage.injected_tokens == len(fact)
-    assert injected.token_ids == plain.token_ids
+    assert injected.token_ids == landed.token_ids  # the same KV as when it had landed first
