@@ -20,6 +20,7 @@ KVLayout = tuple[bytes | None, torch.dtype | None, bool, int]
 
 _ADDRESSES = struct.Struct("=6q")
 
+
 @dataclass
 class FactKV:
     """Per-layer keys and values of ``n`` consecutive tokens.
@@ -109,8 +110,9 @@ class FactKV:
 
     def __getstate__(self) -> dict[str, Any]:
         # Copies and unpickled FactKVs may hold other tensors (deepcopy's do): the cached layout
-        # never travels, it is read again from whatever tensors they end up with.
-        return {**self.__dict__, "_layout": None}
+        # never travels, it is read again from whatever tensors they end up with. Nor does the
+        # event (CUDA events do not pickle); a copy's tensors are made after it on its stream.
+        return {**self.__dict__, "_layout": None, "ready": None}
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "FactKV":
         if self.k.device == torch.device(device):
