@@ -135,9 +135,9 @@ def main() -> None:
     def stage() -> None:
         conn._bridge_obj.staged = dict(zip(keys, _facts(block, spans, tokens)))
 
-    _report("worker _inject (cold)", _timed(lambda: conn._inject([load], forward_context, False), stage, args.repeat))
+    _report("worker _inject (cold)", _timed(lambda: conn._inject([load], forward_context), stage, args.repeat))
     stage()  # the same FactKVs from here on, as static spans and facts shared by requests are
-    _report("worker _inject (warm)", _timed(lambda: conn._inject([load], forward_context, False), lambda: None, args.repeat))
+    _report("worker _inject (warm)", _timed(lambda: conn._inject([load], forward_context), lambda: None, args.repeat))
 
     # Scheduler half: claim everything but the last token, as get_num_new_matched_tokens does.
     request = SimpleNamespace(request_id="r")

@@ -174,6 +174,32 @@ def test_host_tier_pins_chunks_as_it_fills_and_facts_may_span_them(tmp_path, mon
         assert_same(tiers.get(k, FP), kv)
 
 
+def test_page_runs_merge_only_pages_that_follow_each_other_on_both_sides():
+    import numpy as np
+
+    from inferscale_engine.memory.tiers import page_runs
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 30))
+        # Mostly consecutive pages, with jumps and tensor changes on either side.
+        dst_which, src_which = np.cumsum(rng.random(n) < 0.1), np.cumsum(rng.random(n) < 0.1)
+        dst_index = np.cumsum(np.where(rng.random(n) < 0.2, rng.integers(2, 5, n), 1))
+        src_index = np.cumsum(np.where(rng.random(n) < 0.2, rng.integers(-3, 5, n), 1)) + 10
+        starts, lengths = page_runs(dst_which, dst_index, src_which, src_index)
+        assert starts[0] == 0 and lengths.sum() == n
+        covered = []
+        for s, m in zip(starts.tolist(), lengths.tolist()):  # a run is one range on both sides
+            covered += range(s, s + m)
+            assert len(set(dst_which[s : s + m])) == 1 and len(set(src_which[s : s + m])) == 1
+            assert list(dst_index[s : s + m]) == list(range(dst_index[s], dst_index[s] + m))
+            assert list(src_index[s : s + m]) == list(range(src_index[s], src_index[s] + m))
+        assert covered == list(range(n))
+        for s in starts[1:].tolist():  # and no two runs could have been one
+            assert (dst_which[s], src_which[s], dst_index[s], src_index[s]) != (
+                dst_which[s - 1], src_which[s - 1], dst_index[s - 1] + 1, src_index[s - 1] + 1)
+
+
 def _cuda_facts(layers: int, lengths: list[int]) -> dict[tuple[str, int], FactKV]:
     g = torch.Generator().manual_seed(0)
     kvs = {}

@@ -425,20 +425,15 @@ class KVTiers:
             for dw, di, sw, si in zip(dst_which.tolist(), dst_index.tolist(), src_which.tolist(), src_index.tolist()):
                 dst.tensors[dw][di].copy_(src.tensors[sw][si])
             return
+        starts, lengths = page_runs(dst_which, dst_index, src_which, src_index)
         pb = self._page_bytes
-        dst_at, src_at = dst_index * pb, src_index * pb
-        run = np.ones(len(dst_at), dtype=bool)
-        run[1:] = ((dst_which[1:] != dst_which[:-1]) | (src_which[1:] != src_which[:-1])
-                   | (dst_at[1:] != dst_at[:-1] + pb) | (src_at[1:] != src_at[:-1] + pb))
-        starts = np.flatnonzero(run)
-        sizes = np.diff(np.append(starts, len(run))) * pb
         side = self._side_stream()
         if self._copier is None:
             self._copier = ByteCopier(side)
         if self._caller_done is not None:  # the pages may have been read or written there last
             side.wait_event(self._caller_done)
-        self._copier.copy(_ranges(dst, dst_which[starts]), dst_at[starts], _ranges(src, src_which[starts]),
-                          src_at[starts], sizes)
+        self._copier.copy(_ranges(dst, dst_which[starts]), dst_index[starts] * pb, _ranges(src, src_which[starts]),
+                          src_index[starts] * pb, lengths * pb)
         done = torch.cuda.Event()
         done.record(side)
         self._side_done = done
@@ -644,6 +639,19 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def page_runs(
+    dst_which: np.ndarray, dst_index: np.ndarray, src_which: np.ndarray, src_index: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Copies of pages ``i`` (tensor ``src_which[i]``, page ``src_index[i]`` to tensor
+    ``dst_which[i]``, page ``dst_index[i]``) merged into runs that lie one after the other in
+    one tensor on both sides: each run's first copy and its length in pages."""
+    new_run = np.ones(len(dst_index), dtype=bool)
+    new_run[1:] = ((dst_which[1:] != dst_which[:-1]) | (src_which[1:] != src_which[:-1])
+                   | (dst_index[1:] != dst_index[:-1] + 1) | (src_index[1:] != src_index[:-1] + 1))
+    starts = np.flatnonzero(new_run)
+    return starts, np.diff(np.append(starts, len(new_run)))
 
 
 def _ranges(pool: Sources, which: np.ndarray) -> Sources:
