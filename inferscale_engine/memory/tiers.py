@@ -419,12 +419,11 @@ class KVTiers:
         of its tensor ``p // n``, ``n`` the pages of its first tensor (the host tier's chunks;
         other pools are one tensor). On CUDA: one batch of DMAs on the side stream, a range per
         run of pages that lie one after the other on both sides."""
-        dst_which, dst_index = self._split_pages(dst, dst_pages)
-        src_which, src_index = self._split_pages(src, src_pages)
         if not self._cuda:
-            for dw, di, sw, si in zip(dst_which.tolist(), dst_index.tolist(), src_which.tolist(), src_index.tolist()):
-                dst.tensors[dw][di].copy_(src.tensors[sw][si])
+            _copy_on_host(dst, dst_pages, src, src_pages)
             return
+        dst_which, dst_index = _split_pages(dst, dst_pages)
+        src_which, src_index = _split_pages(src, src_pages)
         starts, lengths = page_runs(dst_which, dst_index, src_which, src_index)
         pb = self._page_bytes
         side = self._side_stream()
@@ -437,14 +436,6 @@ class KVTiers:
         done = torch.cuda.Event()
         done.record(side)
         self._side_done = done
-
-    @staticmethod
-    def _split_pages(pool: Sources, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Each page's tensor in ``pool`` and its index there."""
-        at = np.array(pages, dtype=np.int64)
-        if len(pool.tensors) == 1:
-            return np.zeros_like(at), at
-        return np.divmod(at, pool.tensors[0].shape[0])
 
     def _read_host(self, entry: _Entry) -> FactKV:
         """A host-tier fact's KV on the device, without caching it there (lock held)."""
@@ -503,10 +494,7 @@ class KVTiers:
             return  # the disk has it
         if self._side is not None:  # copies still queued may read or write these pages
             self._side.synchronize()
-        pages = pages.to("cpu")
-        which, index = self._split_pages(self._host_pool(), slots)
-        for j, (w, i) in enumerate(zip(which.tolist(), index.tolist())):
-            self._host_chunks[w][i].copy_(pages[j])
+        _copy_on_host(self._host_pool(), slots, Sources.of([pages.to("cpu")]), list(range(len(slots))))
         self._host[key] = _Entry(slots, n, position, fingerprint)
 
     def _after_side(self) -> None:
@@ -652,6 +640,22 @@ def page_runs(
                    | (dst_index[1:] != dst_index[:-1] + 1) | (src_index[1:] != src_index[:-1] + 1))
     starts = np.flatnonzero(new_run)
     return starts, np.diff(np.append(starts, len(new_run)))
+
+
+def _split_pages(pool: Sources, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Each page's tensor in ``pool`` and its index there (see :meth:`KVTiers._copy`)."""
+    at = np.array(pages, dtype=np.int64)
+    if len(pool.tensors) == 1:
+        return np.zeros_like(at), at
+    return np.divmod(at, pool.tensors[0].shape[0])
+
+
+def _copy_on_host(dst: Sources, dst_pages: list[int], src: Sources, src_pages: list[int]) -> None:
+    """:meth:`KVTiers._copy` done by the host, page by page (CPU pools only)."""
+    dst_which, dst_index = _split_pages(dst, dst_pages)
+    src_which, src_index = _split_pages(src, src_pages)
+    for dw, di, sw, si in zip(dst_which.tolist(), dst_index.tolist(), src_which.tolist(), src_index.tolist()):
+        dst.tensors[dw][di].copy_(src.tensors[sw][si])
 
 
 def _ranges(pool: Sources, which: np.ndarray) -> Sources:
