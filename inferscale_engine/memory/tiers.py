@@ -453,12 +453,11 @@ class KVTiers:
         assert self._slab is not None
         self._after_side()
         pages = self._slab.index_select(0, self._index([p for e in entries for p in e.pages]))
-        self._mark_caller()
         return self._hand_out(pages, [(e.num_tokens, len(e.pages), e.position) for e in entries])
 
     def _hand_out(self, pages: torch.Tensor, facts: list[tuple[int, int, int]]) -> list[FactKV]:
-        """FactKVs of facts laid out one after the other in ``pages`` (page layout), given as
-        ``(tokens, pages, position)`` each."""
+        """FactKVs of facts laid out one after the other in ``pages`` (page layout, just read
+        from the slab or the host tier), given as ``(tokens, pages, position)`` each."""
         # [2, layers, tokens, heads, dim], contiguous from offset 0 (a one-page gather could
         # otherwise come back as a strided view).
         block = self._pages_to_block(pages).contiguous()
@@ -467,11 +466,9 @@ class KVTiers:
         pt = self.page_tokens
         sizes = [n for tokens, m, _ in facts for n in (tokens, m * pt - tokens)]
         ks, vs = block[0].split(sizes, dim=1)[::2], block[1].split(sizes, dim=1)[::2]
-        ready = None
-        if self._cuda:  # readers on other streams (vLLM's worker) wait for this copy on the device
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-        return FactKV.cut_alike(ks, vs, [position for _, _, position in facts], ready)
+        # One event for both: readers on other streams (vLLM's worker) wait for this copy on the
+        # device, and copies reusing the pages it read wait for it too.
+        return FactKV.cut_alike(ks, vs, [position for _, _, position in facts], self._mark_caller())
 
     def _insert(self, key: KVKey, pages: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
         """Cache a fact's pages on the device slab (lock held)."""
@@ -502,12 +499,15 @@ class KVTiers:
         if self._side_done is not None:
             torch.cuda.current_stream(self.device).wait_event(self._side_done)
 
-    def _mark_caller(self) -> None:
-        """Mark the caller's last slab access: copies reusing its pages wait for it."""
-        if self._cuda:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(self.device))
-            self._caller_done = done
+    def _mark_caller(self) -> torch.cuda.Event | None:
+        """Mark the caller's last slab access, for copies reusing its pages to wait for; the
+        event, on CUDA."""
+        if not self._cuda:
+            return None
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        self._caller_done = done
+        return done
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._side is None:
