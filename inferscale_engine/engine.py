@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, Union
 
 from inferscale_engine.config import EngineConfig
+from inferscale_engine import cuda_graphs
 from inferscale_engine.connector import compat
 from inferscale_engine.connector.bridge import drop_bridge, new_bridge
 from inferscale_engine.connector.plan import InjectionPlan, SpanRef
@@ -141,10 +142,6 @@ class InferScaleEngine:
         self.model_path = resolve_model(self.config.model)
         _configure_vllm_environment(self.config)
 
-        from vllm.config import KVTransferConfig
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.v1.engine.llm_engine import LLMEngine
-
         if compat.worker_connector_active():
             # vLLM keeps the KV connector process-global: a second live engine would share it.
             raise InferScaleError(
@@ -152,6 +149,42 @@ class InferScaleEngine:
                 "or share it (one in-process vLLM engine per process)"
             )
         self.bridge = new_bridge()
+        self._static: OrderedDict[tuple[int, ...], Span] = OrderedDict()
+        self._stage_refs: dict[str, int] = {}
+        self._stage_lock = threading.Lock()
+        self._memory: MemoryStore | None = None
+        self.fact_source: FactSource | None = None
+        self._closed = False
+        full_graphs = cuda_graphs.wanted(self.config)
+        self._start_vllm(cuda_graphs.FULL if full_graphs else {})
+        if full_graphs:
+            self._check_full_graphs()
+
+    def _check_full_graphs(self) -> None:
+        """Keep full CUDA graphs only if they compute this model's prefills as eager steps do."""
+        try:
+            error = cuda_graphs.prefill_error(self)
+        except Exception:
+            logger.exception("checking full CUDA graphs failed")
+            error = None
+        if cuda_graphs.keep(error):
+            logger.info("full CUDA graphs kept: graphed prefills match eager ones (relative difference %.2g)", error)
+            return
+        logger.warning(
+            "full CUDA graphs compute prefills of this model differently from eager steps (relative "
+            "difference %s, tolerance %s); restarting vLLM with its default CUDA graphs",
+            error, cuda_graphs.TOLERANCE,
+        )
+        self._stop_vllm()
+        self._start_vllm({})
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _start_vllm(self, graph_options: dict[str, Any]) -> None:
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
         cfg = self.config
         args = EngineArgs(
             model=self.model_path,
@@ -169,7 +202,7 @@ class InferScaleEngine:
                 kv_connector_extra_config={"bridge_id": self.bridge.id, "fused_rope": cfg.fused_rope},
             ),
             # Periodic stats lines drown a chat UI.
-            **{"disable_log_stats": True, **_cuda_graph_defaults(cfg), **cfg.vllm_options},
+            **{"disable_log_stats": True, **graph_options, **cfg.vllm_options},
         )
         t0 = time.perf_counter()
         self._vllm = LLMEngine.from_engine_args(args)
@@ -184,24 +217,9 @@ class InferScaleEngine:
         self.bridge.ropes.update(self._vllm.apply_model(_rope_tables)[0])
         self.fingerprint = _fingerprint(self.model_path, self.vllm_config)
         self.loop = EngineLoop(self._vllm)
-        self._static: OrderedDict[tuple[int, ...], Span] = OrderedDict()
-        self._stage_refs: dict[str, int] = {}
-        self._stage_lock = threading.Lock()
-        self._memory: MemoryStore | None = None
-        self.fact_source: FactSource | None = None
-        self._closed = False
 
-    # ------------------------------------------------------------------ lifecycle
-
-    def close(self) -> None:
-        """Stop the engine loop and free vLLM. Safe to call twice."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._memory is not None:
-            self._memory.close()
+    def _stop_vllm(self) -> None:
         self.loop.close()
-        drop_bridge(self.bridge.id)
         if self.loop.running:
             # A step outlived close()'s wait: tearing vLLM down under it is not safe. Its
             # process-global state then goes whenever vLLM's own finalizer runs
@@ -211,6 +229,16 @@ class InferScaleEngine:
             compat.shutdown_engine(self._vllm)
         compat.release_worker_connector()
         del self._vllm
+
+    def close(self) -> None:
+        """Stop the engine loop and free vLLM. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._memory is not None:
+            self._memory.close()
+        drop_bridge(self.bridge.id)
+        self._stop_vllm()
 
     def __enter__(self) -> "InferScaleEngine":
         return self
@@ -529,21 +557,6 @@ def _check_seed(seed: Any) -> None:
         ok = False
     if not ok:
         raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
-
-
-def _cuda_graph_defaults(cfg: EngineConfig) -> dict[str, Any]:
-    """Full CUDA graphs for small prefill batches too, not just for decodes (vLLM's default).
-
-    An injected request computes only its question, so its step is a small mixed batch: one
-    graph replay instead of ~130 launches between piecewise graphs (~3 ms less TTFT on an H200,
-    docs/benchmarks.md). Backends that cannot graph prefills are stepped down by vLLM itself;
-    ``compilation_config`` in the options replaces this. A quantized KV cache keeps vLLM's
-    default: the connector reads captured rows back only from a cache layout it knows, and no
-    KV write hook runs inside a full graph.
-    """
-    if cfg.device != "cuda" or cfg.enforce_eager or cfg.vllm_options.get("kv_cache_dtype", "auto") != "auto":
-        return {}
-    return {"compilation_config": {"cudagraph_mode": "FULL"}}
 
 
 def _configure_vllm_environment(cfg: EngineConfig) -> None:

@@ -255,15 +255,3 @@ def test_plans_travel_as_json_or_inline():
                             skip_clone=True)
     assert parse_params(params.clone().extra_args["kv_transfer_params"]) is plan
     assert parse_params(None) is None and parse_params({}) is None
-
-
-def test_full_cuda_graphs_by_default_where_captures_can_be_read_back():
-    from inferscale_engine.config import EngineConfig
-    from inferscale_engine.engine import _cuda_graph_defaults
-
-    full = {"compilation_config": {"cudagraph_mode": "FULL"}}
-    assert _cuda_graph_defaults(EngineConfig(device="cuda")) == full
-    assert _cuda_graph_defaults(EngineConfig(device="cpu")) == {}
-    assert _cuda_graph_defaults(EngineConfig(device="cuda", enforce_eager=True)) == {}
-    # A quantized cache has a layout the connector does not read back: vLLM's default graphs.
-    assert _cuda_graph_defaults(EngineConfig.from_options(device="cuda", kv_cache_dtype="fp8")) == {}

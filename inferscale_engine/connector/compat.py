@@ -139,3 +139,19 @@ def shutdown_engine(llm_engine: Any) -> None:
         shutdown()
     except Exception:
         logger.exception("vLLM engine shutdown failed")
+    _forget_graph_pool()
+
+
+def _forget_graph_pool() -> None:
+    """Let the next engine in this process capture CUDA graphs into a pool of its own.
+
+    vLLM 0.26 keeps one graph memory pool handle per process on the platform class
+    (``Platform.get_global_graph_pool``, platforms/interface.py:1146). Once the closed engine's
+    graphs are gone PyTorch frees that pool, and capturing into the stale handle fails with
+    "use_count > 0 INTERNAL ASSERT FAILED" in CUDACachingAllocator.
+    """
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    if getattr(platform, "_global_graph_pool", None) is not None:
+        platform._global_graph_pool = None
