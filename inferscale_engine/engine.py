@@ -15,6 +15,7 @@ with no context (exact), separators after the head (an approximation like a fact
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import itertools
 import json
@@ -29,8 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, Union
 
-from inferscale_engine.config import EngineConfig
+import torch
+
 from inferscale_engine import cuda_graphs
+from inferscale_engine.config import EngineConfig
 from inferscale_engine.connector import compat
 from inferscale_engine.connector.bridge import drop_bridge, new_bridge
 from inferscale_engine.connector.plan import InjectionPlan, SpanRef
@@ -176,6 +179,12 @@ class InferScaleEngine:
             error, cuda_graphs.TOLERANCE,
         )
         self._stop_vllm()
+        # The next engine sizes its KV cache from the free device memory: the first one's must be
+        # gone, not just unreferenced by vLLM (the loop and rope tables still point into it).
+        del self.loop, self.vllm_config
+        self.bridge.ropes.clear()
+        gc.collect()
+        torch.cuda.empty_cache()
         self._start_vllm({})
 
     # ------------------------------------------------------------------ lifecycle
