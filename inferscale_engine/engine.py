@@ -38,7 +38,12 @@ from inferscale_engine.connector import compat
 from inferscale_engine.connector.bridge import drop_bridge, new_bridge
 from inferscale_engine.connector.plan import InjectionPlan, SpanRef
 from inferscale_engine.encoder import EncodeWindow, encode_windows
-from inferscale_engine.errors import ContextOverflowError, EngineClosedError, InferScaleError, check_utf8
+from inferscale_engine.errors import (
+    ContextOverflowError,
+    EngineClosedError,
+    InferScaleError,
+    check_utf8,
+)
 from inferscale_engine.handles import Handle, split_on_handles
 from inferscale_engine.kv import FactKV
 from inferscale_engine.loop import EngineLoop

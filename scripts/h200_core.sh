@@ -2,12 +2,12 @@
 # Engine-core measurements on the lent H200 (device tool):
 #   run(command="STEPS='kernel query exactness ttft' bash scripts/h200_core.sh", carry=[".gpu"])
 #   run(command="STEPS='tiers throughput' bash scripts/h200_core.sh", carry=[".gpu"])
-# Random-weight Llama-3.1-8B shape (load_format=dummy), bf16, vLLM 0.26.0, CUDA graphs on:
-# full graphs (cudagraph_mode=FULL, opt-in, checked against eager for this shape by the
-# graphcheck step) unless GRAPHS=default, which keeps the engine's default (vLLM's piecewise).
-# STEPS picks what runs (default: all but the diagnostics graphcheck, graphab — the other graph
-# mode, for the A/B — profile, promote and hosttier, in this order, ~9 min: more than one call
-# may run, hence the two calls above).
+# Random-weight Llama-3.1-8B shape (load_format=dummy), bf16, vLLM 0.26.0, CUDA graphs as the
+# engine sets them up (full graphs, kept after its start-up check: cuda_graphs.py).
+# STEPS picks what runs (default: all but the diagnostics graphcheck — each graph mode against
+# eager, one process each — graphab — vLLM's default piecewise graphs, for the A/B — profile,
+# promote and hosttier, in this order, ~9 min: more than one call may run, hence the two calls
+# above).
 set -uo pipefail
 source .gpu/device-env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -16,8 +16,6 @@ python3 scripts/make_configs.py /tmp/models > /dev/null  # outside $OUT: few fil
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
 M=/tmp/models/llama-3.1-8b
 ARGS="--model $M --dummy-weights --dtype bfloat16"
-FULL='compilation_config={"cudagraph_mode":"FULL"}'
-if [ "${GRAPHS:-full}" = full ]; then ARGS="$ARGS --engine-option $FULL"; TAG=; else TAG=-default-graphs; fi
 for step in $STEPS; do
   echo "== $step $(date +%T)"
   case $step in
@@ -26,15 +24,16 @@ for step in $STEPS; do
     exactness) python3 -m inferscale_engine.bench exactness $ARGS --max-model-len 4096 \
         --json "$OUT/exactness-llama8b.json" > "$OUT/exactness.log" 2>&1; tail -4 "$OUT/exactness.log" ;;
     ttft) python3 -m inferscale_engine.bench ttft $ARGS --max-model-len 16384 --ks ${KS:-0,5,10,20,50,100,200} \
-        --repeats ${REPEATS:-20} --json "$OUT/ttft-llama-3.1-8b$TAG.json" --plot "$OUT/ttft-llama-3.1-8b$TAG.png" > "$OUT/ttft.log" 2>&1
+        --repeats ${REPEATS:-20} --json "$OUT/ttft-llama-3.1-8b.json" --plot "$OUT/ttft-llama-3.1-8b.png" > "$OUT/ttft.log" 2>&1
       tail -30 "$OUT/ttft.log" | grep -v "it/s" ;;
     tiers) python3 -m inferscale_engine.bench tiers $ARGS --max-model-len 8192 --k 50 --repeats 30 \
         --json "$OUT/tiers-llama-3.1-8b.json" > "$OUT/tiers.log" 2>&1; tail -6 "$OUT/tiers.log" ;;
     throughput) python3 -m inferscale_engine.bench throughput $ARGS --max-model-len 8192 --users 1,10,50,100 --k 50 \
         --json "$OUT/throughput-llama-3.1-8b.json" > "$OUT/throughput.log" 2>&1; tail -10 "$OUT/throughput.log" ;;
     graphcheck) python3 scripts/h200_graph_check.py "$M" --dummy-weights 2>&1 | grep "^{" | tee "$OUT/graphcheck.jsonl" ;;
-    graphab) python3 -m inferscale_engine.bench ttft --model $M --dummy-weights --dtype bfloat16 --max-model-len 16384 \
-        --ks 0,50,200 --json "$OUT/ttft-llama-3.1-8b-default-graphs.json" > "$OUT/graphab.log" 2>&1
+    graphab) python3 -m inferscale_engine.bench ttft $ARGS --max-model-len 16384 --ks 0,50,200 \
+        --engine-option 'compilation_config={"cudagraph_mode":"FULL_AND_PIECEWISE"}' \
+        --json "$OUT/ttft-llama-3.1-8b-piecewise.json" > "$OUT/graphab.log" 2>&1
       tail -12 "$OUT/graphab.log" | grep -v "it/s" ;;
     profile) python3 scripts/h200_profile.py "$M" 2>&1 | grep "k=" ;;
     promote) python3 scripts/h200_promote.py 50 2>&1 | grep -E "k=|copies" ;;
