@@ -38,12 +38,7 @@ from inferscale_engine.connector import compat
 from inferscale_engine.connector.bridge import drop_bridge, new_bridge
 from inferscale_engine.connector.plan import InjectionPlan, SpanRef
 from inferscale_engine.encoder import EncodeWindow, encode_windows
-from inferscale_engine.errors import (
-    ContextOverflowError,
-    EngineClosedError,
-    InferScaleError,
-    check_utf8,
-)
+from inferscale_engine.errors import ContextOverflowError, EngineClosedError, InferScaleError, check_utf8
 from inferscale_engine.handles import Handle, split_on_handles
 from inferscale_engine.kv import FactKV
 from inferscale_engine.loop import EngineLoop
@@ -168,21 +163,23 @@ class InferScaleEngine:
         if full_graphs:
             self._check_full_graphs()
 
+    # ------------------------------------------------------------------ lifecycle
+
     def _check_full_graphs(self) -> None:
         """Keep full CUDA graphs only if they compute this model's prefills as eager steps do."""
         try:
             error = cuda_graphs.prefill_error(self)
-        except Exception:
-            logger.exception("checking full CUDA graphs failed")
-            error = None
+        except Exception as exc:
+            error, reason = None, f"the check failed: {exc!r}"
+        else:
+            reason = (
+                "no step runs past the largest graph to check against" if error is None else
+                f"graphed prefills differ from eager ones by {error:.3g}, tolerance {cuda_graphs.TOLERANCE}"
+            )
         if cuda_graphs.keep(error):
             logger.info("full CUDA graphs kept: graphed prefills match eager ones (relative difference %.2g)", error)
             return
-        logger.warning(
-            "full CUDA graphs compute prefills of this model differently from eager steps (relative "
-            "difference %s, tolerance %s); restarting vLLM with its default CUDA graphs",
-            error, cuda_graphs.TOLERANCE,
-        )
+        logger.warning("full CUDA graphs not kept (%s); restarting vLLM with its default CUDA graphs", reason)
         self._stop_vllm()
         # The next engine sizes its KV cache from the free device memory: the first one's must be
         # gone, not just unreferenced by vLLM (the loop and rope tables still point into it).
@@ -191,8 +188,6 @@ class InferScaleEngine:
         gc.collect()
         torch.cuda.empty_cache()
         self._start_vllm({})
-
-    # ------------------------------------------------------------------ lifecycle
 
     def _start_vllm(self, graph_options: dict[str, Any]) -> None:
         from vllm.config import KVTransferConfig

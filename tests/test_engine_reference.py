@@ -70,3 +70,18 @@ def test_small_prefill_batches_compute_what_one_long_prefill_does(engine):
     assert error is not None and cuda_graphs.keep(error)
     if DEVICE == "cpu":
         assert error < TOLERANCE["float32"]
+
+
+def test_full_graphs_are_tried_only_where_they_can_be_checked():
+    from inferscale_engine.config import EngineConfig
+
+    assert cuda_graphs.wanted(EngineConfig(device="cuda"))
+    assert not cuda_graphs.wanted(EngineConfig(device="cpu"))
+    assert not cuda_graphs.wanted(EngineConfig(device="cuda", enforce_eager=True))
+    # The caller's own graph settings are taken as given.
+    assert not cuda_graphs.wanted(EngineConfig.from_options(device="cuda", compilation_config={"cudagraph_mode": "FULL"}))
+    # A quantized cache: the connector cannot read captures back from inside a full graph.
+    assert not cuda_graphs.wanted(EngineConfig.from_options(device="cuda", kv_cache_dtype="fp8"))
+    # No step can run past the largest graph, so there is no ungraphed reference to check against.
+    assert not cuda_graphs.wanted(EngineConfig(device="cuda", max_model_len=256))
+    assert not cuda_graphs.wanted(EngineConfig.from_options(device="cuda", max_num_batched_tokens=32))
