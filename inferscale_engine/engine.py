@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, Union
 
+import pydantic
 import torch
 
 from inferscale_engine import cuda_graphs
@@ -38,7 +39,13 @@ from inferscale_engine.connector import compat
 from inferscale_engine.connector.bridge import drop_bridge, new_bridge
 from inferscale_engine.connector.plan import InjectionPlan, SpanRef
 from inferscale_engine.encoder import EncodeWindow, encode_windows
-from inferscale_engine.errors import ContextOverflowError, EngineClosedError, InferScaleError, check_utf8
+from inferscale_engine.errors import (
+    ContextOverflowError,
+    EngineClosedError,
+    EngineSettingsError,
+    InferScaleError,
+    check_utf8,
+)
 from inferscale_engine.handles import Handle, split_on_handles
 from inferscale_engine.kv import FactKV
 from inferscale_engine.loop import EngineLoop
@@ -159,7 +166,11 @@ class InferScaleEngine:
         self.fact_source: FactSource | None = None
         self._closed = False
         full_graphs = cuda_graphs.wanted(self.config)
-        self._start_vllm(cuda_graphs.FULL if full_graphs else {})
+        try:
+            self._start_vllm(cuda_graphs.FULL if full_graphs else {})
+        except BaseException:
+            drop_bridge(self.bridge.id)
+            raise
         if full_graphs:
             self._check_full_graphs()
 
@@ -214,7 +225,13 @@ class InferScaleEngine:
             **{"disable_log_stats": True, **graph_options, **cfg.vllm_options},
         )
         t0 = time.perf_counter()
-        self._vllm = LLMEngine.from_engine_args(args)
+        try:
+            self._vllm = LLMEngine.from_engine_args(args)
+        except pydantic.ValidationError as exc:
+            # vLLM checks its settings in pydantic dataclasses before it loads anything: say which
+            # setting, not where deep inside vLLM it was found.
+            messages = "; ".join(str(e.get("msg", e)).removeprefix("Value error, ") for e in exc.errors())
+            raise EngineSettingsError(f"vLLM refused the engine settings: {messages}") from None
         logger.info("vLLM engine for %s ready in %.1fs", self.model_path, time.perf_counter() - t0)
         self.vllm_config = self._vllm.vllm_config
         model_config = self.vllm_config.model_config

@@ -31,6 +31,10 @@ class ContextOverflowError(InferScaleError, ValueError):
     """Prompt (with injected facts) plus ``max_tokens`` does not fit the model's context."""
 
 
+class EngineSettingsError(InferScaleError, ValueError):
+    """vLLM refused an engine setting (``max_model_len`` beyond the model's, an unknown option...)."""
+
+
 class EngineClosedError(InferScaleError, RuntimeError):
     """The engine was closed."""
 

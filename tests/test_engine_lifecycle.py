@@ -78,3 +78,20 @@ def test_rebuild_after_close_survives_collection_of_the_closed_engine(tiny_llama
     finally:
         third.close()
     assert not _process_state_is_live()  # close() itself released the process-global state
+
+
+def test_settings_vllm_refuses_are_one_clear_error_and_leave_nothing_behind(tiny_llama, tmp_path):
+    from inferscale_engine.connector.bridge import _BRIDGES
+    from inferscale_engine.errors import EngineSettingsError
+
+    bridges = set(_BRIDGES)
+    with pytest.raises(EngineSettingsError, match=r"max_model_len \(100000\) is greater than") as caught:
+        InferScaleEngine(model=tiny_llama, store_path=tmp_path, **{**OPTIONS, "max_model_len": 100_000})
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__  # no pydantic trace
+    assert isinstance(caught.value, ValueError)  # what callers of a settings error catch
+    assert set(_BRIDGES) == bridges
+    engine = _build(tiny_llama, tmp_path / "after")  # the failed start left the process usable
+    try:
+        _serves_injected_kv(engine)
+    finally:
+        engine.close()
