@@ -49,31 +49,43 @@ class RopeTable:
         return self.cos.shape[0] - 1
 
 
+#: CPU: elements of keys rotated per pass. A whole ``[layers, n, heads, dim]`` tensor makes every
+#: elementwise op a trip through memory; layer chunks whose fp32 copy fits the cache ran 12x
+#: faster on a 2-core box (30 layers x 1,488 rows x 3 heads x 64: 6 ms instead of 77-92 ms).
+_CPU_CHUNK_ELEMS = 1 << 16
+
+
 def rotate(keys: torch.Tensor, deltas: torch.Tensor, table: RopeTable) -> torch.Tensor:
     """Rotate ``keys`` (``[..., n, heads, head_dim]``) by per-row position ``deltas`` (``[n]``).
 
     Negative deltas (a fact served earlier than it was encoded) rotate backwards. Rows with
-    delta 0 come back bit-identical, which keeps exact-context injection exact.
+    delta 0 come back bit-identical, which keeps exact-context injection exact. The angles and
+    the arithmetic are fp32 whatever the keys' dtype: one rounding back to it at most.
     """
     if deltas.numel() == 0 or not bool(deltas.any()):
         return keys
     if int(deltas.abs().max()) > table.max_delta:
         raise ValueError(f"position delta {int(deltas.abs().max())} exceeds the rotary table")
     idx = deltas.abs().long().to(table.cos.device)
-    cos = table.cos[idx].to(keys.device)  # [n, rd/2]
-    sin = table.sin[idx].to(keys.device) * torch.sign(deltas).to(keys.device).unsqueeze(-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    cos = table.cos[idx].to(keys.device)[:, None, :]  # [n, 1, rd/2]: broadcast over heads
+    sin = (table.sin[idx].to(keys.device) * torch.sign(deltas).to(keys.device).unsqueeze(-1))[:, None, :]
 
     rd = table.rotary_dim
-    x = keys[..., :rd].float()
-    if table.is_neox_style:
-        x1, x2 = x[..., : rd // 2], x[..., rd // 2 :]
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    else:  # gptj: interleaved pairs
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        rotated = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    out = keys.clone()
-    out[..., :rd] = rotated.to(keys.dtype)
+    stacked = keys.reshape(-1, *keys.shape[-3:])  # [layers (or 1), n, heads, head_dim]
+    out = torch.empty_like(stacked) if rd == keys.shape[-1] else stacked.clone()
+    # A GPU runs each op over everything at once; a CPU goes a cache-sized chunk at a time.
+    per = stacked.shape[0] if keys.is_cuda else max(1, _CPU_CHUNK_ELEMS // stacked[0].numel())
+    for first in range(0, stacked.shape[0], per):
+        x = stacked[first : first + per, ..., :rd].to(torch.float32, copy=True)  # rotated in place
+        if table.is_neox_style:
+            x1, x2 = x[..., : rd // 2], x[..., rd // 2 :]
+        else:  # gptj: interleaved pairs
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+        new_x1 = (x1 * cos).addcmul_(x2, sin, value=-1)
+        x2.mul_(cos).addcmul_(x1, sin)
+        x1.copy_(new_x1)
+        out[first : first + per, ..., :rd] = x
+    out = out.view_as(keys)
     # Rows that do not move keep their exact bits (the fp32 round trip is not always identity).
     still = deltas.to(keys.device) == 0
     if bool(still.any()):

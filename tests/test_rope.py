@@ -63,3 +63,20 @@ def test_delta_beyond_table_is_refused():
     table = RopeTable.from_module(_rope("default"))
     with pytest.raises(ValueError, match="exceeds"):
         rotate(torch.randn(1, 1, 1, HEAD), torch.tensor([table.max_delta + 1]), table)
+
+
+@pytest.mark.parametrize("style,partial", [("gptj", 1.0), ("default", 0.5)])
+def test_rotation_by_layer_chunks_equals_one_pass_and_leaves_the_input_alone(style, partial, monkeypatch):
+    """On a CPU the rotation goes a few layers at a time (cache-sized): the same bits as one pass."""
+    import inferscale_engine.rope as rope_module
+
+    table = RopeTable.from_module(_rope(style, partial))
+    torch.manual_seed(0)
+    keys = torch.randn(7, 40, 2, HEAD)  # 7 layers
+    before = keys.clone()
+    deltas = torch.randint(-300, 300, (40,))
+    whole = rotate(keys, deltas, table)
+    monkeypatch.setattr(rope_module, "_CPU_CHUNK_ELEMS", 2 * keys[0].numel())  # chunks of 2, 2, 2, 1
+    assert torch.equal(rotate(keys, deltas, table), whole)
+    assert torch.equal(keys, before)  # rotated in a copy: stored KV is read, never written
+    assert torch.equal(rotate(keys[3], deltas, table), whole[3])  # one layer, no layer axis
