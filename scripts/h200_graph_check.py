@@ -4,7 +4,12 @@ For each graph mode, in a process of its own (one in-process engine per process)
 window of random tokens, capture the KV of its first rows, and take the first-token logprobs
 of a short prompt; then compare every mode with eager execution.
 
-    python3 scripts/h200_graph_check.py MODEL [--dummy-weights] [--tiny ARCH]
+    python3 scripts/h200_graph_check.py MODEL [--dummy-weights]
+
+MODEL is a model folder: a real one, a config-only shape (``scripts/make_configs.py``, with
+``--dummy-weights``), or the tests' tiny Llama (``tests/tiny_models.build_tiny_model(DIR,
+"llama", "bfloat16")``). The graph modes are passed explicitly, so the engine's own start-up
+check (``inferscale_engine/cuda_graphs.py``) does not step in.
 """
 
 from __future__ import annotations
