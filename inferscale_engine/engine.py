@@ -37,7 +37,7 @@ from inferscale_engine import cuda_graphs
 from inferscale_engine.config import EngineConfig
 from inferscale_engine.connector import compat
 from inferscale_engine.connector.bridge import drop_bridge, new_bridge
-from inferscale_engine.connector.plan import InjectionPlan, SpanRef
+from inferscale_engine.connector.plan import InjectionPlan, SpanRef, plan_kind
 from inferscale_engine.encoder import EncodeWindow, encode_windows
 from inferscale_engine.errors import (
     ContextOverflowError,
@@ -240,6 +240,8 @@ class InferScaleEngine:
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.get_vocab_size()
         self.dtype = model_config.dtype
+        config = self.config  # not self: vLLM would hold the engine that holds it
+        compat.keep_out_of_prefix_cache(self._vllm, lambda request: _bypasses_prefix_cache(request, config))
         self.bridge.ropes.update(self._vllm.apply_model(_rope_tables)[0])
         self.fingerprint = _fingerprint(self.model_path, self.vllm_config)
         self.loop = EngineLoop(self._vllm)
@@ -477,10 +479,11 @@ class InferScaleEngine:
             plan = InjectionPlan(tuple(map(SpanRef, keys, itertools.accumulate(lengths, initial=0), lengths)))
             # The connector runs in this process: the plan travels as itself, not as JSON.
             extra["kv_transfer_params"] = plan.to_params(inline=True)
-            # Injected blocks enter vLLM's prefix cache under the prompt's token ids: salt them by
-            # user and by exactly which KV they hold, so they never serve a plain or foreign request.
-            # The keys in order say that: a key is one span's KV, of one length, so they also fix
-            # every span's position.
+            # Where injected blocks enter vLLM's prefix cache (prefix_cache_injected, or a vLLM
+            # without the hooks to keep them out), they do under the prompt's token ids: salt them
+            # by user and by exactly which KV they hold, so they never serve a plain or foreign
+            # request. The keys in order say that: a key is one span's KV, of one length, so they
+            # also fix every span's position.
             prompt["cache_salt"] = "is-" + hashlib.sha256(json.dumps([user_id, keys]).encode()).hexdigest()[:32]
         params = SamplingParams(
             max_tokens=max_tokens,
@@ -583,6 +586,18 @@ def _check_seed(seed: Any) -> None:
         ok = False
     if not ok:
         raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
+
+
+def _bypasses_prefix_cache(request: Any, config: EngineConfig) -> bool:
+    """Whether vLLM's prefix cache should neither serve nor keep this request's blocks.
+
+    Captures always bypass it: their rows must be computed, and no window is encoded twice.
+    Injected prompts do unless ``config.prefix_cache_injected``: their blocks could only serve
+    the same user asking with the same memories in the same order, and caching them costs every
+    request ~1 ms at k=200 and pushes out blocks plain prompts would hit.
+    """
+    kind = plan_kind(request.kv_transfer_params)
+    return kind == "capture" or (kind == "inject" and not config.prefix_cache_injected)
 
 
 def _configure_vllm_environment(cfg: EngineConfig) -> None:

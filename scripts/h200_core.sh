@@ -5,7 +5,8 @@
 # Random-weight Llama-3.1-8B shape (load_format=dummy), bf16, vLLM 0.26.0, CUDA graphs as the
 # engine sets them up (full graphs, kept after its start-up check: cuda_graphs.py).
 # STEPS picks what runs (default: all but the diagnostics graphcheck — each graph mode against
-# eager, one process each — graphab — vLLM's default piecewise graphs, for the A/B — profile,
+# eager, one process each — graphab — vLLM's default piecewise graphs, for the A/B — cacheab —
+# injected prompts kept in vLLM's prefix cache (prefix_cache_injected), for the A/B — profile,
 # promote and hosttier, in this order, ~9 min: more than one call may run, hence the two calls
 # above).
 set -uo pipefail
@@ -35,6 +36,10 @@ for step in $STEPS; do
         --engine-option 'compilation_config={"cudagraph_mode":"FULL_AND_PIECEWISE"}' \
         --json "$OUT/ttft-llama-3.1-8b-piecewise.json" > "$OUT/graphab.log" 2>&1
       tail -12 "$OUT/graphab.log" | grep -v "it/s" ;;
+    cacheab) python3 -m inferscale_engine.bench ttft $ARGS --max-model-len 16384 --ks ${KS:-0,50,200} \
+        --repeats ${REPEATS:-20} --engine-option prefix_cache_injected=true \
+        --json "$OUT/ttft-llama-3.1-8b-prefix-cached.json" > "$OUT/cacheab.log" 2>&1
+      tail -12 "$OUT/cacheab.log" | grep -v "it/s" ;;
     profile) python3 scripts/h200_profile.py "$M" 2>&1 | grep "k=" ;;
     promote) python3 scripts/h200_promote.py 50 2>&1 | grep -E "k=|copies" ;;
     hosttier) python3 scripts/h200_hosttier.py "$M" 50 2>&1 | grep "^k=" ;;

@@ -75,15 +75,31 @@ def test_negative_controls_diverge(tiny_engine):
     assert got["max_logit_diff"] > 1e-2, got
 
 
-def test_plain_request_after_injection_is_not_served_injected_kv(tiny_engine):
-    """Injected blocks land in vLLM's prefix cache; a plain request with the same tokens must not
-    reuse them (per-request cache_salt)."""
+@pytest.mark.parametrize("cache_injected", [False, True], ids=["bypass", "cached"])
+def test_injected_prompts_and_the_prefix_cache(tiny_engine, cache_injected, monkeypatch):
+    """By default an injected prompt bypasses vLLM's prefix cache: the same plan asked again is
+    injected again. With ``prefix_cache_injected`` its blocks are kept and serve it. Either way a
+    plain request with the same tokens is never served injected KV (per-request cache_salt)."""
+    monkeypatch.setattr(tiny_engine.config, "prefix_cache_injected", cache_injected)
     head, facts, tail = _case(tiny_engine)
+    facts = facts * 8  # whole prefix-cache blocks of facts, whatever the block size
     flat = head + [t for f in facts for t in f] + tail
-    w0 = encode_spans(tiny_engine, head, facts, exact=False, key="salt")
-    injected = tiny_engine.generate_segments([head, *w0, tail], max_tokens=32)
-    plain = tiny_engine.generate_segments([flat], mode="prompt", max_tokens=32)
+    key = f"prefix-cache-{cache_injected}"
+    w0 = encode_spans(tiny_engine, head, facts, exact=False, key=key)
+    exact = encode_spans(tiny_engine, head, facts, exact=True, key=key + "-exact")
+    ask = dict(max_tokens=8, first_logprobs=20)
+    injected = tiny_engine.generate_segments([head, *w0, tail], **ask)
+    fresh = tiny_engine.generate_segments([head, *exact, tail], **ask)
+    assert compare(fresh, injected)["max_logit_diff"] > 1e-3  # the probe can tell the two KVs apart
+    # The first request's keys (so its plan and salt) over the other KV: which KV answers shows
+    # whether the first request's blocks were kept.
+    relabelled = [Span(s.key, s.token_ids, e.kv) for s, e in zip(w0, exact)]
+    again = tiny_engine.generate_segments([head, *relabelled, tail], **ask)
+    if cache_injected:  # served from the kept blocks (all but a partial last one, injected anew)
+        assert compare(fresh, again)["max_logit_diff"] > 1e-3
+    else:  # injected again: exactly the fresh answer
+        assert compare(fresh, again)["max_logit_diff"] < TOL_FP32 and fresh.token_ids == again.token_ids
+
+    plain = tiny_engine.generate_segments([flat], mode="prompt", **ask)
     assert plain.usage.cached_tokens < len(head) + sum(map(len, facts)), "plain request hit injected blocks"
-    assert injected.token_ids != plain.token_ids  # w=0 KV really differs, so pollution would show
-    again = tiny_engine.generate_segments([head, *w0, tail], max_tokens=32)
-    assert again.token_ids == injected.token_ids  # same plan, same salt: reuse is fine
+    assert compare(plain, injected)["max_logit_diff"] > 1e-3  # w=0 KV really differs, so pollution would show

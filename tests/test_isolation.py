@@ -231,12 +231,14 @@ def test_cache_salt_is_per_user_and_per_kv(engine, people):
     assert not engine.bridge.staged
 
 
-def test_injected_kv_in_the_prefix_cache_never_serves_another_user_or_a_plain_request(engine):
+def test_injected_kv_in_the_prefix_cache_never_serves_another_user_or_a_plain_request(engine, monkeypatch):
     """Same token ids, different KV: the prefix cache must keep them apart.
 
     A's and D's facts have the same text but are encoded after different contexts, so their KV
-    (and the answers' logprobs) differ from each other and from plain prefill.
+    (and the answers' logprobs) differ from each other and from plain prefill. Injected prompts
+    are kept in the prefix cache here (by default they bypass it, which isolates them trivially).
     """
+    monkeypatch.setattr(engine.config, "prefix_cache_injected", True)
     store = engine.memory
     a, d, plain_user = uid("alice"), uid("dora"), uid("eve")
     text = "The launch code is 4242 and the backup is 1717."

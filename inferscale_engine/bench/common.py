@@ -54,6 +54,7 @@ def environment(engine: "InferScaleEngine | None" = None) -> dict[str, Any]:
         cfg = engine.config
         env.update(model=cfg.model, device=cfg.device, dtype=str(engine.dtype), max_model_len=engine.max_model_len,
                    enforce_eager=cfg.enforce_eager, fused_rope=cfg.fused_rope,
+                   prefix_cache_injected=cfg.prefix_cache_injected,
                    block_size=engine.vllm_config.cache_config.block_size, vllm_options=cfg.vllm_options,
                    cudagraph_mode=str(engine.vllm_config.compilation_config.cudagraph_mode))
     return env

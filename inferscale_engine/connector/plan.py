@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -94,6 +94,17 @@ class CapturePlan:
         if inline:
             return {PARAMS_KEY: self}
         return {PARAMS_KEY: {"capture": [[r.capture_id, r.start, r.length] for r in self.ranges]}}
+
+
+def plan_kind(params: dict[str, Any] | None) -> Literal["inject", "capture"] | None:
+    """Which plan a request's ``kv_transfer_params`` carry, without parsing them (vLLM asks for
+    every block of every request)."""
+    ours = (params or {}).get(PARAMS_KEY)
+    if isinstance(ours, InjectionPlan) or (isinstance(ours, dict) and "inject" in ours):
+        return "inject"
+    if isinstance(ours, CapturePlan) or (isinstance(ours, dict) and "capture" in ours):
+        return "capture"
+    return None
 
 
 def parse_params(params: dict[str, Any] | None) -> InjectionPlan | CapturePlan | None:
