@@ -475,3 +475,31 @@ def test_cuda_eviction_does_not_wait_for_the_callers_queued_work(tmp_path):
     for k in (a, b, c):
         kv = tiers.get(k, FP)
         assert torch.equal(kv.k.cpu(), kvs[k].k) and torch.equal(kv.v.cpu(), kvs[k].v)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_promotion_into_evicted_pages_does_not_wait_for_their_copy_to_the_host(tmp_path):
+    kvs = _cuda_facts(4, [28, 28, 28])  # 2 pages each; the slab holds two facts
+    a, b, c = kvs
+    page = 4 * 2 * 16 * 8 * 128 * 2
+    tiers = KVTiers(tmp_path, device="cuda", device_bytes=4 * page, host_bytes=64 << 20, page_tokens=16)
+    tiers.put(c, kvs[c], FP)
+    tiers.evict(c, to="host")
+    for k in (a, b):
+        tiers.put(k, kvs[k], FP)
+    torch.cuda.synchronize()
+    out = tiers._out_stream()
+    with torch.cuda.stream(out):
+        torch.cuda._sleep(100_000_000)  # ~50 ms: the eviction's copy to the host queues behind it
+    busy = torch.cuda.Event()
+    busy.record(out)
+    got = tiers.get_many([c], FP)  # evicts a to the host, promotes c into a's slab pages
+    torch.cuda.current_stream().synchronize()  # c is readable ...
+    assert not busy.query(), "the promotion waited for the eviction's copy to the host"  # ... a still in flight
+    assert torch.equal(got[0].k.cpu(), kvs[c].k) and torch.equal(got[0].v.cpu(), kvs[c].v)
+    # a comes back before its copy to the host has landed: the promotion waits for that copy.
+    back = tiers.get_many([a], FP)
+    assert torch.equal(back[0].k.cpu(), kvs[a].k) and torch.equal(back[0].v.cpu(), kvs[a].v)
+    for k in (a, b, c):
+        kv = tiers.get(k, FP)
+        assert torch.equal(kv.k.cpu(), kvs[k].k) and torch.equal(kv.v.cpu(), kvs[k].v)

@@ -6,12 +6,14 @@
   engine the "device" is the CPU and the slab is an ordinary tensor.
 * **Host tier** – pages in the slab's layout in CPU memory (pinned when CUDA is available),
   allocated :data:`HOST_CHUNK_BYTES` at a time as the tier fills, up to ``host_bytes``, with
-  their own free list. Facts move between the tiers as page copies queued on a side stream,
+  their own free list. Facts move between the tiers as page copies queued on CUDA streams,
   one ``cudaMemcpyBatchAsync`` per batch of facts (a range per run of consecutive pages): a
-  promotion copies host pages straight into the slab pages it takes, an eviction copies slab
-  pages down. Nothing waits on the host for either; the slab's readers and writers on the
-  caller's stream wait for the side stream's last copy on the device, and a copy waits for
-  their last access (:meth:`KVTiers._copy`).
+  promotion copies host pages straight into the slab pages it takes (side stream); an eviction
+  gathers its slab pages into a device buffer (side stream) and copies that down on a stream
+  of its own, so a promotion into the freed pages waits for a device-side copy, not for PCIe.
+  Nothing waits on the host for either; the slab's readers and writers on the caller's stream
+  wait for the side stream's last copy on the device, a copy waits for their last access
+  (:meth:`KVTiers._copy`), and a promotion waits for the eviction still writing its host pages.
 * **Disk tier** – one safetensors file per fact version, written atomically (temp file in the
   same folder, fsync, ``os.replace``, fsync of the folder) and carrying the model fingerprint
   in its metadata. Disk is write-through and unbounded: every encoded fact has its file before
@@ -35,7 +37,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -69,6 +71,8 @@ class _Entry:
     num_tokens: int
     position: int
     fingerprint: str
+    #: CUDA, host tier: the eviction copy writing these pages, until it is known to be done.
+    written: torch.cuda.Event | None = None
 
 
 class KVTiers:
@@ -115,7 +119,10 @@ class KVTiers:
         # wait for the side stream's last copy, and a copy waits for the caller's last slab
         # access (it may reuse the pages that one read) rather than for all its queued work.
         self._side: torch.cuda.Stream | None = None
-        self._copier: ByteCopier | None = None
+        # Evictions copy to the host on a stream of their own, from a device-side copy of the
+        # pages, so promotions into those slab pages need not wait for PCIe (see _evict).
+        self._out: torch.cuda.Stream | None = None
+        self._copiers: dict[torch.cuda.Stream, ByteCopier] = {}
         self._side_done: torch.cuda.Event | None = None
         self._caller_done: torch.cuda.Event | None = None
         self.counters = {
@@ -335,6 +342,7 @@ class KVTiers:
             from_pages += h.pages
             promoted[key] = _Entry(pages, h.num_tokens, h.position, h.fingerprint)
         if promoted:
+            self._wait_written(hosts)
             self._copy(self._slab_pool, to_pages, self._host_pool(), from_pages)
             # Only now: an eviction into these host pages is queued after the copy reading them.
             self._host_free += from_pages
@@ -360,8 +368,8 @@ class KVTiers:
 
     def _evict(self, keys: list[KVKey]) -> None:
         """Move device facts to the host tier (lock held): one batch of copies for all of them,
-        queued on the side stream on CUDA, so no one waits for it; their slab pages are free at
-        once (later slab writes queue after the copies)."""
+        queued on CUDA streams, so no one waits for it on the host; their slab pages are free at
+        once (later slab writes queue after the copies out of them)."""
         entries = [self._device.pop(key) for key in keys]
         moved: list[tuple[KVKey, _Entry]] = []
         to_pages: list[int] = []
@@ -375,7 +383,8 @@ class KVTiers:
             from_pages += e.pages
             moved.append((key, _Entry(pages, e.num_tokens, e.position, e.fingerprint)))
         if moved:
-            self._copy(self._host_pool(), to_pages, self._slab_pool, from_pages)
+            written = self._copy_out(to_pages, from_pages)
+            moved = [(key, replace(e, written=written)) for key, e in moved]
         # Entered only now, so a later fact of this batch cannot drop them to make room.
         self._host.update(moved)
         self.counters["device_to_host"] += len(moved)
@@ -422,25 +431,72 @@ class KVTiers:
         if not self._cuda:
             _copy_on_host(dst, dst_pages, src, src_pages)
             return
+        side = self._side_stream()
+        if self._caller_done is not None:  # the pages may have been read or written there last
+            side.wait_event(self._caller_done)
+        self._dma(side, dst, dst_pages, src, src_pages)
+        done = torch.cuda.Event()
+        done.record(side)
+        self._side_done = done
+
+    def _copy_out(self, host_pages: list[int], slab_pages: list[int]) -> torch.cuda.Event | None:
+        """Copy slab pages to host pages; on CUDA, the event of the copy writing the host pages.
+
+        A promotion that needs the room waits for nothing slower than a device-side copy: the
+        side stream gathers the pages into a buffer (device memory bandwidth), after which the
+        slab pages can take new facts; the buffer goes to the host on the eviction stream, over
+        PCIe, while the side stream copies the promoted facts the other way. Readers of those
+        host pages wait for the returned event (:meth:`_wait_written`)."""
+        if not self._cuda:
+            _copy_on_host(self._host_pool(), host_pages, self._slab_pool, slab_pages)  # type: ignore[arg-type]
+            return None
+        assert self._slab is not None
+        side = self._side_stream()
+        if self._caller_done is not None:
+            side.wait_event(self._caller_done)
+        with torch.cuda.stream(side):
+            staged = self._slab.index_select(0, self._index(slab_pages))
+        gathered = torch.cuda.Event()
+        gathered.record(side)
+        self._side_done = gathered
+        # After everything queued on the side stream so far, promotions that read host pages
+        # this copy may now overwrite included.
+        out = self._out_stream()
+        out.wait_event(gathered)
+        staged.record_stream(out)  # its memory is not reused before the copy out of it ends
+        self._dma(out, self._host_pool(), host_pages, Sources.of([staged]), list(range(len(slab_pages))))
+        written = torch.cuda.Event()
+        written.record(out)
+        return written
+
+    def _wait_written(self, entries: list[_Entry]) -> None:
+        """Order the side stream after the evictions still writing these host entries' pages."""
+        pending = {id(e.written): e.written for e in entries if e.written is not None}
+        for event in pending.values():
+            if not event.query():
+                self._side_stream().wait_event(event)
+        for e in entries:
+            e.written = None
+
+    def _dma(self, stream: torch.cuda.Stream, dst: Sources, dst_pages: list[int], src: Sources,
+             src_pages: list[int]) -> None:
+        """Queue the page copies on ``stream``: one batch, a range per run of pages that lie one
+        after the other on both sides."""
         dst_which, dst_index = _split_pages(dst, dst_pages)
         src_which, src_index = _split_pages(src, src_pages)
         starts, lengths = page_runs(dst_which, dst_index, src_which, src_index)
         pb = self._page_bytes
-        side = self._side_stream()
-        if self._copier is None:
-            self._copier = ByteCopier(side)
-        if self._caller_done is not None:  # the pages may have been read or written there last
-            side.wait_event(self._caller_done)
-        self._copier.copy(_ranges(dst, dst_which[starts]), dst_index[starts] * pb, _ranges(src, src_which[starts]),
-                          src_index[starts] * pb, lengths * pb)
-        done = torch.cuda.Event()
-        done.record(side)
-        self._side_done = done
+        copier = self._copiers.get(stream)
+        if copier is None:
+            copier = self._copiers[stream] = ByteCopier(stream)
+        copier.copy(_ranges(dst, dst_which[starts]), dst_index[starts] * pb, _ranges(src, src_which[starts]),
+                    src_index[starts] * pb, lengths * pb)
 
     def _read_host(self, entry: _Entry) -> FactKV:
         """A host-tier fact's KV on the device, without caching it there (lock held)."""
         m = len(entry.pages)
         buffer = torch.empty((m, *self._page_shape()), dtype=self._geometry[3], device=self.device)  # type: ignore[index]
+        self._wait_written([entry])
         self._copy(Sources.of([buffer]), list(range(m)), self._host_pool(), entry.pages)
         self._after_side()
         return self._hand_out(buffer, [(entry.num_tokens, m, entry.position)])[0]
@@ -489,8 +545,9 @@ class KVTiers:
         if slots is None:
             self.counters["host_drops"] += 1
             return  # the disk has it
-        if self._side is not None:  # copies still queued may read or write these pages
-            self._side.synchronize()
+        for stream in (self._side, self._out):  # copies still queued may read or write these pages
+            if stream is not None:
+                stream.synchronize()
         _copy_on_host(self._host_pool(), slots, Sources.of([pages.to("cpu")]), list(range(len(slots))))
         self._host[key] = _Entry(slots, n, position, fingerprint)
 
@@ -513,6 +570,11 @@ class KVTiers:
         if self._side is None:
             self._side = torch.cuda.Stream(self.device)
         return self._side
+
+    def _out_stream(self) -> torch.cuda.Stream:
+        if self._out is None:
+            self._out = torch.cuda.Stream(self.device)
+        return self._out
 
     def _drop_memory(self, key: KVKey) -> None:
         entry = self._device.pop(key, None)
