@@ -54,7 +54,7 @@ class EngineConfig:
     fused_rope: bool = True
     #: Let vLLM's prefix cache keep injected prompts, so a request with the same memories in the
     #: same order (same user) skips their injection. Off: injected prompts bypass the prefix cache,
-    #: which saves hashing, evicting and caching every block of every request (~1 ms at k=200)
+    #: which saves hashing, evicting and caching every block of every request (1–2 ms at k=200)
     #: and leaves the cache to prompts it can serve again. Read per request.
     prefix_cache_injected: bool = False
     vllm_options: dict[str, Any] = field(default_factory=dict)

@@ -594,7 +594,7 @@ def _bypasses_prefix_cache(request: Any, config: EngineConfig) -> bool:
     Captures always bypass it: their rows must be computed, and no window is encoded twice.
     Injected prompts do unless ``config.prefix_cache_injected``: their blocks could only serve
     the same user asking with the same memories in the same order, and caching them costs every
-    request ~1 ms at k=200 and pushes out blocks plain prompts would hit.
+    request 1–2 ms at k=200 and pushes out blocks plain prompts would hit.
     """
     kind = plan_kind(request.kv_transfer_params)
     return kind == "capture" or (kind == "inject" and not config.prefix_cache_injected)

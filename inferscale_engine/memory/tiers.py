@@ -459,8 +459,8 @@ class KVTiers:
         gathered = torch.cuda.Event()
         gathered.record(side)
         self._side_done = gathered
-        # After everything queued on the side stream so far, promotions that read host pages
-        # this copy may now overwrite included.
+        # Behind everything queued on the side stream so far: the gather, and any promotion
+        # still reading host pages this copy may now overwrite.
         out = self._out_stream()
         out.wait_event(gathered)
         staged.record_stream(out)  # its memory is not reused before the copy out of it ends
