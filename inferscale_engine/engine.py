@@ -37,7 +37,7 @@ from inferscale_engine import cuda_graphs
 from inferscale_engine.config import EngineConfig
 from inferscale_engine.connector import compat
 from inferscale_engine.connector.bridge import drop_bridge, new_bridge
-from inferscale_engine.connector.plan import InjectionPlan, SpanRef, plan_kind
+from inferscale_engine.connector.plan import InjectionPlan, SpanRef, injected_tokens, plan_kind
 from inferscale_engine.encoder import EncodeWindow, encode_windows
 from inferscale_engine.errors import (
     ContextOverflowError,
@@ -568,7 +568,7 @@ class _Accumulator:
             usage=Usage(
                 prompt_tokens=len(prompt_ids),
                 completion_tokens=len(completion.token_ids),
-                injected_tokens=self.prepared.plan.end if self.prepared.plan else 0,
+                injected_tokens=injected_tokens(out.kv_transfer_params),
                 cached_tokens=int(out.num_cached_tokens or 0),
             ),
             ttft_s=self.ttft if self.ttft is not None else t,

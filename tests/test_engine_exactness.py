@@ -95,10 +95,14 @@ def test_injected_prompts_and_the_prefix_cache(tiny_engine, cache_injected, monk
     # whether the first request's blocks were kept.
     relabelled = [Span(s.key, s.token_ids, e.kv) for s, e in zip(w0, exact)]
     again = tiny_engine.generate_segments([head, *relabelled, tail], **ask)
+    injected_part = len(injected.prompt_token_ids) - len(tail)
+    assert injected.usage.injected_tokens == injected.usage.cached_tokens == injected_part
     if cache_injected:  # served from the kept blocks (all but a partial last one, injected anew)
         assert compare(fresh, again)["max_logit_diff"] > 1e-3
+        assert again.usage.cached_tokens == injected_part and again.usage.injected_tokens < injected_part // 2
     else:  # injected again: exactly the fresh answer
         assert compare(fresh, again)["max_logit_diff"] < TOL_FP32 and fresh.token_ids == again.token_ids
+        assert again.usage.injected_tokens == again.usage.cached_tokens == injected_part
 
     plain = tiny_engine.generate_segments([flat], mode="prompt", **ask)
     assert plain.usage.cached_tokens < len(head) + sum(map(len, facts)), "plain request hit injected blocks"

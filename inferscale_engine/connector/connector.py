@@ -33,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from inferscale_engine.connector import compat
 from inferscale_engine.connector.bridge import Bridge, CaptureBuffer, get_bridge
 from inferscale_engine.connector.plan import (
+    INJECTED_KEY,
     CapturePlan,
     CaptureSlots,
     InferScaleConnectorMetadata,
@@ -76,6 +77,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         # Scheduler half.
         self._plans: dict[str, InjectionPlan | CapturePlan] = {}
         self._claimed: dict[str, tuple[int, int]] = {}  # req_id -> (first token, count)
+        self._injected: dict[str, int] = {}  # req_id -> prompt tokens injected at its last admission
         self._loads: list[LoadRequest] = []
         self._capture_blocks: dict[str, list[int]] = {}
 
@@ -132,6 +134,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         pieces = plan.pieces(start, stop)
         block_ids = compat.single_group_block_ids(blocks.get_block_ids())
         self._loads.append(LoadRequest(block_ids, start, stop, pieces))
+        self._injected[request.request_id] = count
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         meta = InferScaleConnectorMetadata(loads=self._loads)
@@ -171,7 +174,10 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._plans.pop(request.request_id, None)
         self._claimed.pop(request.request_id, None)
         self._capture_blocks.pop(request.request_id, None)
-        return False, None
+        # vLLM hands these to the request's final output: the engine's usage reports what was
+        # injected, not what the plan covered (vLLM's prefix cache may have held part of it).
+        injected = self._injected.pop(request.request_id, None)
+        return False, ({INJECTED_KEY: injected} if injected is not None else None)
 
     # ------------------------------------------------------------------ worker half
 

@@ -96,6 +96,16 @@ class CapturePlan:
         return {PARAMS_KEY: {"capture": [[r.capture_id, r.start, r.length] for r in self.ranges]}}
 
 
+#: In a finished request's output ``kv_transfer_params``: prompt tokens the connector injected.
+INJECTED_KEY = "inferscale_injected_tokens"
+
+
+def injected_tokens(output_params: dict[str, Any] | None) -> int:
+    """Prompt tokens whose KV was injected into a finished request, from its output
+    ``kv_transfer_params`` (0 when none was: no plan, or vLLM's prefix cache held them all)."""
+    return int((output_params or {}).get(INJECTED_KEY, 0))
+
+
 def plan_kind(params: dict[str, Any] | None) -> Literal["inject", "capture"] | None:
     """Which plan a request's ``kv_transfer_params`` carry, without parsing them (vLLM asks for
     every block of every request)."""
