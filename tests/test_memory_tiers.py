@@ -454,9 +454,9 @@ def test_geometry_mismatch_rejected(tmp_path):
         tiers.put(key(1), bad, FP)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_eviction_does_not_wait_for_the_callers_queued_work(tmp_path):
-    kvs = _cuda_facts(4, [28, 28, 28])  # 2 pages each; the slab holds two facts
+def _full_slab_and_one_on_host(tmp_path):
+    """Tiers whose slab holds two facts, a and b, with a third, c, on the host; copies landed."""
+    kvs = _cuda_facts(4, [28, 28, 28])  # 2 pages each
     a, b, c = kvs
     page = 4 * 2 * 16 * 8 * 128 * 2
     tiers = KVTiers(tmp_path, device="cuda", device_bytes=4 * page, host_bytes=64 << 20, page_tokens=16)
@@ -465,6 +465,13 @@ def test_cuda_eviction_does_not_wait_for_the_callers_queued_work(tmp_path):
     for k in (a, b):
         tiers.put(k, kvs[k], FP)
     torch.cuda.synchronize()
+    return tiers, kvs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_eviction_does_not_wait_for_the_callers_queued_work(tmp_path):
+    tiers, kvs = _full_slab_and_one_on_host(tmp_path)
+    a, b, c = kvs
     torch.cuda._sleep(100_000_000)  # ~50 ms of work queued on the caller's stream
     slept = torch.cuda.Event()
     slept.record()
@@ -479,15 +486,8 @@ def test_cuda_eviction_does_not_wait_for_the_callers_queued_work(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_promotion_into_evicted_pages_does_not_wait_for_their_copy_to_the_host(tmp_path):
-    kvs = _cuda_facts(4, [28, 28, 28])  # 2 pages each; the slab holds two facts
+    tiers, kvs = _full_slab_and_one_on_host(tmp_path)
     a, b, c = kvs
-    page = 4 * 2 * 16 * 8 * 128 * 2
-    tiers = KVTiers(tmp_path, device="cuda", device_bytes=4 * page, host_bytes=64 << 20, page_tokens=16)
-    tiers.put(c, kvs[c], FP)
-    tiers.evict(c, to="host")
-    for k in (a, b):
-        tiers.put(k, kvs[k], FP)
-    torch.cuda.synchronize()
     out = tiers._out_stream()
     with torch.cuda.stream(out):
         torch.cuda._sleep(100_000_000)  # ~50 ms: the eviction's copy to the host queues behind it
