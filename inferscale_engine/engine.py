@@ -206,24 +206,28 @@ class InferScaleEngine:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         cfg = self.config
-        args = EngineArgs(
-            model=self.model_path,
-            dtype=cfg.dtype,
-            max_model_len=cfg.max_model_len,
-            enforce_eager=cfg.enforce_eager,
-            enable_prefix_caching=True,
-            seed=cfg.seed,
-            max_num_seqs=cfg.max_num_seqs,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            kv_transfer_config=KVTransferConfig(
+        if "kv_transfer_config" in cfg.vllm_options:
+            raise EngineSettingsError("kv_transfer_config is InferScale's own: its KV connector is how facts are injected")
+        args = EngineArgs(**{
+            # Defaults a caller's vllm_options may override (prefix caching serves plain prompts).
+            "enable_prefix_caching": True,
+            "disable_log_stats": True,  # periodic stats lines drown a chat UI
+            **graph_options,
+            **cfg.vllm_options,
+            "model": self.model_path,
+            "dtype": cfg.dtype,
+            "max_model_len": cfg.max_model_len,
+            "enforce_eager": cfg.enforce_eager,
+            "seed": cfg.seed,
+            "max_num_seqs": cfg.max_num_seqs,
+            "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "kv_transfer_config": KVTransferConfig(
                 kv_connector="InferScaleConnector",
                 kv_connector_module_path="inferscale_engine.connector.connector",
                 kv_role="kv_both",
                 kv_connector_extra_config={"bridge_id": self.bridge.id, "fused_rope": cfg.fused_rope},
             ),
-            # Periodic stats lines drown a chat UI.
-            **{"disable_log_stats": True, **graph_options, **cfg.vllm_options},
-        )
+        })
         t0 = time.perf_counter()
         try:
             self._vllm = LLMEngine.from_engine_args(args)

@@ -95,3 +95,28 @@ def test_settings_vllm_refuses_are_one_clear_error_and_leave_nothing_behind(tiny
         _serves_injected_kv(engine)
     finally:
         engine.close()
+
+
+def test_kv_transfer_config_is_refused_before_anything_starts(tiny_llama, tmp_path):
+    from inferscale_engine.connector.bridge import _BRIDGES
+    from inferscale_engine.errors import EngineSettingsError
+
+    bridges = set(_BRIDGES)
+    with pytest.raises(EngineSettingsError, match="kv_transfer_config is InferScale's own"):
+        InferScaleEngine(model=tiny_llama, store_path=tmp_path, kv_transfer_config={"kv_connector": "Other"}, **OPTIONS)
+    assert set(_BRIDGES) == bridges and not _process_state_is_live()
+
+
+def test_prefix_caching_can_be_turned_off(tiny_llama, tmp_path, caplog):
+    """A vLLM option the engine also sets (prefix caching) is the caller's to change; with the
+    cache off there is nothing to keep injected prompts out of, and injection works as ever."""
+    with caplog.at_level("INFO", logger="inferscale_engine.connector.compat"):
+        engine = InferScaleEngine(model=tiny_llama, store_path=tmp_path, enable_prefix_caching=False, **OPTIONS)
+    try:
+        assert "lacks the prefix-cache hooks" not in caplog.text
+        _serves_injected_kv(engine)
+        prompt = [engine.tokenize("A plain prompt, long enough to fill a cache block. " * 6)]
+        engine.generate_segments(prompt, max_tokens=1, mode="prompt")
+        assert engine.generate_segments(prompt, max_tokens=1, mode="prompt").usage.cached_tokens == 0
+    finally:
+        engine.close()

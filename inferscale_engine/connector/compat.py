@@ -106,7 +106,8 @@ def paged_kv_views(layer: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, to
 
 def keep_out_of_prefix_cache(llm_engine: Any, chosen: "Callable[[Request], bool]") -> bool:
     """Let the requests ``chosen`` picks bypass vLLM's prefix cache: their blocks are neither
-    hashed, looked up nor cached. False (and nothing changed) where this vLLM lacks the hooks.
+    hashed, looked up nor cached. False (and nothing changed) where prefix caching is off or this
+    vLLM lacks the hooks.
 
     vLLM hashes every full block of a prompt when the request arrives, evicts the old hash of
     every free block it hands out, and caches every full block once allocated: ~1 ms for a
@@ -119,11 +120,15 @@ def keep_out_of_prefix_cache(llm_engine: Any, chosen: "Callable[[Request], bool]
     and its freed blocks, carrying no hash, are reused before cached ones.
     """
     core = getattr(getattr(llm_engine, "engine_core", None), "engine_core", None)
+    if core is not None and hasattr(core, "request_block_hasher") and core.request_block_hasher is None:
+        return False  # prefix caching is off: nothing to keep out of it
     hasher = getattr(core, "request_block_hasher", None)
     manager = getattr(getattr(core, "scheduler", None), "kv_cache_manager", None)
     coordinator = getattr(manager, "coordinator", None)
     if hasher is None or not callable(getattr(coordinator, "cache_blocks", None)):
-        logger.debug("this vLLM has no prefix-cache hooks InferScale knows; every request uses the cache")
+        # Still correct (injected prompts are salted), only slower at large k: say so once.
+        logger.info("this vLLM lacks the prefix-cache hooks InferScale knows: injected prompts go "
+                    "through vLLM's prefix cache like any other")
         return False
     cache_blocks = coordinator.cache_blocks
 
