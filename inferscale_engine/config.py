@@ -30,7 +30,9 @@ def detect_device() -> Device:
 class EngineConfig:
     """Everything an :class:`~inferscale_engine.engine.InferScaleEngine` is built from.
 
-    ``vllm_options`` passes straight through to vLLM's ``EngineArgs`` for anything not named here.
+    ``vllm_options`` passes straight through to vLLM's ``EngineArgs`` for anything not named here,
+    overriding the engine's own defaults for vLLM (prefix caching on, no periodic stats lines, full
+    CUDA graphs where they check out); ``kv_transfer_config`` is InferScale's and refused.
     """
 
     model: str = "smollm2"
