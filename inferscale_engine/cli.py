@@ -16,6 +16,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from inferscale_engine.config import engine_option
+
 PROG = "inferscale"
 
 MAIN_EPILOG = """\
@@ -87,6 +89,8 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length (default: the model's, 8192 for smollm2)")
     g.add_argument("--dtype", default=None, help="weights/activations dtype, e.g. bfloat16, float32 (default: the model's)")
     g.add_argument("--window", type=int, default=None, metavar="W", help="turns of context each memory is encoded after (default 5)")
+    g.add_argument("--engine-option", action="append", default=[], type=engine_option, metavar="KEY=VALUE",
+                   help="an EngineConfig field or vLLM engine argument, e.g. gpu_memory_utilization=0.5 (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,6 +145,14 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--force", action="store_true", help="rebuild even if cached")
     q.set_defaults(func=cmd_models_prepare)
     p.set_defaults(func=lambda args: _subhelp(p))
+
+    # bench
+    from inferscale_engine.bench import cli as bench_cli  # argparse and the standard library only
+
+    p = sub.add_parser("bench", help="benchmarks: TTFT, throughput, KV tiers, exactness, LoCoMo",
+                       description="InferScale's benchmarks; --json FILE writes {bench, env, results}.", formatter_class=fmt)
+    bench_cli.build_parser(p)
+    p.set_defaults(func=bench_cli.run)
 
     # memory
     p = sub.add_parser("memory", help="add, search, list, delete and import memories", description="Manage the memory store (same store as chat and serve).", epilog=MEMORY_EPILOG, formatter_class=fmt)
@@ -283,16 +295,21 @@ def _progress(msg: str) -> None:
 # ---------------------------------------------------------------------- commands
 
 
-def _make_engine(args: argparse.Namespace, **extra: Any) -> Any:
-    from inferscale_engine.engine import InferScaleEngine
-
-    options: dict[str, Any] = {}
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's options from the command line: ``--engine-option`` pairs, then the flags
+    that name an option themselves (which win)."""
+    options: dict[str, Any] = dict(args.engine_option)
     for name in ("max_model_len", "dtype", "window"):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value
-    options.update(extra)
-    return InferScaleEngine(model=args.model, device=args.device, store_path=args.store, **options)
+    return {**options, "model": args.model, "device": args.device, "store_path": args.store}
+
+
+def _make_engine(args: argparse.Namespace) -> Any:
+    from inferscale_engine.engine import InferScaleEngine
+
+    return InferScaleEngine(**_engine_kwargs(args))
 
 
 def _open_store(args: argparse.Namespace) -> Any:
@@ -359,10 +376,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not (0 < args.port < 65536):
         raise ValueError(f"--port must be 1-65535, got {args.port}")
     _progress(f"Loading {args.model} ...")
-    options: dict[str, Any] = {}
-    for name in ("max_model_len", "dtype", "window"):
-        if getattr(args, name, None) is not None:
-            options[name] = getattr(args, name)
     serve(
         host=args.host,
         port=args.port,
@@ -370,10 +383,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         default_max_tokens=args.default_max_tokens,
         log_level=args.log_level,
-        model=args.model,
-        device=args.device,
-        store_path=args.store,
-        **options,
+        **_engine_kwargs(args),
     )
     return 0
 

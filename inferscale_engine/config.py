@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,3 +85,15 @@ class EngineConfig:
         extra = {k: v for k, v in options.items() if k not in names}
         ours.setdefault("vllm_options", {}).update(extra)
         return cls(**ours)
+
+
+def engine_option(text: str) -> tuple[str, Any]:
+    """One engine option from the command line, ``KEY=VALUE``: the value read as JSON where it
+    parses (``64``, ``true``, ``{"cudagraph_mode": "FULL"}``), else as a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value

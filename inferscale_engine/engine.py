@@ -15,6 +15,8 @@ with no context (exact), separators after the head (an approximation like a fact
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import gc
 import hashlib
 import itertools
@@ -206,8 +208,7 @@ class InferScaleEngine:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         cfg = self.config
-        if "kv_transfer_config" in cfg.vllm_options:
-            raise EngineSettingsError("kv_transfer_config is InferScale's own: its KV connector is how facts are injected")
+        _check_vllm_options(cfg.vllm_options, {f.name for f in dataclasses.fields(EngineArgs)})
         args = EngineArgs(**{
             # Defaults a caller's vllm_options may override (prefix caching serves plain prompts).
             "enable_prefix_caching": True,
@@ -590,6 +591,22 @@ def _check_seed(seed: Any) -> None:
         ok = False
     if not ok:
         raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
+
+
+def _check_vllm_options(options: dict[str, Any], known: set[str]) -> None:
+    """Refuse, before vLLM starts, options it would not take (a ``TypeError`` deep inside it)
+    and the one that is InferScale's."""
+    if "kv_transfer_config" in options:
+        raise EngineSettingsError("kv_transfer_config is InferScale's own: its KV connector is how facts are injected")
+    unknown = sorted(set(options) - known)
+    if unknown:
+        names = known | set(EngineConfig.__dataclass_fields__)
+        hints = [f"{name} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(name, names, n=1)) else name
+                 for name in unknown]
+        raise EngineSettingsError(
+            f"unknown engine option{'s' if len(unknown) > 1 else ''}: {', '.join(hints)}; "
+            "options are InferScale's EngineConfig fields or vLLM's EngineArgs"
+        )
 
 
 def _bypasses_prefix_cache(request: Any, config: EngineConfig) -> bool:

@@ -1,5 +1,5 @@
 """The benchmarks' quick variants, as CI runs them: every subcommand end to end through
-``inferscale_engine.bench.__main__.main``, checking the JSON shape and that values are sane.
+``inferscale bench`` (``inferscale_engine.cli.main``), checking the JSON shape and that values are sane.
 
 Nothing here asserts timings. Tiny random-weight models for the timing benches, SmolLM2 for
 LoCoMo (the first 30 turns of one conversation, 2 questions per category).
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from inferscale_engine.bench.__main__ import main
+from inferscale_engine.cli import main
 from inferscale_engine.bench.locomo import (
     CATEGORIES,
     LocomoBench,
@@ -37,7 +37,7 @@ LOCOMO = default_data_path() if default_data_path().exists() else Path(__file__)
 
 def _run(tmp_path: Path, name: str, argv: list[str]) -> dict[str, Any]:
     out = tmp_path / f"{name}.json"
-    assert main([name, *argv, "--json", str(out)]) == 0
+    assert main(["bench", name, *argv, "--json", str(out)]) == 0  # the documented `inferscale bench`
     data = json.loads(out.read_text())
     assert set(data) == {"bench", "env", "results"}
     assert data["bench"] == name
@@ -89,7 +89,7 @@ def test_ttft_quick(tmp_path, tiny_llama):
 def test_engine_option_parsing():
     import argparse
 
-    from inferscale_engine.bench.__main__ import _engine_option
+    from inferscale_engine.config import engine_option as _engine_option
 
     assert _engine_option("block_size=64") == ("block_size", 64)
     assert _engine_option("enforce_eager=true") == ("enforce_eager", True)

@@ -56,7 +56,11 @@ def test_chat_remembers_across_restarts(smollm2_path, tmp_path):
 def test_memory_commands(tiny_llama, tmp_path, capsys):
     store = ["--store", str(tmp_path / "store")]
     common = ["--model", tiny_llama, "--max-model-len", "1024", *store]
-    assert main(["memory", "add", "--user", "ann", "--json", "My dog is called Rex.", "I live in Lyon.", *common]) == 0
+    # --engine-option reaches the engine: one it does not know is one line, before any model loads.
+    assert main(["memory", "add", "--user", "ann", "x", "--engine-option", "bogus_option=1", *common]) == 1
+    assert "unknown engine option: bogus_option" in capsys.readouterr().err
+    assert main(["memory", "add", "--user", "ann", "--json", "My dog is called Rex.", "I live in Lyon.", *common,
+                 "--engine-option", "max_num_seqs=8"]) == 0
     added = json.loads(capsys.readouterr().out)
     assert [a["memory"] for a in added] == ["My dog is called Rex.", "I live in Lyon."]
 

@@ -120,3 +120,13 @@ def test_prefix_caching_can_be_turned_off(tiny_llama, tmp_path, caplog):
         assert engine.generate_segments(prompt, max_tokens=1, mode="prompt").usage.cached_tokens == 0
     finally:
         engine.close()
+
+
+def test_unknown_engine_options_are_named_before_anything_starts(tiny_llama, tmp_path):
+    from inferscale_engine.connector.bridge import _BRIDGES
+    from inferscale_engine.errors import EngineSettingsError
+
+    bridges = set(_BRIDGES)
+    with pytest.raises(EngineSettingsError, match=r"gpu_memory_utilisation \(did you mean gpu_memory_utilization\?\)"):
+        InferScaleEngine(model=tiny_llama, store_path=tmp_path, gpu_memory_utilisation=0.5, **OPTIONS)
+    assert set(_BRIDGES) == bridges and not _process_state_is_live()

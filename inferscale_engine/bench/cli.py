@@ -1,0 +1,165 @@
+"""``inferscale bench`` (also ``python -m inferscale_engine.bench``): InferScale's benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from inferscale_engine.bench import common
+from inferscale_engine.config import engine_option
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="inferscale bench", description=__doc__)
+    sub = parser.add_subparsers(dest="bench", required=True)
+
+    def add(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.add_argument("--model", default="smollm2", help="model folder or alias (default: smollm2)")
+        p.add_argument("--device", choices=["cpu", "cuda"], default=None)
+        p.add_argument("--dtype", default="auto")
+        p.add_argument("--max-model-len", type=int, default=None, help="default: the model's own")
+        p.add_argument("--json", help="write {bench, env, results} here")
+        p.add_argument("--plot", help="write a PNG plot here")
+        p.add_argument("--dummy-weights", action="store_true",
+                       help="random weights from config.json alone (timing runs on machines without weights)")
+        p.add_argument("--engine-option", type=engine_option, action="append", default=[], metavar="KEY=VALUE",
+                       help="an EngineConfig field or vLLM engine argument, e.g. block_size=64 (repeatable)")
+        return p
+
+    p = add("ttft", "TTFT vs k: no memory, prompt injection, KV injection, prefix-cache floor")
+    p.add_argument("--ks", type=_ints, default=[0, 5, 10, 20, 50, 100, 200])
+    p.add_argument("--fact-tokens", type=int, default=28)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--no-retrieval", action="store_true", help="leave retrieval time out of TTFT")
+
+    p = add("throughput", "concurrent users, k facts each, prompt vs KV injection")
+    p.add_argument("--users", type=_ints, default=[1, 10, 50, 100])
+    p.add_argument("--k", type=int, default=50)
+    p.add_argument("--output-tokens", type=int, default=32)
+
+    p = add("exactness", "KV injection vs prompt injection of the same tokens (exact context and w=0)")
+    p.add_argument("--k", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=32)
+
+    p = add("locomo", "LoCoMo QA F1: the same retrieval answered by KV injection, pasted memories, full text")
+    p.add_argument("--k", type=_ints, default=[5, 10, 30], help="memories retrieved per speaker")
+    p.add_argument("--w", type=_ints, default=[0, 5, 20], help="context windows (turns) the memories are encoded with")
+    p.add_argument("--conversations", type=int, default=None, help="first N conversations (default: all 10)")
+    p.add_argument("--questions-per-category", type=int, default=None, help="first N questions of each category")
+    p.add_argument("--max-turns", type=int, default=None,
+                   help="first N turns of each conversation, and only questions whose evidence is in them")
+    p.add_argument("--encoding", choices=["window", "sliding"], default="window",
+                   help="window: one prefill per turn after exactly w turns; sliding: one prefill per w turns")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
+    p.add_argument("--workdir", help="stores and cached answers (kept: a rerun resumes); default a temp dir")
+    p.add_argument("--data", help="locomo10.json (default: $INFERSCALE_LOCOMO or ../shared/data/locomo)")
+    p.add_argument("--answers", help="write every question's answers here (JSONL)")
+    p.add_argument("--no-full", action="store_true", help="skip the full-conversation mode")
+    p.add_argument("--after-head", action="store_true",
+                   help="encode memories after the served prompt's opening (store context_prefix), not at position 0")
+    p.add_argument("--exact-control", action="store_true",
+                   help="also answer with every memory encoded after exactly its served prefix (noise floor)")
+
+    p = add("tiers", "TTFT at k facts whose KV is promoted from the device, host or disk tier")
+    p.add_argument("--k", type=_ints, default=[50])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--fact-tokens", type=int, default=28)
+    p.add_argument("--warm-disk", action="store_true", help="leave fact files in the OS page cache")
+    return parser
+
+
+def engine_from(args: argparse.Namespace, **extra: Any):
+    from inferscale_engine.engine import InferScaleEngine
+
+    options: dict[str, Any] = {"dtype": args.dtype, "max_model_len": args.max_model_len, **dict(args.engine_option), **extra}
+    if args.dummy_weights:
+        options.update(load_format="dummy", skip_tokenizer_init=True)
+    return InferScaleEngine(model=args.model, device=args.device, **options)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark ``args.bench`` with the options :func:`build_parser` parsed."""
+    if args.bench == "exactness":
+        from inferscale_engine.bench.exactness import random_case, run_case, text_case
+
+        with engine_from(args, max_logprobs=20) as engine:
+            case = text_case(engine) if engine.tokenizer is not None else random_case(engine, k=args.k)
+            rows = run_case(engine, *case, max_tokens=args.max_tokens)
+            env = common.environment(engine)
+        common.print_table(rows, ["mode", "arch", "dtype", "greedy_match", "max_logit_diff", "first_divergence"])
+    elif args.bench == "ttft":
+        from inferscale_engine.bench.ttft import run_ttft, summarize
+
+        with engine_from(args) as engine:
+            retriever = None if args.no_retrieval else common.SyntheticRetriever(engine.config.device, k=max(args.ks))
+            rows = run_ttft(engine, args.ks, fact_tokens=args.fact_tokens, repeats=args.repeats, retriever=retriever)
+            env = common.environment(engine)
+        common.print_table(rows, ["mode", "k", "prompt_tokens", "ttft_ms_p50", "ttft_ms_p95", "retrieval_ms_p50", "engine_ms_p50"])
+        common.print_table(summarize(rows), ["k", "prompt_over_inject", "engine_prompt_over_inject", "inject_over_floor"])
+        if args.plot:
+            from inferscale_engine.bench.plots import plot_ttft
+
+            plot_ttft(rows, args.plot, title=f"TTFT vs k — {env.get('gpu') or 'CPU'}, {args.model}")
+    elif args.bench == "throughput":
+        from inferscale_engine.bench.throughput import run_throughput
+
+        with engine_from(args) as engine:
+            rows = run_throughput(engine, args.users, k=args.k, output_tokens=args.output_tokens)
+            env = common.environment(engine)
+        common.print_table(rows, ["mode", "users", "k", "req_per_s", "tok_per_s", "ttft_ms_p50", "ttft_ms_p95"])
+    elif args.bench == "locomo":
+        if args.dummy_weights:
+            raise SystemExit("bench locomo needs real weights and a tokenizer (no --dummy-weights)")
+        from inferscale_engine.bench.locomo import plot_locomo, run_locomo, summarize, table_rows
+
+        with engine_from(args) as engine:
+            rows, info = run_locomo(
+                engine, ks=args.k, ws=args.w, data=args.data, conversations=args.conversations,
+                questions_per_category=args.questions_per_category, max_turns=args.max_turns,
+                answers_path=args.answers, encoding=args.encoding, max_tokens=args.max_tokens,
+                concurrency=args.concurrency, workdir=args.workdir, full=not args.no_full,
+                exact_control=args.exact_control, after_head=args.after_head,
+            )
+            env = {**common.environment(engine), "locomo": info}
+        common.print_table(table_rows(rows), ["mode", "w", "k", "n_questions", "f1", "multi-hop", "temporal",
+                                              "open-domain", "single-hop", "agree_exact", "agree_f1"])
+        common.print_table(summarize(rows), ["w", "k", "inject_over_prompt", "ci95_low", "ci95_high", "exact_match",
+                                             "agreement_f1"])
+        if info.get("exact_control"):
+            print("exact-context control (memories encoded after exactly their served prefix):")
+            common.print_table(
+                [{"k": k, "n_questions": v["n_questions"], "f1": v["f1"],
+                  "agree_exact": (v["agreement"] or {}).get("exact_match"), "agree_f1": (v["agreement"] or {}).get("f1")}
+                 for k, v in info["exact_control"].items()],
+                ["k", "n_questions", "f1", "agree_exact", "agree_f1"])
+        if args.plot:
+            plot_locomo(rows, args.plot, title=f"LoCoMo F1 — {args.model}, {info['questions']} questions")
+    elif args.bench == "tiers":
+        from inferscale_engine.bench.tiers import run_tiers
+
+        with engine_from(args) as engine:
+            rows = run_tiers(engine, args.k, repeats=args.repeats, fact_tokens=args.fact_tokens,
+                             warm_disk=args.warm_disk)
+            env = common.environment(engine)
+        common.print_table(rows, ["tier", "k", "ttft_ms_p50", "ttft_ms_p95", "promote_ms_p50", "inject_ms_p50"])
+    else:  # pragma: no cover - argparse enforces the choices
+        raise AssertionError(args.bench)
+    common.write_json(args.json, args.bench, env, rows)
+    return 0
+
