@@ -89,15 +89,15 @@ def test_ttft_quick(tmp_path, tiny_llama):
 def test_engine_option_parsing():
     import argparse
 
-    from inferscale_engine.config import engine_option as _engine_option
+    from inferscale_engine.config import engine_option
 
-    assert _engine_option("block_size=64") == ("block_size", 64)
-    assert _engine_option("enforce_eager=true") == ("enforce_eager", True)
-    assert _engine_option("kv_cache_dtype=fp8") == ("kv_cache_dtype", "fp8")
-    assert _engine_option(" name = x=y") == ("name", " x=y")
+    assert engine_option("block_size=64") == ("block_size", 64)
+    assert engine_option("enforce_eager=true") == ("enforce_eager", True)
+    assert engine_option("kv_cache_dtype=fp8") == ("kv_cache_dtype", "fp8")
+    assert engine_option(" name = x=y") == ("name", " x=y")
     for bad in ("block_size", "=3"):
         with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
-            _engine_option(bad)
+            engine_option(bad)
 
 
 def test_throughput_quick(tmp_path, tiny_llama):
