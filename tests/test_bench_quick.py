@@ -127,7 +127,7 @@ def test_locomo_quick(tmp_path, smollm2_path):
     workdir, answers, plot = tmp_path / "work", tmp_path / "answers.jsonl", tmp_path / "locomo.png"
     data = _run(tmp_path, "locomo", [
         "--model", smollm2_path, "--device", "cpu", "--data", str(LOCOMO), "--conversations", "1", "--questions-per-category", "2",
-        "--max-turns", "30", "--k", "5", "--w", "0,5", "--concurrency", "8",
+        "--max-turns", "30", "--k", "5", "--w", "0,5", "--concurrency", "4", "--exact-control",
         "--workdir", str(workdir), "--answers", str(answers), "--plot", str(plot),
     ])
     rows = data["results"]
@@ -161,9 +161,15 @@ def test_locomo_quick(tmp_path, smollm2_path):
     assert len(lines) == n and all({"prompt k=5", "inject k=5 w=0", "inject k=5 w=5", "full"} <= set(a["answers"])
                                    for a in lines)
     assert plot.stat().st_size > 0
+    # The exact-context control (encoded and answered 4 prompts at a time here) serves the prompt
+    # run's very token ids, and, computing what the prompt prefill computes, agrees with its
+    # answers far better than memories encoded alone (w=0).
+    control = info["exact_control"]["5"]
+    assert control["n_questions"] == n
+    assert control["agreement"]["f1"] > by[("inject", 0, 5)]["agreement"]["f1"] + 0.3
     # Every answer is cached in the workdir: a rerun resumes instead of recomputing.
     cache = next(workdir.glob("*/answers-t32.jsonl"))
-    assert len(cache.read_text().splitlines()) == 4 * n
+    assert len(cache.read_text().splitlines()) == 5 * n
 
 
 # ---------------------------------------------------------------------- LoCoMo pieces (no model)
