@@ -54,11 +54,16 @@ def _tiny(path: str) -> list[str]:
     return ["--model", path, "--device", "cpu", "--max-model-len", "2048"]
 
 
+def _is_png(path: Path) -> bool:
+    return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 # ---------------------------------------------------------------------- timing benches (tiny models)
 
 
 def test_exactness_quick(tmp_path, tiny_llama):
-    data = _run(tmp_path, "exactness", [*_tiny(tiny_llama), "--max-tokens", "8"])
+    plot = tmp_path / "exactness.png"
+    data = _run(tmp_path, "exactness", [*_tiny(tiny_llama), "--max-tokens", "8", "--plot", str(plot)])
     rows = {r["mode"]: r for r in data["results"]}
     assert set(rows) == {"exact", "w0"}
     assert rows["exact"]["greedy_match"] is True
@@ -66,6 +71,7 @@ def test_exactness_quick(tmp_path, tiny_llama):
     assert rows["exact"]["max_logit_diff"] < 1e-4
     assert rows["exact"]["injected_tokens"] > 0
     assert rows["w0"]["max_logit_diff"] >= rows["exact"]["max_logit_diff"]
+    assert _is_png(plot)
 
 
 def test_ttft_quick(tmp_path, tiny_llama):
@@ -83,7 +89,7 @@ def test_ttft_quick(tmp_path, tiny_llama):
         assert ("after_prefill_ms_p50" in r) == (r["mode"] == "none" and r["k"] > 0)
         if "after_prefill_ms_p50" in r:
             assert _finite_positive(r["after_prefill_ms_p50"])
-    assert plot.stat().st_size > 0
+    assert _is_png(plot)
 
 
 def test_engine_option_parsing():
@@ -101,22 +107,28 @@ def test_engine_option_parsing():
 
 
 def test_throughput_quick(tmp_path, tiny_llama):
-    data = _run(tmp_path, "throughput", [*_tiny(tiny_llama), "--users", "1,4", "--k", "5", "--output-tokens", "4"])
+    plot = tmp_path / "throughput.png"
+    data = _run(tmp_path, "throughput", [*_tiny(tiny_llama), "--users", "1,4", "--k", "5", "--output-tokens", "4",
+                                         "--plot", str(plot)])
     got = {(r["mode"], r["users"]) for r in data["results"]}
     assert got == {(m, u) for m in ("prompt", "inject") for u in (1, 4)}
     for r in data["results"]:
         assert r["k"] == 5
         assert _finite_positive(r["req_per_s"]) and _finite_positive(r["tok_per_s"])
+    assert _is_png(plot)
 
 
 def test_tiers_quick(tmp_path, tiny_llama):
-    data = _run(tmp_path, "tiers", [*_tiny(tiny_llama), "--k", "4", "--repeats", "2", "--fact-tokens", "20"])
+    plot = tmp_path / "tiers.png"
+    data = _run(tmp_path, "tiers", [*_tiny(tiny_llama), "--k", "4", "--repeats", "2", "--fact-tokens", "20",
+                                    "--plot", str(plot)])
     rows = {r["tier"]: r for r in data["results"]}
     assert set(rows) == {"device", "host", "disk", "host-slab-full", "prompt"}
     for tier, r in rows.items():
         assert r["k"] == 4 and r["device"] == "cpu"
         assert _finite_positive(r["ttft_ms_p50"]) and r["ttft_ms_p50"] >= r["promote_ms_p50"]
         assert _finite_positive(r["promote_ms_p50"]) if tier != "prompt" else r["promote_ms_p50"] == 0.0
+    assert _is_png(plot)
 
 
 # ---------------------------------------------------------------------- LoCoMo
@@ -160,7 +172,7 @@ def test_locomo_quick(tmp_path, smollm2_path):
     lines = [json.loads(line) for line in answers.read_text().splitlines()]
     assert len(lines) == n and all({"prompt k=5", "inject k=5 w=0", "inject k=5 w=5", "full"} <= set(a["answers"])
                                    for a in lines)
-    assert plot.stat().st_size > 0
+    assert _is_png(plot)
     # The exact-context control (encoded and answered 4 prompts at a time here) serves the prompt
     # run's very token ids, and, computing what the prompt prefill computes, agrees with its
     # answers far better than memories encoded alone (w=0).

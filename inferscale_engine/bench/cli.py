@@ -95,6 +95,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark ``args.bench`` with the options :func:`build_parser` parsed."""
+    if args.plot:  # before the run, not after it: a benchmark can take an hour
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("--plot needs matplotlib: pip install 'inferscale[bench]'") from None
     if args.bench == "exactness":
         from inferscale_engine.bench.exactness import random_case, run_case, text_case
 
@@ -103,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
             rows = run_case(engine, *case, max_tokens=args.max_tokens)
             env = common.environment(engine)
         common.print_table(rows, ["mode", "arch", "dtype", "greedy_match", "max_logit_diff", "first_divergence"])
+        title = f"Injection vs prompt, first tokens — {rows[0]['arch']}, {rows[0]['dtype']}"
     elif args.bench == "ttft":
         from inferscale_engine.bench.ttft import run_ttft, summarize
 
@@ -112,10 +118,7 @@ def run(args: argparse.Namespace) -> int:
             env = common.environment(engine)
         common.print_table(rows, ["mode", "k", "prompt_tokens", "ttft_ms_p50", "ttft_ms_p95", "retrieval_ms_p50", "engine_ms_p50"])
         common.print_table(summarize(rows), ["k", "prompt_over_inject", "engine_prompt_over_inject", "inject_over_floor"])
-        if args.plot:
-            from inferscale_engine.bench.plots import plot_ttft
-
-            plot_ttft(rows, args.plot, title=f"TTFT vs k — {env.get('gpu') or 'CPU'}, {args.model}")
+        title = f"TTFT vs k — {_hardware(env)}, {args.model}"
     elif args.bench == "throughput":
         from inferscale_engine.bench.throughput import run_throughput
 
@@ -123,10 +126,11 @@ def run(args: argparse.Namespace) -> int:
             rows = run_throughput(engine, args.users, k=args.k, output_tokens=args.output_tokens)
             env = common.environment(engine)
         common.print_table(rows, ["mode", "users", "k", "req_per_s", "tok_per_s", "ttft_ms_p50", "ttft_ms_p95"])
+        title = f"Concurrent users, k={args.k} facts each — {_hardware(env)}, {args.model}"
     elif args.bench == "locomo":
         if args.dummy_weights:
             raise SystemExit("bench locomo needs real weights and a tokenizer (no --dummy-weights)")
-        from inferscale_engine.bench.locomo import plot_locomo, run_locomo, summarize, table_rows
+        from inferscale_engine.bench.locomo import run_locomo, summarize, table_rows
 
         with engine_from(args) as engine:
             rows, info = run_locomo(
@@ -148,8 +152,7 @@ def run(args: argparse.Namespace) -> int:
                   "agree_exact": (v["agreement"] or {}).get("exact_match"), "agree_f1": (v["agreement"] or {}).get("f1")}
                  for k, v in info["exact_control"].items()],
                 ["k", "n_questions", "f1", "agree_exact", "agree_f1"])
-        if args.plot:
-            plot_locomo(rows, args.plot, title=f"LoCoMo F1 — {args.model}, {info['questions']} questions")
+        title = f"LoCoMo F1 — {args.model}, {info['questions']} questions"
     elif args.bench == "tiers":
         from inferscale_engine.bench.tiers import run_tiers
 
@@ -158,8 +161,17 @@ def run(args: argparse.Namespace) -> int:
                              warm_disk=args.warm_disk)
             env = common.environment(engine)
         common.print_table(rows, ["tier", "k", "ttft_ms_p50", "ttft_ms_p95", "promote_ms_p50", "inject_ms_p50"])
+        title = f"TTFT by KV tier — {_hardware(env)}, {args.model}"
     else:  # pragma: no cover - argparse enforces the choices
         raise AssertionError(args.bench)
     common.write_json(args.json, args.bench, env, rows)
+    if args.plot:
+        from inferscale_engine.bench.plots import plot
+
+        plot(args.bench, rows, args.plot, title=title)
     return 0
+
+
+def _hardware(env: dict[str, Any]) -> str:
+    return env.get("gpu") or "CPU"
 

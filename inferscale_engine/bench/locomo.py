@@ -782,33 +782,3 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             flat["agree_f1"] = r["agreement"]["f1"]
         out.append(flat)
     return out
-
-
-def plot_locomo(rows: list[dict[str, Any]], path: str, *, title: str) -> None:
-    """F1 vs w per k: inject as lines, prompt as dashed references, full as a dotted one."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ks = sorted({r["k"] for r in rows if r["k"] is not None})
-    for i, k in enumerate(ks):
-        color = f"C{i}"
-        pts = sorted((r["w"], r["f1"]) for r in rows if r["mode"] == "inject" and r["k"] == k and r["f1"] is not None)
-        if pts:
-            ax.plot(*zip(*pts), "o-", color=color, label=f"KV injection, k={k}")
-        prompt = [r["f1"] for r in rows if r["mode"] == "prompt" and r["k"] == k and r["f1"] is not None]
-        if prompt:
-            ax.axhline(prompt[0], linestyle="--", color=color, alpha=0.7, label=f"prompt (pasted), k={k}")
-    full = [r["f1"] for r in rows if r["mode"] == "full" and r["f1"] is not None]
-    if full:
-        ax.axhline(full[0], linestyle=":", color="grey", label="full conversation")
-    ax.set_xlabel("context window w (turns)")
-    ax.set_ylabel("LoCoMo token F1 (cat. 1-4)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
