@@ -37,19 +37,19 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         return p
 
     p = add("ttft", "TTFT vs k: no memory, prompt injection, KV injection, prefix-cache floor")
-    p.add_argument("--ks", type=_ints, default=[0, 5, 10, 20, 50, 100, 200])
-    p.add_argument("--fact-tokens", type=int, default=28)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--ks", type=_ints, default=[0, 5, 10, 20, 50, 100, 200], help="facts per request (default: 0,5,10,20,50,100,200)")
+    p.add_argument("--fact-tokens", type=int, default=28, help="tokens per synthetic fact (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=20, help="timed requests per mode and k (default: %(default)s)")
     p.add_argument("--no-retrieval", action="store_true", help="leave retrieval time out of TTFT")
 
     p = add("throughput", "concurrent users, k facts each, prompt vs KV injection")
-    p.add_argument("--users", type=_ints, default=[1, 10, 50, 100])
-    p.add_argument("--k", type=int, default=50)
-    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--users", type=_ints, default=[1, 10, 50, 100], help="concurrent users per wave (default: 1,10,50,100)")
+    p.add_argument("--k", type=int, default=50, help="facts per user's question (default: %(default)s)")
+    p.add_argument("--output-tokens", type=int, default=32, help="tokens each answer generates (default: %(default)s)")
 
     p = add("exactness", "KV injection vs prompt injection of the same tokens (exact context and w=0)")
-    p.add_argument("--k", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--k", type=int, default=8, help="facts in the prompt, for models without a tokenizer (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens compared (default: %(default)s)")
 
     p = add("locomo", "LoCoMo QA F1: the same retrieval answered by KV injection, pasted memories, full text")
     p.add_argument("--k", type=_ints, default=[5, 10, 30], help="memories retrieved per speaker")
@@ -60,7 +60,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="first N turns of each conversation, and only questions whose evidence is in them")
     p.add_argument("--encoding", choices=["window", "sliding"], default="window",
                    help="window: one prefill per turn after exactly w turns; sliding: one prefill per w turns")
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=32, help="answer length (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=16, help="requests in flight at once")
     p.add_argument("--workdir", help="stores and cached answers (kept: a rerun resumes); default a temp dir")
     p.add_argument("--data", help="locomo10.json (default: $INFERSCALE_LOCOMO or ../shared/data/locomo)")
@@ -72,9 +72,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="also answer with every memory encoded after exactly its served prefix (noise floor)")
 
     p = add("tiers", "TTFT at k facts whose KV is promoted from the device, host or disk tier")
-    p.add_argument("--k", type=_ints, default=[50])
-    p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--fact-tokens", type=int, default=28)
+    p.add_argument("--k", type=_ints, default=[50], help="facts per request (default: 50)")
+    p.add_argument("--repeats", type=int, default=10, help="timed requests per tier (default: %(default)s)")
+    p.add_argument("--fact-tokens", type=int, default=28, help="tokens per synthetic fact (default: %(default)s)")
     p.add_argument("--warm-disk", action="store_true", help="leave fact files in the OS page cache")
     return parser
 
