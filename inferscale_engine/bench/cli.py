@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
             rows = run_case(engine, *case, max_tokens=args.max_tokens)
             env = common.environment(engine)
         common.print_table(rows, ["mode", "arch", "dtype", "greedy_match", "max_logit_diff", "first_divergence"])
-        title = f"Injection vs prompt, first tokens — {rows[0]['arch']}, {rows[0]['dtype']}"
+        title = f"KV injection vs prompt injection — {rows[0]['arch']}, {rows[0]['dtype']}"
     elif args.bench == "ttft":
         from inferscale_engine.bench.ttft import run_ttft, summarize
 
