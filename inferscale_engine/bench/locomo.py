@@ -572,13 +572,11 @@ class LocomoBench:
                 t0 = time.perf_counter()
                 jobs = []
                 round_ = pending[start : start + per_round]
-                for at in range(0, len(round_), 8):
-                    batch = round_[at : at + 8]
-                    kvs = self.engine.encode([p[-1] for p in batch])
-                    for (conv, q, k, key, msgs, head, groups, tail, _), kv_list in zip(batch, kvs):
-                        tag = hashlib.sha256(key.encode()).hexdigest()[:16]
-                        spans = [Span(f"locomo-exact:{tag}:{i}", tuple(g), kv) for i, (g, kv) in enumerate(zip(groups, kv_list))]
-                        jobs.append(_Job(conv, q, "exact", None, k, msgs, key, segments=(head, *spans, tail)))
+                kvs = self.engine.encode([p[-1] for p in round_])
+                for (conv, q, k, key, msgs, head, groups, tail, _), kv_list in zip(round_, kvs):
+                    tag = hashlib.sha256(key.encode()).hexdigest()[:16]
+                    spans = [Span(f"locomo-exact:{tag}:{i}", tuple(g), kv) for i, (g, kv) in enumerate(zip(groups, kv_list))]
+                    jobs.append(_Job(conv, q, "exact", None, k, msgs, key, segments=(head, *spans, tail)))
                 t1 = time.perf_counter()
                 self._generate(jobs, bar)
                 spent["exact_control_encode_s"] += t1 - t0
