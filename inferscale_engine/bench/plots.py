@@ -17,7 +17,7 @@ def _figure(path: str, title: str, ncols: int = 1) -> Iterator[Any]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, ncols, figsize=(7 * ncols if ncols > 1 else 7, 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, ncols, figsize=(7 * ncols, 4.5), squeeze=False)
     try:
         yield axes[0] if ncols > 1 else axes[0][0]
         fig.suptitle(title)
