@@ -147,6 +147,7 @@ def main() -> None:
     def claim() -> None:
         conn._plans = {"r": plan}
         conn._claimed = {"r": (0, claimed)}
+        conn._injected = {}
         conn._loads = []
 
     def alloc() -> None:
