@@ -246,7 +246,10 @@ class InferScaleEngine:
         self.vocab_size: int = model_config.get_vocab_size()
         self.dtype = model_config.dtype
         config = self.config  # not self: vLLM would hold the engine that holds it
-        compat.keep_out_of_prefix_cache(self._vllm, lambda request: _bypasses_prefix_cache(request, config))
+        #: Whether vLLM's prefix cache can be kept away from chosen requests (False: prefix caching
+        #: is off, or this vLLM lacks the hooks).
+        self._can_bypass_prefix_cache = compat.keep_out_of_prefix_cache(
+            self._vllm, lambda request: _bypasses_prefix_cache(request, config))
         self.bridge.ropes.update(self._vllm.apply_model(_rope_tables)[0])
         self.fingerprint = _fingerprint(self.model_path, self.vllm_config)
         self.loop = EngineLoop(self._vllm)
@@ -488,8 +491,10 @@ class InferScaleEngine:
             # without the hooks to keep them out), they do under the prompt's token ids: salt them
             # by user and by exactly which KV they hold, so they never serve a plain or foreign
             # request. The keys in order say that: a key is one span's KV, of one length, so they
-            # also fix every span's position.
-            prompt["cache_salt"] = "is-" + hashlib.sha256(json.dumps([user_id, keys]).encode()).hexdigest()[:32]
+            # also fix every span's position. A request that bypasses the cache has no block
+            # hashes to salt: the hashing of ~200 keys stays off its path.
+            if self.config.prefix_cache_injected or not self._can_bypass_prefix_cache:
+                prompt["cache_salt"] = "is-" + hashlib.sha256(json.dumps([user_id, keys]).encode()).hexdigest()[:32]
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,

@@ -207,7 +207,7 @@ def test_search_and_listing_are_per_user(engine, people):
 # ------------------------------------------------------------------------------ prefix cache
 
 
-def test_cache_salt_is_per_user_and_per_kv(engine, people):
+def test_cache_salt_is_per_user_and_per_kv(engine, people, monkeypatch):
     store = engine.memory
     span, other = (store.resolve(item.handle, people["a"]) for item in people["a_items"][:2])
     head, tail = engine.tokenize("Memory:"), engine.tokenize("\nQ:")
@@ -219,6 +219,10 @@ def test_cache_salt_is_per_user_and_per_kv(engine, people):
         return p.prompt.get("cache_salt")
 
     try:
+        # Injected prompts that bypass vLLM's prefix cache (the default) have no blocks to salt.
+        assert salt(people["a"]) is None
+        # Salted where their blocks are cached.
+        monkeypatch.setattr(engine.config, "prefix_cache_injected", True)
         a1, a2, b1 = salt(people["a"]), salt(people["a"]), salt(people["b"])
         assert a1 and a1 == a2 and b1 and b1 != a1  # same user + same KV: reusable; other user: never
         assert salt(people["a"], mode="prompt") is None  # plain requests never share blocks with injected ones

@@ -120,9 +120,9 @@ def keep_out_of_prefix_cache(llm_engine: Any, chosen: "Callable[[Request], bool]
     and its freed blocks, carrying no hash, are reused before cached ones.
     """
     core = getattr(getattr(llm_engine, "engine_core", None), "engine_core", None)
-    if core is not None and hasattr(core, "request_block_hasher") and core.request_block_hasher is None:
-        return False  # prefix caching is off: nothing to keep out of it
     hasher = getattr(core, "request_block_hasher", None)
+    if hasher is None and hasattr(core, "request_block_hasher"):
+        return False  # prefix caching is off: nothing to keep out of it
     manager = getattr(getattr(core, "scheduler", None), "kv_cache_manager", None)
     coordinator = getattr(manager, "coordinator", None)
     if hasher is None or not callable(getattr(coordinator, "cache_blocks", None)):
