@@ -1,4 +1,4 @@
-"""The one configuration object of an InferScale engine."""
+"""The configuration objects of an InferScale engine and of its memory store."""
 
 from __future__ import annotations
 
@@ -85,6 +85,40 @@ class EngineConfig:
         extra = {k: v for k, v in options.items() if k not in names}
         ours.setdefault("vllm_options", {}).update(extra)
         return cls(**ours)
+
+
+@dataclass
+class MemoryConfig:
+    """Everything a :class:`~inferscale_engine.memory.MemoryStore` is built from besides its
+    model (see its docstring for what each setting does). :meth:`for_engine` derives the
+    defaults of an engine's own store from the engine's config."""
+
+    path: Path | None = None
+    window: int = 5
+    context_prefix: str = ""
+    #: ``None`` (all-MiniLM-L6-v2), a sentence-transformers path/name, or an ``Embedder``.
+    embedder: Any = None
+    index: Literal["auto", "exact", "faiss"] = "auto"
+    #: Where the device KV tier and the search index live; ``None``: the encoder's device.
+    device: Device | None = None
+    device_kv_bytes: int = 512 << 20
+    host_kv_bytes: int = 2 << 30
+    page_tokens: int = 16
+    encode_queue: int = 1024
+    encode_batch: int = 32
+    encode_batch_tokens: int | None = None
+    resolve_timeout: float = 60.0
+    #: Tokens the extraction model may answer with (``add(..., infer=True)``).
+    extraction_max_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        self.path = Path(self.path).expanduser() if self.path else default_store_path()
+
+    @classmethod
+    def for_engine(cls, engine_config: EngineConfig, **overrides: Any) -> "MemoryConfig":
+        """The store of an engine: its ``store_path``, ``window`` and ``device``, unless overridden."""
+        base = {"path": engine_config.store_path, "window": engine_config.window, "device": engine_config.device}
+        return cls(**{**base, **overrides})
 
 
 def engine_option(text: str) -> tuple[str, Any]:

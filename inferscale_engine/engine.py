@@ -284,12 +284,21 @@ class InferScaleEngine:
 
     @property
     def memory(self) -> "MemoryStore":
-        """The user-scoped memory store (Mem0-style API) backed by this engine."""
+        """The engine's own memory store (Mem0-style API), and the ``FactSource`` its handles
+        resolve through unless ``fact_source`` is set. Built on first use by the composition
+        root (:func:`inferscale_engine.runtime.build_memory`) from this engine's config; assign
+        a store to serve another one. :meth:`close` closes it."""
         if self._memory is None:
-            from inferscale_engine.memory import MemoryStore
+            from inferscale_engine.runtime import build_memory
 
-            self._memory = MemoryStore(engine=self, path=self.config.store_path, window=self.config.window)
+            self._memory = build_memory(self)
         return self._memory
+
+    @memory.setter
+    def memory(self, store: "MemoryStore") -> None:
+        if self._memory is not None and self._memory is not store:
+            self._memory.close()
+        self._memory = store
 
     # ------------------------------------------------------------------ tokens
 

@@ -38,16 +38,16 @@ PAGE_BYTES = 4 * 2 * PAGE_TOKENS * 2 * 64 * 4  # tiny Llama: layers * (K,V) * to
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama, tmp_path_factory):
-    from inferscale_engine import InferScaleEngine
-    from inferscale_engine.memory import MemoryStore
+    from inferscale_engine import runtime
+    from inferscale_engine.config import EngineConfig, MemoryConfig
 
-    eng = InferScaleEngine(model=tiny_llama, store_path=tmp_path_factory.mktemp("load-store"),
-                           device="cpu", dtype="float32", max_model_len=1024)
+    config = EngineConfig(model=tiny_llama, store_path=tmp_path_factory.mktemp("load-store"),
+                          device="cpu", dtype="float32", max_model_len=1024)
     # The store the server uses: a device tier of 4 pages (64 tokens), a host tier of 2 pages.
-    eng._memory = MemoryStore(eng, eng.config.store_path, window=eng.config.window, device_kv_bytes=4 * PAGE_BYTES,
-                              host_kv_bytes=2 * PAGE_BYTES, page_tokens=PAGE_TOKENS)
-    yield eng
-    eng.close()
+    memory = MemoryConfig.for_engine(config, device_kv_bytes=4 * PAGE_BYTES, host_kv_bytes=2 * PAGE_BYTES,
+                                     page_tokens=PAGE_TOKENS)
+    with runtime.build(config, memory) as rt:
+        yield rt.engine
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ from inferscale_engine.handles import Handle, find_handles
 from inferscale_engine.kv import FactKV
 from inferscale_engine.memory import MemoryItem, MemoryStore
 from inferscale_engine.memory.embedder import Embedder
+from inferscale_engine.memory.encoding import engine_generate
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 1024}
@@ -739,19 +740,15 @@ def test_import_conversation(make_store, engine, group):
 # ------------------------------------------------------------------------------ infer=True
 
 
-def test_infer_with_garbage_model_output_stores_nothing(make_store, caplog):
-    store = make_store()
-    store.extraction_max_tokens = 24
+def test_infer_with_garbage_model_output_stores_nothing(make_store, engine, caplog):
+    store = make_store(generate=engine_generate(engine, max_tokens=24))
     before = store.add("I like tea.", user_id="u")
     assert store.add("User: I moved to Rome last week.", user_id="u", infer=True) == []
     assert [i.id for i in store.get_all(user_id="u")] == [before[0].id]
     assert "not the JSON asked for" in caplog.text
 
 
-def test_infer_applies_add_update_delete(make_store, monkeypatch):
-    store = make_store()
-    paris = store.add("Lives in Paris", user_id="u")[0]
-    coffee = store.add("Likes coffee", user_id="u")[0]
+def test_infer_applies_add_update_delete(make_store):
     replies = iter([
         '```json\n{"facts": ["Lives in Rome", "Dislikes coffee", "Has a cat named Luna"]}\n```',
         '{"memory": [{"id": "X", "text": "Lives in Rome", "event": "UPDATE"},'
@@ -769,7 +766,9 @@ def test_infer_applies_add_update_delete(make_store, monkeypatch):
             text = text.replace('"X"', f'"{by_text["Lives in Paris"]}"').replace('"Y"', f'"{by_text["Likes coffee"]}"')
         return text
 
-    monkeypatch.setattr(store, "_generate", fake_generate)
+    store = make_store(generate=fake_generate)
+    paris = store.add("Lives in Paris", user_id="u")[0]
+    coffee = store.add("Likes coffee", user_id="u")[0]
     out = store.add([{"role": "user", "content": "I moved to Rome, got a cat called Luna, and quit coffee."}],
                     user_id="u", infer=True)
     assert sorted(i.memory for i in out) == ["Has a cat named Luna", "Lives in Rome"]

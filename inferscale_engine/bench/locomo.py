@@ -54,6 +54,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm.auto import tqdm
 
+from inferscale_engine.runtime import facts_from
+
 if TYPE_CHECKING:
     from inferscale_engine.engine import InferScaleEngine
     from inferscale_engine.memory import MemoryStore
@@ -354,8 +356,6 @@ class LocomoBench:
         for store in self.stores.values():
             store.close()
         self.stores.clear()
-        if self.engine.fact_source is not None:
-            self.engine.fact_source = None
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -372,7 +372,7 @@ class LocomoBench:
 
         if w not in self.stores:
             self.stores[w] = MemoryStore(
-                engine=self.engine, path=self.run_dir / f"w{w}", window=w, context_prefix=self.context_prefix,
+                self.engine, self.run_dir / f"w{w}", window=w, context_prefix=self.context_prefix,
                 embedder=self.embedder,
                 index="exact", device_kv_bytes=self.tier_bytes[0], host_kv_bytes=self.tier_bytes[1],
             )
@@ -506,23 +506,22 @@ class LocomoBench:
         """Generate every answer the rows need (cached ones are reused)."""
         ranking = self.retrieve()
         for w in self.ws:
-            self.engine.fact_source = self.store(w)
-            handles = self._handles(w)
-            jobs = []
-            for conv in self.conversations:
-                for q in conv.questions:
-                    for k in self.ks:
-                        turns = self.pick(ranking[(conv.sample_id, q.index)], conv.speakers, k)
-                        msgs = self.messages((handles[conv.sample_id][i] for i in turns), q.question)
-                        # The prompt answer does not depend on w (same token ids): once, at the first w.
-                        modes = ("prompt", "inject") if w == self.ws[0] else ("inject",)
-                        for mode in modes:
-                            key_w = None if mode == "prompt" else w
-                            jobs.append(_Job(conv, q, mode, key_w, k, msgs, self._key(conv, q, mode, key_w, k)))
-            self._run_jobs([j for j in jobs if j.mode == "prompt"], f"prompt k={','.join(map(str, self.ks))}",
-                           "answer_prompt_s")
-            self._run_jobs([j for j in jobs if j.mode == "inject"], f"inject w={w}", f"answer_inject_w{w}_s")
-        self.engine.fact_source = None
+            with facts_from(self.engine, self.store(w)):
+                handles = self._handles(w)
+                jobs = []
+                for conv in self.conversations:
+                    for q in conv.questions:
+                        for k in self.ks:
+                            turns = self.pick(ranking[(conv.sample_id, q.index)], conv.speakers, k)
+                            msgs = self.messages((handles[conv.sample_id][i] for i in turns), q.question)
+                            # The prompt answer does not depend on w (same token ids): once, at the first w.
+                            modes = ("prompt", "inject") if w == self.ws[0] else ("inject",)
+                            for mode in modes:
+                                key_w = None if mode == "prompt" else w
+                                jobs.append(_Job(conv, q, mode, key_w, k, msgs, self._key(conv, q, mode, key_w, k)))
+                self._run_jobs([j for j in jobs if j.mode == "prompt"], f"prompt k={','.join(map(str, self.ks))}",
+                               "answer_prompt_s")
+                self._run_jobs([j for j in jobs if j.mode == "inject"], f"inject w={w}", f"answer_inject_w{w}_s")
         if self.exact_control:
             self._answer_exact(ranking)
         if self.full:
@@ -537,31 +536,31 @@ class LocomoBench:
         from inferscale_engine.engine import Span
 
         w = self.ws[0]
-        self.engine.fact_source = self.store(w)
-        handles = self._handles(w)
-        pending = []
-        for conv in self.conversations:
-            for q in conv.questions:
-                for k in self.ks:
-                    key = self._key(conv, q, "exact", None, k)
-                    if self.cache.get(key) is not None:
-                        continue
-                    turns = self.pick(ranking[(conv.sample_id, q.index)], conv.speakers, k)
-                    msgs = self.messages((handles[conv.sample_id][i] for i in turns), q.question)
-                    segs = self.engine.resolve([{"role": r, "content": c} for r, c in msgs], user_id=conv.user_id)
-                    head, parts, tail = list(segs[0]), segs[1:-1], list(segs[-1])
-                    groups: list[list[int]] = []
-                    for seg in parts:
-                        if isinstance(seg, Span):
-                            groups.append(list(seg.token_ids))
-                        else:
-                            groups[-1].extend(int(t) for t in seg)
-                    ids, ranges = list(head), []
-                    for g in groups:
-                        ranges.append((len(ids), len(g)))
-                        ids.extend(g)
-                    pending.append((conv, q, k, key, msgs, head, groups, tail, EncodeWindow(tuple(ids), tuple(ranges))))
-        self.engine.fact_source = None
+        with facts_from(self.engine, self.store(w)):
+            handles = self._handles(w)
+            pending = []
+            for conv in self.conversations:
+                for q in conv.questions:
+                    for k in self.ks:
+                        key = self._key(conv, q, "exact", None, k)
+                        if self.cache.get(key) is not None:
+                            continue
+                        turns = self.pick(ranking[(conv.sample_id, q.index)], conv.speakers, k)
+                        msgs = self.messages((handles[conv.sample_id][i] for i in turns), q.question)
+                        segs = self.engine.resolve([{"role": r, "content": c} for r, c in msgs], user_id=conv.user_id)
+                        head, parts, tail = list(segs[0]), segs[1:-1], list(segs[-1])
+                        groups: list[list[int]] = []
+                        for seg in parts:
+                            if isinstance(seg, Span):
+                                groups.append(list(seg.token_ids))
+                            else:
+                                groups[-1].extend(int(t) for t in seg)
+                        ids, ranges = list(head), []
+                        for g in groups:
+                            ranges.append((len(ids), len(g)))
+                            ids.extend(g)
+                        window = EncodeWindow(tuple(ids), tuple(ranges))
+                        pending.append((conv, q, k, key, msgs, head, groups, tail, window))
         # A round at a time, encoded then answered: every memory's KV of every prompt lives on
         # the engine's device until its answer is in, so all of them at once do not fit (4,620
         # prompts of up to ~3,000 tokens, at k=30, ran an H200 out of memory).

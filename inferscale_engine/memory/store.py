@@ -2,10 +2,10 @@
 
 What happens to a fact::
 
-    add() ── validate, tokenize (engine), embed ──▶ SQLite commit ──▶ searchable, handle ready
+    add() ── validate, tokenize (encoder), embed ──▶ SQLite commit ──▶ searchable, handle ready
                                                         │  (add returns here)
                                                         ▼
-          bounded queue ──▶ encoder thread: one batched engine.encode() of whatever is queued
+          bounded queue ──▶ encoder thread: one batched encoder.encode() of whatever is queued
                                                         ▼
           KV tiers: disk file (atomic, fingerprinted) ──▶ device slab (LRU ▶ host ▶ disk)
 
@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from tqdm.auto import tqdm
 
+from inferscale_engine.config import MemoryConfig
 from inferscale_engine.encoder import EncodeWindow
 from inferscale_engine.errors import (
     ContextOverflowError,
@@ -66,13 +67,14 @@ from inferscale_engine.handles import Handle, HandleCodec
 from inferscale_engine.kv import FactKV
 from inferscale_engine.memory.db import FactRow, MetaDB, ids_to_blob, vec_to_blob
 from inferscale_engine.memory.embedder import Embedder
+from inferscale_engine.memory.encoding import ChatGenerate, Encoder, device_of
 from inferscale_engine.memory.extraction import extract_actions
 from inferscale_engine.memory.index import IndexKind, UserIndex
 from inferscale_engine.memory.item import MemoryItem, text_hash
 from inferscale_engine.memory.tiers import KVKey, KVMissingError, KVTiers
 
 if TYPE_CHECKING:
-    from inferscale_engine.engine import InferScaleEngine, Span
+    from inferscale_engine.engine import Span
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +116,11 @@ class MemoryStore:
     """Per-user memory facts with KV for injection; also the engine's ``FactSource``.
 
     Args:
-        engine: the :class:`~inferscale_engine.engine.InferScaleEngine` whose model encodes
-            and serves the facts; ``None`` gives a retrieval-only store (no tokens, no KV).
+        encoder: the :class:`~inferscale_engine.memory.encoding.Encoder` (the serving engine)
+            whose model encodes the facts; ``None`` gives a retrieval-only store (no tokens, no KV).
+        generate: the model that extracts facts for ``add(..., infer=True)``
+            (:func:`~inferscale_engine.memory.encoding.engine_generate`); ``None``: no extraction.
+        device: where the device KV tier and the search index live; ``None``: the encoder's device.
         path: folder of the store (``memory.sqlite3``, ``secret.key``, ``kv/``); created.
         window: facts of the same user a new fact is encoded after (0 = independent).
         context_prefix: text every window context starts with — the opening of the prompts the
@@ -128,7 +133,7 @@ class MemoryStore:
         page_tokens: tokens per device page.
         encode_queue: bound of the background encode queue (``add`` waits when it is full).
         encode_batch / encode_batch_tokens: most facts / prefill tokens per background
-            ``engine.encode`` call. vLLM serves requests first come first served, so a chat
+            ``encoder.encode`` call. vLLM serves requests first come first served, so a chat
             request arriving while the encoder works waits behind at most one such batch.
             Default: 256 tokens on CPU (where batching buys nothing and chat latency stays
             within ~20% of idle), 4096 on CUDA.
@@ -137,9 +142,11 @@ class MemoryStore:
 
     def __init__(
         self,
-        engine: InferScaleEngine | None,
+        encoder: Encoder | None,
         path: str | os.PathLike,
         *,
+        generate: ChatGenerate | None = None,
+        device: str | None = None,
         window: int = 5,
         context_prefix: str = "",
         embedder: Any = None,
@@ -156,13 +163,13 @@ class MemoryStore:
             raise ValueError(f"window must be an integer >= 0, got {window!r}")
         if index not in ("auto", "exact", "faiss"):
             raise ValueError(f"index must be 'auto', 'exact' or 'faiss', got {index!r}")
-        config = getattr(engine, "config", None)
-        self.device: str = str(getattr(config, "device", None) or "cpu")
+        self.device: str = device or device_of(encoder)
         if encode_batch_tokens is None:
             encode_batch_tokens = 4096 if self.device == "cuda" else 256
         if encode_queue < 1 or encode_batch < 1 or encode_batch_tokens < 1:
             raise ValueError("encode_queue, encode_batch and encode_batch_tokens must be >= 1")
-        self.engine = engine
+        self.encoder = encoder
+        self.generate = generate
         self.path = Path(path).expanduser()
         self.window = window
         self.context_prefix = check_utf8(str(context_prefix), "context_prefix")
@@ -170,11 +177,10 @@ class MemoryStore:
         self.encode_batch = encode_batch
         self.encode_batch_tokens = encode_batch_tokens
         self.resolve_timeout = float(resolve_timeout)
-        self.extraction_max_tokens = 512
-        self.fingerprint: str | None = f"{engine.fingerprint}-w{window}" if engine is not None else None
+        self.fingerprint: str | None = f"{encoder.fingerprint}-w{window}" if encoder is not None else None
         if self.fingerprint is not None and self.context_prefix:
             self.fingerprint += "-p" + hashlib.sha256(self.context_prefix.encode()).hexdigest()[:12]
-        self.max_model_len: int | None = engine.max_model_len if engine is not None else None
+        self.max_model_len: int | None = encoder.max_model_len if encoder is not None else None
 
         self._lock = threading.RLock()
         self._idle = threading.Condition()
@@ -205,9 +211,21 @@ class MemoryStore:
         except BaseException:
             _release_lock(self._lock_fd)
             raise
-        if engine is not None:
+        if encoder is not None:
             self._worker = threading.Thread(target=self._work, name="inferscale-memory-encoder", daemon=True)
             self._worker.start()
+
+    @classmethod
+    def from_config(cls, encoder: Encoder | None, config: MemoryConfig, *,
+                    generate: ChatGenerate | None = None) -> "MemoryStore":
+        """The store ``config`` describes (``config.extraction_max_tokens`` belongs to ``generate``)."""
+        return cls(
+            encoder, config.path, generate=generate, device=config.device, window=config.window,  # type: ignore[arg-type]
+            context_prefix=config.context_prefix, embedder=config.embedder, index=config.index,
+            device_kv_bytes=config.device_kv_bytes, host_kv_bytes=config.host_kv_bytes,
+            page_tokens=config.page_tokens, encode_queue=config.encode_queue, encode_batch=config.encode_batch,
+            encode_batch_tokens=config.encode_batch_tokens, resolve_timeout=config.resolve_timeout,
+        )
 
     # ================================================================== public API
 
@@ -226,7 +244,7 @@ class MemoryStore:
         Returns once the facts are committed and searchable; their KV is encoded in the
         background (``item.encoded`` is ``False`` until then). ``context`` replaces the
         ``window`` previous facts as the text each fact is encoded after. ``infer=True`` asks
-        the engine's model to extract and reconcile facts Mem0-style instead.
+        the ``generate`` model to extract and reconcile facts Mem0-style instead.
         """
         self._check_open()
         user_id = _check_user(user_id)
@@ -307,11 +325,11 @@ class MemoryStore:
             self._index_for(old.user_id, vec.shape[0]).add([old.seq], vec[None])
             self._encode_errors.pop(fact_id, None)
             self._retire_pending(fact_id)
-            if self.engine is not None:
+            if self.encoder is not None:
                 self._pending[fact_id] = _Pending(version, "queued")
             item = self._item(new)
         self.tiers.delete_key((fact_id, old.kv_version))
-        if self.engine is not None:
+        if self.encoder is not None:
             self._enqueue([(fact_id, version)])
         return item
 
@@ -377,8 +395,8 @@ class MemoryStore:
                 if fact.user_id != user_id:  # cannot happen with a valid MAC; checked anyway
                     raise ForgedHandleError(f"memory {fact_id} does not belong to this user")
                 facts.append(dataclasses.replace(fact))
-        if self.engine is None:
-            raise InferScaleError("this memory store has no engine, so it has no KV to serve")
+        if self.encoder is None:
+            raise InferScaleError("this memory store has no encoder, so it has no KV to serve")
         kvs: list[FactKV | None] = [None] * len(facts)
         ready = [i for i, f in enumerate(facts) if f.fingerprint == self.fingerprint]
         try:
@@ -490,7 +508,7 @@ class MemoryStore:
         encoding; returns how many. Useful after a model or window change, so that ``resolve``
         does not encode them one by one on demand."""
         self._check_open()
-        if self.engine is None:
+        if self.encoder is None:
             return 0
         if user_id is not None:
             user_id = _check_user(user_id)
@@ -587,13 +605,13 @@ class MemoryStore:
         if redo or not rows:
             with self._db.transaction() as c:
                 MetaDB.set_meta(c, "embedder", self.embedder.name)
-        if self.engine is not None:
+        if self.encoder is not None:
             # Token ids belong to the tokenizer that made them: another model re-tokenizes facts
             # and contexts (context ids are rebuilt from the stored context text when encoding).
-            same = self._db.get_meta("tokenizer") == self.engine.fingerprint
+            same = self._db.get_meta("tokenizer") == self.encoder.fingerprint
             retok = [f for f in rows if f.token_ids is None or not same]
             for f in retok:
-                f.token_ids = tuple(int(t) for t in self.engine.tokenize(f.text))
+                f.token_ids = tuple(int(t) for t in self.encoder.tokenize(f.text))
                 f.context_ids = None
                 if len(f.token_ids) >= self.max_model_len:  # type: ignore[operator]
                     logger.warning("memory %s has %d tokens under this model, more than its context", f.id,
@@ -601,9 +619,9 @@ class MemoryStore:
             with self._db.transaction() as c:
                 c.executemany("UPDATE facts SET token_ids=?, context_ids=NULL WHERE id=?",
                               [(ids_to_blob(f.token_ids), f.id) for f in retok])
-                MetaDB.set_meta(c, "tokenizer", self.engine.fingerprint)
+                MetaDB.set_meta(c, "tokenizer", self.encoder.fingerprint)
             if retok:
-                logger.info("re-tokenized %d memories for model %s", len(retok), self.engine.fingerprint)
+                logger.info("re-tokenized %d memories for model %s", len(retok), self.encoder.fingerprint)
             if (self._db.get_meta("context_prefix") or "") != self.context_prefix:
                 for f in rows:  # window contexts start with the prefix: rebuild them when encoding
                     if f.context_kind != "explicit":
@@ -673,9 +691,9 @@ class MemoryStore:
     # ================================================================== internals: adding
 
     def _tokenize_fact(self, text: str) -> tuple[int, ...] | None:
-        if self.engine is None:
+        if self.encoder is None:
             return None
-        ids = tuple(int(t) for t in self.engine.tokenize(text))
+        ids = tuple(int(t) for t in self.encoder.tokenize(text))
         if not ids:
             raise ValueError("memory text produces no tokens")
         if len(ids) >= self.max_model_len:  # type: ignore[operator]
@@ -696,10 +714,10 @@ class MemoryStore:
 
     def _fit_context(self, prev: list[str], n: int, *, strict: bool, prefix: str = "") -> tuple[tuple[int, ...], str]:
         """Ids and text of ``prefix + "\\n".join(prev) + "\\n"``, dropping the oldest texts until it fits."""
-        assert self.engine is not None and self.max_model_len is not None
+        assert self.encoder is not None and self.max_model_len is not None
         while True:
             text = prefix + ("\n".join(prev) + "\n" if prev else "")
-            ctx = tuple(int(t) for t in self.engine.tokenize(text)) if text else ()
+            ctx = tuple(int(t) for t in self.encoder.tokenize(text)) if text else ()
             if len(ctx) + n < self.max_model_len:
                 return ctx, text
             if strict or not prev:  # nothing left to drop: the prefix alone is too long
@@ -711,7 +729,7 @@ class MemoryStore:
 
     def _contexts(self, user_id: str, texts: list[str], token_ids: list[tuple[int, ...] | None],
                   explicit: list[str] | None) -> list[tuple[tuple[int, ...] | None, str | None]]:
-        if self.engine is None:
+        if self.encoder is None:
             return [(None, None)] * len(texts)
         w = self.window
         out: list[tuple[tuple[int, ...] | None, str | None]] = []
@@ -733,11 +751,11 @@ class MemoryStore:
         """Sliding-chunk windows (like :func:`~inferscale_engine.encoder.sliding_windows`, with
         ``"\\n"`` between turns): per fact its context ids, and per window its ids and
         ``(fact index, start, length)`` ranges."""
-        assert self.engine is not None and self.max_model_len is not None
+        assert self.encoder is not None and self.max_model_len is not None
         w = self.window
         prior = self._previous_texts(user_id, w)
         all_texts = prior + texts
-        newline = tuple(int(t) for t in self.engine.tokenize("\n"))
+        newline = tuple(int(t) for t in self.encoder.tokenize("\n"))
         contexts: list[tuple[tuple[int, ...], str]] = [((), "")] * len(texts)
         windows = []
         i = 0
@@ -782,7 +800,7 @@ class MemoryStore:
         windows: list[tuple[tuple[int, ...], list[tuple[int, int, int]]]] = []
         with self._lock:
             self._check_open()
-            if sliding_group is not None and self.engine is not None:
+            if sliding_group is not None and self.encoder is not None:
                 contexts, windows = self._sliding_plan(user_id, texts, token_ids, sliding_group)  # type: ignore[arg-type]
                 kind = "sliding"
             else:
@@ -811,11 +829,11 @@ class MemoryStore:
                 self._user_facts.setdefault(user_id, {})[f.id] = None
             self._index_for(user_id, vecs.shape[1]).add([f.seq for f in new], vecs)
             pendings = {}
-            if self.engine is not None:
+            if self.encoder is not None:
                 for f in new:
                     pendings[f.id] = self._pending[f.id] = _Pending(1, "queued" if background else "running")
             items = [self._item(f) for f in new]
-        if self.engine is None:
+        if self.encoder is None:
             return items
         if background:
             self._enqueue([(f.id, 1) for f in new])
@@ -854,17 +872,15 @@ class MemoryStore:
             return [self._item(self._facts.get(f.id, f)) for f in new]
 
     def _add_inferred(self, texts: list[str], user_id: str, meta: dict[str, Any]) -> list[MemoryItem]:
-        if self.engine is None:
-            raise InferScaleError("add(..., infer=True) needs an engine to run the extraction model")
-
-        def generate(messages: list[dict[str, str]]) -> str:
-            return self._generate(messages, user_id)
+        if self.generate is None:
+            raise InferScaleError("add(..., infer=True) needs a model to extract facts: build the store with generate=")
+        generate = self.generate
 
         def similar(fact: str) -> list[tuple[str, str]]:
             return [(it.id, it.memory) for it in self.search(fact, user_id=user_id, k=5)]
 
         out: list[MemoryItem] = []
-        for action in extract_actions(generate, texts, similar):
+        for action in extract_actions(lambda messages: generate(messages, user_id), texts, similar):
             try:
                 if action.event == "ADD":
                     out.extend(self._insert([action.text], user_id, [meta], explicit=None))  # type: ignore[list-item]
@@ -875,18 +891,6 @@ class MemoryStore:
             except (FactNotFoundError, ValueError, TypeError) as exc:
                 logger.warning("memory extraction: skipping %s: %s", action, exc)
         return out
-
-    def _generate(self, messages: list[dict[str, str]], user_id: str) -> str:
-        assert self.engine is not None
-        # Conversation text must not be taken for handles by the engine.
-        clean = [{"role": m["role"], "content": m["content"].replace("<<mem:", "<< mem:")} for m in messages]
-        if getattr(self.engine.tokenizer, "chat_template", None):
-            prompt: Any = clean
-        else:
-            prompt = "\n\n".join(m["content"] for m in clean) + "\n\nReply:\n"
-        result = self.engine.generate(prompt, user_id=user_id, max_tokens=self.extraction_max_tokens,
-                                      temperature=0.0, mode="prompt")
-        return result.text
 
     # ================================================================== internals: encoding
 
@@ -907,7 +911,7 @@ class MemoryStore:
                     continue
 
     def _work(self) -> None:
-        """Encoder thread: batch what is queued (up to the batch limits) into one engine.encode call."""
+        """Encoder thread: batch what is queued (up to the batch limits) into one encoder.encode call."""
         carry: tuple[str, int] | None = None
         while not self._stopping:
             if carry is not None:
@@ -975,7 +979,7 @@ class MemoryStore:
             f.context_kind, f.context_window = "window", self.window
         elif f.context_ids is None:
             # Re-tokenized for another model: the same context text, with its tokenizer.
-            ctx = tuple(int(t) for t in self.engine.tokenize(f.context_text)) if f.context_text else ()  # type: ignore[union-attr]
+            ctx = tuple(int(t) for t in self.encoder.tokenize(f.context_text)) if f.context_text else ()  # type: ignore[union-attr]
             f.context_ids = ctx[max(0, len(ctx) + len(f.token_ids) - self.max_model_len + 1) :]
         else:
             return _Task(f.id, f.kv_version, tuple(f.token_ids), tuple(f.context_ids))
@@ -992,10 +996,10 @@ class MemoryStore:
         return _Task(f.id, f.kv_version, tuple(f.token_ids), tuple(f.context_ids))
 
     def _encode_jobs(self, jobs: list[tuple[EncodeWindow, list[tuple[_Task, _Pending]]]]) -> BaseException | None:
-        """Encode windows in one engine call and store every captured span; returns the first error."""
-        assert self.engine is not None and self.fingerprint is not None
+        """Encode windows in one encoder call and store every captured span; returns the first error."""
+        assert self.encoder is not None and self.fingerprint is not None
         try:
-            results = self.engine.encode([w for w, _ in jobs])
+            results = self.encoder.encode([w for w, _ in jobs])
         except Exception as exc:
             self._fail([tp for _, tps in jobs for tp in tps], exc)
             return exc
@@ -1109,7 +1113,7 @@ class MemoryStore:
                 except StaleKVError as exc:
                     # Other KV content under the same span key could be reused from vLLM's prefix
                     # cache: re-encode under a new KV version (new key, new file).
-                    logger.warning("%s; re-encoding it with the current engine", exc)
+                    logger.warning("%s; re-encoding it with the current encoder", exc)
                     self._new_kv_version((fact_id, snap.kv_version))
                 except KVMissingError as exc:  # same fingerprint and context: same KV, same version
                     logger.warning("%s; re-encoding it", exc)

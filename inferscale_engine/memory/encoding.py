@@ -1,0 +1,52 @@
+"""What the memory store needs from a model, so that it never imports the engine.
+
+The store only tokenizes facts and encodes windows of token ids into KV; anything with these
+members will do (:class:`~inferscale_engine.engine.InferScaleEngine` does, structurally, and
+so does a test double wrapping it). LLM extraction (``add(..., infer=True)``) needs a chat
+model as well: that is a separate, optional :data:`ChatGenerate` callable, so a store can
+encode with one model and extract with another, or not extract at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from inferscale_engine.encoder import EncodeWindow
+from inferscale_engine.kv import FactKV
+
+#: ``generate(messages, user_id) -> reply text``: the model that extracts facts (``infer=True``).
+ChatGenerate = Callable[[list[dict[str, str]], str], str]
+
+
+class Encoder(Protocol):
+    """Tokenizes facts and encodes them into the KV the engine injects."""
+
+    #: Identifies the KV this encoder makes: KV made under another fingerprint is never served.
+    fingerprint: str
+    max_model_len: int
+
+    def tokenize(self, text: str) -> Sequence[int]: ...
+
+    def encode(self, windows: Sequence[EncodeWindow]) -> list[list[FactKV]]: ...
+
+
+def device_of(encoder: Any) -> str:
+    """Where an encoder's KV lives (``config.device`` of an engine), so the tiers sit beside it."""
+    config = getattr(encoder, "config", None)
+    return str(getattr(config, "device", None) or "cpu")
+
+
+def engine_generate(engine: Any, *, max_tokens: int = 512) -> ChatGenerate:
+    """The :data:`ChatGenerate` of a serving engine: a greedy, plain-prompt generation."""
+
+    def generate(messages: list[dict[str, str]], user_id: str) -> str:
+        # Conversation text must not be taken for handles by the engine.
+        clean = [{"role": m["role"], "content": m["content"].replace("<<mem:", "<< mem:")} for m in messages]
+        if getattr(engine.tokenizer, "chat_template", None):
+            prompt: Any = clean
+        else:
+            prompt = "\n\n".join(m["content"] for m in clean) + "\n\nReply:\n"
+        return engine.generate(prompt, user_id=user_id, max_tokens=max_tokens, temperature=0.0, mode="prompt").text
+
+    return generate

@@ -1,0 +1,74 @@
+"""Composition root: the one place that builds an engine and its memory store and wires them.
+
+The memory package never imports the engine (it needs only an
+:class:`~inferscale_engine.memory.encoding.Encoder`), and the engine needs only a
+``FactSource`` to resolve handles; this module is where the two meet::
+
+    EngineConfig ──▶ InferScaleEngine ─┐ (encoder, extraction model)
+    MemoryConfig ──────────────────────┴──▶ MemoryStore ──▶ engine.memory (its FactSource)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from inferscale_engine.config import EngineConfig, MemoryConfig
+
+if TYPE_CHECKING:
+    from inferscale_engine.engine import FactSource, InferScaleEngine
+    from inferscale_engine.memory import MemoryStore
+
+
+def build_memory(engine: InferScaleEngine, config: MemoryConfig | None = None) -> MemoryStore:
+    """A store whose facts ``engine`` encodes and extracts (``infer=True``); ``config``
+    defaults to :meth:`MemoryConfig.for_engine` of the engine's config."""
+    from inferscale_engine.memory import MemoryStore
+    from inferscale_engine.memory.encoding import engine_generate
+
+    config = config or MemoryConfig.for_engine(engine.config)
+    return MemoryStore.from_config(engine, config, generate=engine_generate(engine, max_tokens=config.extraction_max_tokens))
+
+
+@dataclass
+class Runtime:
+    """An engine serving the facts of its memory store; closing it closes both."""
+
+    engine: InferScaleEngine
+    memory: MemoryStore
+
+    def close(self) -> None:
+        self.engine.close()  # closes its store too
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def build(engine_config: EngineConfig, memory_config: MemoryConfig | None = None) -> Runtime:
+    """The engine of ``engine_config`` with the store of ``memory_config`` as its ``memory``."""
+    from inferscale_engine.engine import InferScaleEngine
+
+    engine = InferScaleEngine(**{f.name: getattr(engine_config, f.name) for f in dataclasses.fields(engine_config)})
+    try:
+        engine.memory = build_memory(engine, memory_config)
+    except BaseException:
+        engine.close()
+        raise
+    return Runtime(engine, engine.memory)
+
+
+@contextlib.contextmanager
+def facts_from(engine: InferScaleEngine, source: FactSource) -> Iterator[None]:
+    """``engine`` resolves handles through ``source`` (not its ``memory``) inside the block,
+    and through whatever it used before after it, also when the block raises."""
+    previous, engine.fact_source = engine.fact_source, source
+    try:
+        yield
+    finally:
+        engine.fact_source = previous
