@@ -1,9 +1,8 @@
 """Fact encoding inside the serving vLLM engine (no second copy of the weights).
 
 An encode request is an ordinary one-token prefill of ``[context][fact]...`` whose capture
-ranges tell the connector which rows to keep. Context-window encoding puts the ``w`` turns
-before a fact in front of it; sliding-chunk encoding prefills one stretch of conversation and
-keeps every turn in it, which costs far fewer prefill tokens per fact.
+ranges tell the connector which rows to keep. What goes in front of a fact (its context, or
+the facts before it in a sliding chunk) is decided by :mod:`inferscale_engine.memory.context`.
 """
 
 from __future__ import annotations
@@ -31,34 +30,6 @@ class EncodeWindow:
     @classmethod
     def single(cls, fact_ids: Sequence[int], context_ids: Sequence[int] = ()) -> "EncodeWindow":
         return cls(tuple(context_ids) + tuple(fact_ids), ((len(context_ids), len(fact_ids)),))
-
-
-def context_windows(turns: Sequence[Sequence[int]], window: int) -> list[EncodeWindow]:
-    """One prefill per turn, each after the ``window`` turns before it."""
-    out = []
-    for i, turn in enumerate(turns):
-        context = [t for prev in turns[max(0, i - window) : i] for t in prev]
-        out.append(EncodeWindow.single(turn, context))
-    return out
-
-
-def sliding_windows(turns: Sequence[Sequence[int]], window: int, group: int) -> list[EncodeWindow]:
-    """One prefill per ``group`` turns, after the ``window`` turns before the group.
-
-    Every turn then sees at least ``window`` turns of context (up to ``window + group - 1``);
-    prefill tokens per turn drop from ``~(window + 1)`` turns to ``~(window + group) / group``.
-    """
-    if group < 1:
-        raise ValueError("group must be >= 1")
-    out = []
-    for first in range(0, len(turns), group):
-        ids: list[int] = [t for prev in turns[max(0, first - window) : first] for t in prev]
-        ranges = []
-        for turn in turns[first : first + group]:
-            ranges.append((len(ids), len(turn)))
-            ids.extend(turn)
-        out.append(EncodeWindow(tuple(ids), tuple(ranges)))
-    return out
 
 
 def encode_windows(

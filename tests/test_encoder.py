@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from inferscale_engine import InferScaleEngine
-from inferscale_engine.encoder import EncodeWindow, context_windows, sliding_windows
+from inferscale_engine.encoder import EncodeWindow
 from inferscale_engine.errors import ContextOverflowError, MalformedHandleError
+from inferscale_engine.memory.context import Chunk, ContextBuilder
 
 TURNS = [
     "Caroline: I adopted a dog last spring.",
@@ -41,19 +42,25 @@ def test_capture_keeps_only_the_fact_rows_with_their_positions(engine):
     assert not torch.allclose(engine.encode_fact(fact, []).v, kv.v)
 
 
-def test_sliding_chunks_equal_context_windows_with_the_same_context(engine):
-    turns = [engine.tokenize(t + "\n") for t in TURNS]
-    # group=len(turns), window=0: turn i sees exactly turns[:i], as context_windows(window=i) does.
-    sliding = engine.encode(sliding_windows(turns, window=0, group=len(turns)))[0]
+def test_sliding_chunks_equal_per_fact_encoding_with_the_same_context(engine):
+    builder = ContextBuilder(engine.tokenize, engine.max_model_len, window=0)
+    turns = [engine.tokenize(t) for t in TURNS]
+    # One chunk of every turn: turn i is encoded after turns[:i] ("\n"-separated).
+    contexts, (chunk,) = builder.sliding([], TURNS, turns, group=len(turns))
+    assert chunk.facts == tuple(range(len(turns)))
+    sliding = engine.encode([chunk.window])[0]
     for i, kv in enumerate(sliding):
-        alone = engine.encode(context_windows(turns[: i + 1], window=i))[i][0]
-        assert kv.position == alone.position
+        alone = engine.encode([EncodeWindow.single(turns[i], contexts[i].ids)])[0][0]
+        assert kv.position == alone.position == len(contexts[i].ids)
         assert torch.allclose(kv.k, alone.k, atol=1e-4) and torch.allclose(kv.v, alone.v, atol=1e-4)
 
 
 def test_sliding_chunk_encoding_costs_fewer_prefill_tokens(engine):
-    turns = [engine.tokenize(t + "\n") for t in TURNS] * 4
-    per_fact, chunked = context_windows(turns, window=5), sliding_windows(turns, window=5, group=8)
+    builder = ContextBuilder(engine.tokenize, engine.max_model_len, window=5)
+    texts = TURNS * 4
+    turns = [engine.tokenize(t) for t in texts]
+    per_fact = [c.window for c in Chunk.per_fact([c.ids for c in builder.for_new([], texts, turns)], turns)]
+    chunked = [c.window for c in builder.sliding([], texts, turns, group=8)[1]]
     tokens = lambda ws: sum(len(w.token_ids) for w in ws)  # noqa: E731
     assert tokens(chunked) < tokens(per_fact) / 2
     t0 = time.perf_counter()

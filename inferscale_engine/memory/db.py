@@ -3,21 +3,25 @@
 One connection shared by the store's threads, serialised by a lock: the store keeps every
 live fact in memory, so the database is written through and only read at open. Every write
 happens in an explicit transaction that is committed (``synchronous=FULL``) before the
-store's call returns.
+store's call returns. All SQL lives here, behind methods named for what they record; each
+method is one transaction, so what it writes together commits together.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from inferscale_engine.memory.item import text_hash
 
 SCHEMA_VERSION = 1
 
@@ -144,9 +148,10 @@ class MetaDB:
             row = self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
         return None if row is None else row[0]
 
-    @staticmethod
-    def set_meta(c: sqlite3.Connection, key: str, value: str) -> None:
-        c.execute("INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value", (key, value))
+    def set_meta(self, key: str, value: str) -> None:
+        with self.transaction() as c:
+            c.execute("INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                      (key, value))
 
     # ------------------------------------------------------------------ facts
 
@@ -167,32 +172,93 @@ class MetaDB:
             for r in rows
         ]
 
-    @staticmethod
-    def ensure_user(c: sqlite3.Connection, user_id: str, now: str) -> None:
-        c.execute("INSERT OR IGNORE INTO users(user_id, created_at) VALUES (?, ?)", (user_id, now))
+    def insert_facts(self, facts: Sequence[FactRow], now: str) -> None:
+        """New facts of one user, with their ADD events; sets each row's ``seq``."""
+        if not facts:
+            return
+        with self.transaction() as c:
+            c.execute("INSERT OR IGNORE INTO users(user_id, created_at) VALUES (?, ?)", (facts[0].user_id, now))
+            for f in facts:
+                cur = c.execute(
+                    "INSERT INTO facts(id, user_id, text, hash, token_ids, context_ids, context_kind, context_window, "
+                    "metadata, created_at, updated_at, kv_version, fingerprint, embedding, context_text) "
+                    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                    (
+                        f.id, f.user_id, f.text, text_hash(f.text), ids_to_blob(f.token_ids), ids_to_blob(f.context_ids),
+                        f.context_kind, f.context_window, json.dumps(f.metadata), f.created_at, f.updated_at,
+                        f.kv_version, f.fingerprint, vec_to_blob(f.embedding), f.context_text,
+                    ),
+                )
+                f.seq = int(cur.lastrowid)
+                _add_history(c, f.id, f.user_id, "ADD", None, f.text, now)
 
-    @staticmethod
-    def insert_fact(c: sqlite3.Connection, f: FactRow, text_hash: str) -> int:
-        cur = c.execute(
-            "INSERT INTO facts(id, user_id, text, hash, token_ids, context_ids, context_kind, context_window, metadata, "
-            "created_at, updated_at, kv_version, fingerprint, embedding, context_text) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-            (
-                f.id, f.user_id, f.text, text_hash, ids_to_blob(f.token_ids), ids_to_blob(f.context_ids), f.context_kind,
-                f.context_window, json.dumps(f.metadata), f.created_at, f.updated_at, f.kv_version, f.fingerprint,
-                vec_to_blob(f.embedding), f.context_text,
-            ),
-        )
-        return int(cur.lastrowid)
+    def update_text(self, old: FactRow, new: FactRow, embedding: np.ndarray) -> None:
+        """``old`` became ``new`` (text, tokens, context, KV version): not encoded, UPDATE event."""
+        with self.transaction() as c:
+            c.execute(
+                "UPDATE facts SET text=?, hash=?, token_ids=?, context_ids=?, updated_at=?, kv_version=?, "
+                "fingerprint=NULL, encode_error=NULL, embedding=? WHERE id=?",
+                (new.text, text_hash(new.text), ids_to_blob(new.token_ids), ids_to_blob(new.context_ids),
+                 new.updated_at, new.kv_version, vec_to_blob(embedding), new.id),
+            )
+            _add_history(c, new.id, old.user_id, "UPDATE", old.text, new.text, new.updated_at)
 
-    @staticmethod
-    def add_history(
-        c: sqlite3.Connection, hid: str, memory_id: str, user_id: str, event: str,
-        old: str | None, new: str | None, now: str,
-    ) -> None:
-        c.execute(
-            "INSERT INTO history(id, memory_id, user_id, event, old_memory, new_memory, created_at) VALUES (?,?,?,?,?,?,?)",
-            (hid, memory_id, user_id, event, old, new, now),
-        )
+    def delete_facts(self, facts: Sequence[FactRow], now: str) -> None:
+        """Mark deleted (what the fact was made of goes; its row and history stay), DELETE events."""
+        with self.transaction() as c:
+            for f in facts:
+                c.execute(
+                    "UPDATE facts SET deleted=1, embedding=NULL, token_ids=NULL, context_ids=NULL, context_text=NULL, "
+                    "fingerprint=NULL, updated_at=? WHERE id=?", (now, f.id),
+                )
+                _add_history(c, f.id, f.user_id, "DELETE", f.text, None, now)
+
+    def set_embeddings(self, facts: Iterable[tuple[str, np.ndarray]]) -> None:
+        with self.transaction() as c:
+            c.executemany("UPDATE facts SET embedding=? WHERE id=?", [(vec_to_blob(v), i) for i, v in facts])
+
+    def set_token_ids(self, facts: Iterable[tuple[str, Sequence[int] | None]]) -> None:
+        """New token ids; the context ids of the old tokenizer go too (rebuilt from their text)."""
+        with self.transaction() as c:
+            c.executemany("UPDATE facts SET token_ids=?, context_ids=NULL WHERE id=?",
+                          [(ids_to_blob(t), i) for i, t in facts])
+
+    def set_context(self, f: FactRow) -> None:
+        with self.transaction() as c:
+            c.execute(
+                "UPDATE facts SET context_ids=?, context_text=?, context_kind=?, context_window=? WHERE id=?",
+                (ids_to_blob(f.context_ids), f.context_text, f.context_kind, f.context_window, f.id),
+            )
+
+    def set_fingerprints(self, facts: Iterable[tuple[str | None, str]]) -> None:
+        """``(fingerprint, fact id)``: what the KV file of each fact was made under (None: no KV)."""
+        with self.transaction() as c:
+            c.executemany("UPDATE facts SET fingerprint=? WHERE id=?", list(facts))
+
+    def mark_encoded(self, fingerprint: str, keys: Iterable[tuple[str, int]]) -> None:
+        """The KV of these ``(fact id, kv version)`` is on disk; versions updated since are left alone."""
+        with self.transaction() as c:
+            c.executemany("UPDATE facts SET fingerprint=?, encode_error=NULL WHERE id=? AND kv_version=?",
+                          [(fingerprint, i, v) for i, v in keys])
+
+    def mark_unencoded(self, fact_id: str, version: int) -> None:
+        with self.transaction() as c:
+            c.execute("UPDATE facts SET fingerprint=NULL WHERE id=? AND kv_version=?", (fact_id, version))
+
+    def set_encode_errors(self, errors: Iterable[tuple[str, str]]) -> None:
+        """``(error, fact id)`` of facts whose encoding failed."""
+        with self.transaction() as c:
+            c.executemany("UPDATE facts SET encode_error=? WHERE id=?", list(errors))
+
+    def new_kv_versions(self, facts: Iterable[tuple[int, str]]) -> None:
+        """``(new version, fact id)``: their KV is to be made again, under a new key."""
+        with self.transaction() as c:
+            c.executemany("UPDATE facts SET kv_version=?, fingerprint=NULL WHERE id=?", list(facts))
+
+    def new_kv_version(self, fact_id: str, old: int, new: int) -> None:
+        """:meth:`new_kv_versions` for one fact, unless it moved past ``old`` meanwhile."""
+        with self.transaction() as c:
+            c.execute("UPDATE facts SET kv_version=?, fingerprint=NULL WHERE id=? AND kv_version=?", (new, fact_id, old))
 
     def history(self, memory_id: str) -> list[dict[str, Any]]:
         with self.lock:
@@ -203,3 +269,11 @@ class MetaDB:
             ).fetchall()
         keys = ("id", "memory_id", "event", "old_memory", "new_memory", "created_at")
         return [dict(zip(keys, r)) for r in rows]
+
+
+def _add_history(c: sqlite3.Connection, memory_id: str, user_id: str, event: str, old: str | None, new: str | None,
+                 now: str) -> None:
+    c.execute(
+        "INSERT INTO history(id, memory_id, user_id, event, old_memory, new_memory, created_at) VALUES (?,?,?,?,?,?,?)",
+        (secrets.token_hex(8), memory_id, user_id, event, old, new, now),
+    )

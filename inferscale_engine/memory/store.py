@@ -65,21 +65,31 @@ from inferscale_engine.errors import (
 )
 from inferscale_engine.handles import Handle, HandleCodec
 from inferscale_engine.kv import FactKV
-from inferscale_engine.memory.db import FactRow, MetaDB, ids_to_blob, vec_to_blob
+from inferscale_engine.memory.context import Chunk, Context, ContextBuilder
+from inferscale_engine.memory.db import FactRow, MetaDB
 from inferscale_engine.memory.embedder import Embedder
 from inferscale_engine.memory.encoding import ChatGenerate, Encoder, device_of
 from inferscale_engine.memory.extraction import extract_actions
 from inferscale_engine.memory.index import IndexKind, UserIndex
-from inferscale_engine.memory.item import MemoryItem, text_hash
+from inferscale_engine.memory.item import MemoryItem
 from inferscale_engine.memory.tiers import KVKey, KVMissingError, KVTiers
+from inferscale_engine.memory.validation import (
+    check_context,
+    check_k,
+    check_metadata,
+    check_metadata_per_turn,
+    check_sliding_group,
+    check_text,
+    check_user,
+    texts_of,
+    turn_texts,
+)
 
 if TYPE_CHECKING:
     from inferscale_engine.engine import Span
 
 logger = logging.getLogger(__name__)
 
-MAX_USER_ID = 128
-MAX_K = 1000
 SECRET_FILE = "secret.key"
 DB_FILE = "memory.sqlite3"
 KV_DIR = "kv"
@@ -181,6 +191,8 @@ class MemoryStore:
         if self.fingerprint is not None and self.context_prefix:
             self.fingerprint += "-p" + hashlib.sha256(self.context_prefix.encode()).hexdigest()[:12]
         self.max_model_len: int | None = encoder.max_model_len if encoder is not None else None
+        self.contexts: ContextBuilder | None = None if encoder is None else ContextBuilder(
+            encoder.tokenize, encoder.max_model_len, window=window, prefix=self.context_prefix)
 
         self._lock = threading.RLock()
         self._idle = threading.Condition()
@@ -247,10 +259,10 @@ class MemoryStore:
         the ``generate`` model to extract and reconcile facts Mem0-style instead.
         """
         self._check_open()
-        user_id = _check_user(user_id)
-        texts = _texts_of(messages_or_text)
-        meta = _check_metadata(metadata)
-        ctx = _check_context(context)
+        user_id = check_user(user_id)
+        texts = texts_of(messages_or_text)
+        meta = check_metadata(metadata)
+        ctx = check_context(context)
         if infer:
             return self._add_inferred(texts, user_id, meta)
         return self._insert(texts, user_id, [meta] * len(texts), explicit=ctx, progress=progress)
@@ -258,9 +270,9 @@ class MemoryStore:
     def search(self, query: str, *, user_id: str, k: int = 5) -> list[MemoryItem]:
         """The ``k`` facts of ``user_id`` most similar to ``query``, best first (``.score`` = cosine)."""
         self._check_open()
-        user_id = _check_user(user_id)
-        query = _check_text(query, "query")
-        k = _check_k(k)
+        user_id = check_user(user_id)
+        query = check_text(query, "query")
+        k = check_k(k)
         with self._lock:
             if not self._user_facts.get(user_id):
                 return []
@@ -286,7 +298,7 @@ class MemoryStore:
     def get_all(self, *, user_id: str) -> list[MemoryItem]:
         """Every live fact of ``user_id``, in insertion order."""
         self._check_open()
-        user_id = _check_user(user_id)
+        user_id = check_user(user_id)
         with self._lock:
             return [self._item(self._facts[i]) for i in self._user_facts.get(user_id, ())]
 
@@ -296,7 +308,7 @@ class MemoryStore:
         The handle stays the same; it resolves to the new text and KV from now on.
         """
         self._check_open()
-        text = _check_text(text)
+        text = check_text(text)
         with self._lock:
             self._lookup(fact_id, user_id)
         token_ids = self._tokenize_fact(text)
@@ -307,20 +319,13 @@ class MemoryStore:
             old = self._lookup(fact_id, user_id)
             version = old.kv_version + 1
             ctx = old.context_ids
-            if token_ids is not None and ctx is not None and len(ctx) + len(token_ids) >= self.max_model_len:  # type: ignore[operator]
-                ctx = ctx[len(ctx) + len(token_ids) - self.max_model_len + 1 :]  # type: ignore[operator]
+            if token_ids is not None and ctx is not None:
+                ctx = self.contexts.trim(ctx, len(token_ids))  # type: ignore[union-attr]
             new = dataclasses.replace(
                 old, text=text, token_ids=token_ids, context_ids=ctx, updated_at=now, kv_version=version,
                 fingerprint=None, encode_error=None,
             )
-            with self._db.transaction() as c:
-                c.execute(
-                    "UPDATE facts SET text=?, hash=?, token_ids=?, context_ids=?, updated_at=?, kv_version=?, "
-                    "fingerprint=NULL, encode_error=NULL, embedding=? WHERE id=?",
-                    (text, text_hash(text), ids_to_blob(token_ids), ids_to_blob(ctx), now, version,
-                     vec_to_blob(vec), fact_id),
-                )
-                MetaDB.add_history(c, _new_hex(), fact_id, old.user_id, "UPDATE", old.text, text, now)
+            self._db.update_text(old, new, vec)
             self._facts[fact_id] = new
             self._index_for(old.user_id, vec.shape[0]).add([old.seq], vec[None])
             self._encode_errors.pop(fact_id, None)
@@ -345,7 +350,7 @@ class MemoryStore:
     def delete_all(self, *, user_id: str) -> int:
         """Delete every fact of ``user_id``; returns how many."""
         self._check_open()
-        user_id = _check_user(user_id)
+        user_id = check_user(user_id)
         with self._lock:
             self._check_open()
             facts = [self._facts[i] for i in self._user_facts.get(user_id, ())]
@@ -364,7 +369,7 @@ class MemoryStore:
     def handle(self, fact_id: str, *, user_id: str) -> str:
         """The handle string of a fact of ``user_id``, to put in a prompt in place of its text."""
         self._check_open()
-        user_id = _check_user(user_id)
+        user_id = check_user(user_id)
         with self._lock:
             self._lookup(fact_id, user_id)
         return self._codec.make(user_id, fact_id)
@@ -384,7 +389,7 @@ class MemoryStore:
         from inferscale_engine.engine import Span
 
         self._check_open()
-        user_id = _check_user(user_id)
+        user_id = check_user(user_id)
         fact_ids = [self._codec.verify(h, user_id) for h in handles]
         with self._lock:
             facts = []
@@ -474,30 +479,12 @@ class MemoryStore:
         ``None`` encodes each turn after its own ``window`` predecessors.
         """
         self._check_open()
-        user_id = _check_user(user_id)
-        if isinstance(turns, (str, bytes)) or not isinstance(turns, Sequence):
-            raise TypeError("turns must be a list of (speaker, text) pairs")
-        texts = []
-        for i, turn in enumerate(turns):
-            if not isinstance(turn, (tuple, list)) or len(turn) != 2:
-                raise TypeError(f"turn {i} must be a (speaker, text) pair")
-            speaker, text = turn
-            if not isinstance(speaker, str) or not isinstance(text, str):
-                raise TypeError(f"turn {i}: speaker and text must be strings")
-            if not text.strip():
-                raise ValueError(f"turn {i} has empty text")
-            texts.append(f"{speaker.strip()}: {text}" if speaker.strip() else text)
+        user_id = check_user(user_id)
+        texts = turn_texts(turns)
         if not texts:
             return []
-        if metadata_per_turn is None:
-            metas: list[dict[str, Any]] = [{} for _ in texts]
-        else:
-            if len(metadata_per_turn) != len(texts):
-                raise ValueError(f"metadata_per_turn has {len(metadata_per_turn)} entries for {len(texts)} turns")
-            metas = [_check_metadata(m) for m in metadata_per_turn]
-        if sliding_group is not None and (isinstance(sliding_group, bool) or not isinstance(sliding_group, int)
-                                          or sliding_group < 1):
-            raise ValueError(f"sliding_group must be None or an integer >= 1, got {sliding_group!r}")
+        metas = check_metadata_per_turn(metadata_per_turn, len(texts))
+        sliding_group = check_sliding_group(sliding_group)
         return self._insert(texts, user_id, metas, explicit=None, progress=progress, sliding_group=sliding_group,
                             background=False)
 
@@ -511,7 +498,7 @@ class MemoryStore:
         if self.encoder is None:
             return 0
         if user_id is not None:
-            user_id = _check_user(user_id)
+            user_id = check_user(user_id)
         jobs: list[tuple[str, int]] = []
         stale: list[KVKey] = []
         with self._lock:
@@ -528,8 +515,7 @@ class MemoryStore:
                 self._pending[fact_id] = _Pending(f.kv_version, "queued")
                 jobs.append((fact_id, f.kv_version))
             if rows:
-                with self._db.transaction() as c:
-                    c.executemany("UPDATE facts SET kv_version=?, fingerprint=NULL WHERE id=?", rows)
+                self._db.new_kv_versions(rows)
         for key in stale:
             self.tiers.delete_key(key)
         self._enqueue(jobs)
@@ -570,7 +556,7 @@ class MemoryStore:
         if not isinstance(fact_id, str):
             raise TypeError(f"fact id must be a string, got {type(fact_id).__name__}")
         if user_id is not None:
-            user_id = _check_user(user_id)
+            user_id = check_user(user_id)
         fact = self._facts.get(fact_id)
         if fact is None or (user_id is not None and fact.user_id != user_id):
             who = f" for user {user_id!r}" if user_id is not None else ""
@@ -597,14 +583,11 @@ class MemoryStore:
         if redo:
             logger.info("embedding %d stored facts with %s", len(redo), self.embedder.name)
             vecs = self.embedder.embed([f.text for f in redo], progress=len(redo) > 1000)
-            with self._db.transaction() as c:
-                c.executemany("UPDATE facts SET embedding=? WHERE id=?",
-                              [(vec_to_blob(v), f.id) for f, v in zip(redo, vecs)])
+            self._db.set_embeddings((f.id, v) for f, v in zip(redo, vecs))
             for f, v in zip(redo, vecs):
                 f.embedding = v
         if redo or not rows:
-            with self._db.transaction() as c:
-                MetaDB.set_meta(c, "embedder", self.embedder.name)
+            self._db.set_meta("embedder", self.embedder.name)
         if self.encoder is not None:
             # Token ids belong to the tokenizer that made them: another model re-tokenizes facts
             # and contexts (context ids are rebuilt from the stored context text when encoding).
@@ -616,18 +599,15 @@ class MemoryStore:
                 if len(f.token_ids) >= self.max_model_len:  # type: ignore[operator]
                     logger.warning("memory %s has %d tokens under this model, more than its context", f.id,
                                    len(f.token_ids))
-            with self._db.transaction() as c:
-                c.executemany("UPDATE facts SET token_ids=?, context_ids=NULL WHERE id=?",
-                              [(ids_to_blob(f.token_ids), f.id) for f in retok])
-                MetaDB.set_meta(c, "tokenizer", self.encoder.fingerprint)
+            self._db.set_token_ids((f.id, f.token_ids) for f in retok)
+            self._db.set_meta("tokenizer", self.encoder.fingerprint)
             if retok:
                 logger.info("re-tokenized %d memories for model %s", len(retok), self.encoder.fingerprint)
             if (self._db.get_meta("context_prefix") or "") != self.context_prefix:
                 for f in rows:  # window contexts start with the prefix: rebuild them when encoding
                     if f.context_kind != "explicit":
                         f.context_window = -1
-            with self._db.transaction() as c:
-                MetaDB.set_meta(c, "context_prefix", self.context_prefix)
+            self._db.set_meta("context_prefix", self.context_prefix)
         by_user: dict[str, list[FactRow]] = {}
         for f in rows:
             self._facts[f.id] = f
@@ -655,8 +635,7 @@ class MemoryStore:
                     f.fingerprint = self.fingerprint  # encoded just before a crash: adopt the file
                     changes.append((f.fingerprint, f.id))
         if changes:
-            with self._db.transaction() as c:
-                c.executemany("UPDATE facts SET fingerprint=? WHERE id=?", changes)
+            self._db.set_fingerprints(changes)
         if removed or changes:
             logger.info("memory store %s: removed %d stray KV files, reconciled %d facts", self.path, removed, len(changes))
 
@@ -664,14 +643,7 @@ class MemoryStore:
         """Under the store lock: mark deleted in SQLite (one transaction) and forget in memory."""
         if not facts:
             return
-        now = _now()
-        with self._db.transaction() as c:
-            for f in facts:
-                c.execute(
-                    "UPDATE facts SET deleted=1, embedding=NULL, token_ids=NULL, context_ids=NULL, context_text=NULL, fingerprint=NULL, "
-                    "updated_at=? WHERE id=?", (now, f.id),
-                )
-                MetaDB.add_history(c, _new_hex(), f.id, f.user_id, "DELETE", f.text, None, now)
+        self._db.delete_facts(facts, _now())
         for f in facts:
             self._facts.pop(f.id, None)
             self._by_seq.pop(f.seq, None)
@@ -712,75 +684,6 @@ class MemoryStore:
                 break
         return out[::-1]
 
-    def _fit_context(self, prev: list[str], n: int, *, strict: bool, prefix: str = "") -> tuple[tuple[int, ...], str]:
-        """Ids and text of ``prefix + "\\n".join(prev) + "\\n"``, dropping the oldest texts until it fits."""
-        assert self.encoder is not None and self.max_model_len is not None
-        while True:
-            text = prefix + ("\n".join(prev) + "\n" if prev else "")
-            ctx = tuple(int(t) for t in self.encoder.tokenize(text)) if text else ()
-            if len(ctx) + n < self.max_model_len:
-                return ctx, text
-            if strict or not prev:  # nothing left to drop: the prefix alone is too long
-                raise ContextOverflowError(
-                    f"context of {len(ctx)} tokens plus a memory of {n} does not fit the model's context "
-                    f"of {self.max_model_len} tokens"
-                )
-            prev = prev[1:]
-
-    def _contexts(self, user_id: str, texts: list[str], token_ids: list[tuple[int, ...] | None],
-                  explicit: list[str] | None) -> list[tuple[tuple[int, ...] | None, str | None]]:
-        if self.encoder is None:
-            return [(None, None)] * len(texts)
-        w = self.window
-        out: list[tuple[tuple[int, ...] | None, str | None]] = []
-        prior: list[str] = []
-        base = list(explicit) if explicit is not None else self._previous_texts(user_id, w)
-        for text, ids in zip(texts, token_ids):
-            assert ids is not None
-            if explicit is not None:
-                prev = base + (prior[-w:] if w else [])
-            else:
-                prev = (base + prior)[-w:] if w else []
-            out.append(self._fit_context(prev, len(ids), strict=explicit is not None,
-                                         prefix="" if explicit is not None else self.context_prefix))
-            prior.append(text)
-        return out
-
-    def _sliding_plan(self, user_id: str, texts: list[str], token_ids: list[tuple[int, ...]], group: int
-                      ) -> tuple[list[tuple[tuple[int, ...], str]], list[tuple[tuple[int, ...], list[tuple[int, int, int]]]]]:
-        """Sliding-chunk windows (like :func:`~inferscale_engine.encoder.sliding_windows`, with
-        ``"\\n"`` between turns): per fact its context ids, and per window its ids and
-        ``(fact index, start, length)`` ranges."""
-        assert self.encoder is not None and self.max_model_len is not None
-        w = self.window
-        prior = self._previous_texts(user_id, w)
-        all_texts = prior + texts
-        newline = tuple(int(t) for t in self.encoder.tokenize("\n"))
-        contexts: list[tuple[tuple[int, ...], str]] = [((), "")] * len(texts)
-        windows = []
-        i = 0
-        while i < len(texts):
-            at = len(prior) + i
-            prev = all_texts[max(0, at - w) : at] if w else []
-            prefix, text = self._fit_context(prev, len(token_ids[i]), strict=False, prefix=self.context_prefix)
-            ids = list(prefix)
-            ranges: list[tuple[int, int, int]] = []
-            j = i
-            while j < len(texts) and j - i < group:
-                sep = newline if ranges else ()
-                if ranges and len(ids) + len(sep) + len(token_ids[j]) >= self.max_model_len:
-                    break
-                ids.extend(sep)
-                if sep:
-                    text += texts[j - 1] + "\n"
-                contexts[j] = (tuple(ids), text)
-                ranges.append((j, len(ids), len(token_ids[j])))
-                ids.extend(token_ids[j])
-                j += 1
-            windows.append((tuple(ids), ranges))
-            i = j
-        return contexts, windows
-
     def _insert(
         self,
         texts: list[str],
@@ -797,33 +700,32 @@ class MemoryStore:
         token_ids = [self._tokenize_fact(t) for t in texts]
         vecs = self.embedder.embed(texts, progress=progress)
         now = _now()
-        windows: list[tuple[tuple[int, ...], list[tuple[int, int, int]]]] = []
+        chunks: list[Chunk] = []
         with self._lock:
             self._check_open()
-            if sliding_group is not None and self.encoder is not None:
-                contexts, windows = self._sliding_plan(user_id, texts, token_ids, sliding_group)  # type: ignore[arg-type]
-                kind = "sliding"
-            else:
-                contexts = self._contexts(user_id, texts, token_ids, explicit)
-                kind = "explicit" if explicit is not None else "window"
+            kind = "explicit" if explicit is not None else "window"
+            contexts: list[Context | None] = [None] * len(texts)  # retrieval only: no tokens, no context
+            if self.contexts is not None:
+                before = self._previous_texts(user_id, self.window)
+                if sliding_group is not None:
+                    contexts, chunks = self.contexts.sliding(before, texts, token_ids, sliding_group)  # type: ignore[arg-type,assignment]
+                    kind = "sliding"
+                else:
+                    contexts = self.contexts.for_new(before, texts, token_ids, explicit)  # type: ignore[arg-type,assignment]
             new: list[FactRow] = []
-            with self._db.transaction() as c:
-                MetaDB.ensure_user(c, user_id, now)
-                for text, ids, (ctx, ctx_text), meta, vec in zip(texts, token_ids, contexts, metas, vecs):
+            for text, ids, ctx, meta, vec in zip(texts, token_ids, contexts, metas, vecs):
+                fact_id = _new_hex()
+                while fact_id in self._facts:
                     fact_id = _new_hex()
-                    while fact_id in self._facts:
-                        fact_id = _new_hex()
-                    f = FactRow(
-                        seq=0, id=fact_id, user_id=user_id, text=text, token_ids=ids, context_ids=ctx,
-                        context_text=ctx_text, context_kind=kind, context_window=self.window, metadata=meta, created_at=now,
-                        updated_at=now, kv_version=1, fingerprint=None, encode_error=None, embedding=vec,
-                    )
-                    f.seq = MetaDB.insert_fact(c, f, text_hash(text))
-                    f.embedding = None
-                    MetaDB.add_history(c, _new_hex(), fact_id, user_id, "ADD", None, text, now)
-                    new.append(f)
+                new.append(FactRow(
+                    seq=0, id=fact_id, user_id=user_id, text=text, token_ids=ids,
+                    context_ids=ctx and ctx.ids, context_text=ctx and ctx.text, context_kind=kind, context_window=self.window, metadata=meta, created_at=now,
+                    updated_at=now, kv_version=1, fingerprint=None, encode_error=None, embedding=vec,
+                ))
+            self._db.insert_facts(new, now)
             # Committed: from here on the facts are visible.
             for f in new:
+                f.embedding = None  # the index holds it
                 self._facts[f.id] = f
                 self._by_seq[f.seq] = f.id
                 self._user_facts.setdefault(user_id, {})[f.id] = None
@@ -840,28 +742,29 @@ class MemoryStore:
             return items
 
         # Bulk import: encode here, in batches, with a progress bar.
-        if not windows:
-            windows = [(tuple(f.context_ids) + tuple(f.token_ids), [(i, len(f.context_ids), len(f.token_ids))])  # type: ignore[arg-type]
-                       for i, f in enumerate(new)]
-        # Chunks obey the same limits as the encoder thread, so chat requests interleave.
-        chunks: list[list[tuple[tuple[int, ...], list[tuple[int, int, int]]]]] = [[]]
+        if not chunks:
+            chunks = Chunk.per_fact([f.context_ids for f in new], [f.token_ids for f in new])  # type: ignore[misc]
+        # Batches obey the same limits as the encoder thread, so chat requests interleave.
+        batches: list[list[Chunk]] = [[]]
         tokens = 0
-        for w in windows:
-            if chunks[-1] and (len(chunks[-1]) >= self.encode_batch or tokens + len(w[0]) > self.encode_batch_tokens):
-                chunks.append([])
+        for chunk in chunks:
+            n = len(chunk.window.token_ids)
+            if batches[-1] and (len(batches[-1]) >= self.encode_batch or tokens + n > self.encode_batch_tokens):
+                batches.append([])
                 tokens = 0
-            chunks[-1].append(w)
-            tokens += len(w[0])
+            batches[-1].append(chunk)
+            tokens += n
         bar = tqdm(total=len(new), desc="encoding memories", unit="fact", disable=not progress)
         try:
-            for chunk in chunks:
+            for batch in batches:
                 jobs = []
-                for ids, ranges in chunk:
+                for chunk in batch:
+                    ids = chunk.window.token_ids
                     tasks = [(_Task(new[i].id, 1, tuple(new[i].token_ids), ids[:s]), pendings[new[i].id])  # type: ignore[arg-type]
-                             for i, s, _ in ranges]
-                    jobs.append((EncodeWindow(ids, tuple((s, n) for _, s, n in ranges)), tasks))
+                             for i, (s, _) in zip(chunk.facts, chunk.window.ranges)]
+                    jobs.append((chunk.window, tasks))
                 self._encode_jobs(jobs)
-                bar.update(sum(len(r) for _, r in chunk))
+                bar.update(sum(len(c.facts) for c in batch))
         finally:
             bar.close()
             for f in new:  # interrupted: whatever is left is encoded on demand
@@ -966,7 +869,7 @@ class MemoryStore:
 
     def _task(self, f: FactRow) -> _Task:
         """Under the store lock: the inputs to encode ``f`` with now (window contexts follow the window)."""
-        assert f.token_ids is not None and self.max_model_len is not None
+        assert f.token_ids is not None and self.contexts is not None
         window_changed = f.context_kind != "explicit" and f.context_window != self.window
         if window_changed or (f.context_ids is None and f.context_text is None):
             # The window or prefix changed (both are in the fingerprint): rebuild from the predecessors.
@@ -975,22 +878,18 @@ class MemoryStore:
                 ids = list(self._user_facts.get(f.user_id, {}))
                 at = ids.index(f.id) if f.id in ids else len(ids)
                 prev = [self._facts[i].text for i in ids[max(0, at - self.window) : at]]
-            f.context_ids, f.context_text = self._fit_context(prev, len(f.token_ids), strict=False, prefix=self.context_prefix)
+            ctx = self.contexts.window_context(prev, len(f.token_ids))
+            f.context_ids, f.context_text = ctx.ids, ctx.text
             f.context_kind, f.context_window = "window", self.window
         elif f.context_ids is None:
             # Re-tokenized for another model: the same context text, with its tokenizer.
-            ctx = tuple(int(t) for t in self.encoder.tokenize(f.context_text)) if f.context_text else ()  # type: ignore[union-attr]
-            f.context_ids = ctx[max(0, len(ctx) + len(f.token_ids) - self.max_model_len + 1) :]
+            f.context_ids = self.contexts.retokenized(f.context_text, len(f.token_ids))
         else:
             return _Task(f.id, f.kv_version, tuple(f.token_ids), tuple(f.context_ids))
         try:
             if not self._db_open:
                 raise EngineClosedError("memory store closed")
-            with self._db.transaction() as c:
-                c.execute(
-                    "UPDATE facts SET context_ids=?, context_text=?, context_kind=?, context_window=? WHERE id=?",
-                    (ids_to_blob(f.context_ids), f.context_text, f.context_kind, f.context_window, f.id),
-                )
+            self._db.set_context(f)
         except Exception:
             logger.exception("could not record the new context of memory %s", f.id)
         return _Task(f.id, f.kv_version, tuple(f.token_ids), tuple(f.context_ids))
@@ -1034,10 +933,9 @@ class MemoryStore:
                     continue
                 f.fingerprint, f.encode_error = self.fingerprint, None
                 self._encode_errors.pop(f.id, None)
-                rows.append((self.fingerprint, f.id, f.kv_version))
+                rows.append((f.id, f.kv_version))
             if rows and self._db_open:
-                with self._db.transaction() as c:
-                    c.executemany("UPDATE facts SET fingerprint=?, encode_error=NULL WHERE id=? AND kv_version=?", rows)
+                self._db.mark_encoded(self.fingerprint, rows)  # type: ignore[arg-type]
             for task, p in stored:
                 self._finish(task.fact_id, p, None)
         for key in orphans:
@@ -1058,8 +956,7 @@ class MemoryStore:
                 self._finish(task.fact_id, p, exc)
             if rows and self._db_open:
                 try:
-                    with self._db.transaction() as c:
-                        c.executemany("UPDATE facts SET encode_error=? WHERE id=?", rows)
+                    self._db.set_encode_errors(rows)
                 except Exception:
                     logger.exception("could not record the encoding error")
 
@@ -1078,8 +975,7 @@ class MemoryStore:
             f = self._facts.get(key[0])
             if f is not None and f.kv_version == key[1] and f.fingerprint is not None:
                 f.fingerprint = None
-                with self._db.transaction() as c:
-                    c.execute("UPDATE facts SET fingerprint=NULL WHERE id=? AND kv_version=?", (key[0], key[1]))
+                self._db.mark_unencoded(*key)
 
     def _new_kv_version(self, key: KVKey) -> None:
         with self._lock:
@@ -1087,9 +983,7 @@ class MemoryStore:
             if f is None or f.kv_version != key[1] or not self._db_open:
                 return
             version = f.kv_version + 1
-            with self._db.transaction() as c:
-                c.execute("UPDATE facts SET kv_version=?, fingerprint=NULL WHERE id=? AND kv_version=?",
-                          (version, key[0], key[1]))
+            self._db.new_kv_version(key[0], key[1], version)
             self._facts[key[0]] = dataclasses.replace(f, kv_version=version, fingerprint=None)
             self._retire_pending(key[0])
         self.tiers.delete_key(key)
@@ -1154,76 +1048,6 @@ def _now() -> str:
 
 def _new_hex() -> str:
     return secrets.token_hex(8)
-
-
-def _check_user(user_id: Any) -> str:
-    if (
-        not isinstance(user_id, str) or not user_id.strip() or len(user_id) > MAX_USER_ID
-        or not user_id.isprintable()
-    ):
-        raise ValueError(f"user_id must be a non-empty string of at most {MAX_USER_ID} printable characters, "
-                         f"got {user_id!r:.80}")
-    return user_id
-
-
-def _check_k(k: Any) -> int:
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
-        raise ValueError(f"k must be an integer from 1 to {MAX_K}, got {k!r}")
-    return k
-
-
-def _check_text(text: Any, what: str = "memory text") -> str:
-    if not isinstance(text, str):
-        raise TypeError(f"{what} must be a string, got {type(text).__name__}")
-    if not text.strip():
-        raise ValueError(f"{what} is empty")
-    return check_utf8(text, what)
-
-
-def _texts_of(messages_or_text: Any) -> list[str]:
-    if isinstance(messages_or_text, str):
-        return [_check_text(messages_or_text)]
-    if isinstance(messages_or_text, Mapping):
-        messages_or_text = [messages_or_text]
-    if not isinstance(messages_or_text, (list, tuple)):
-        raise TypeError(f"add() takes a string or a list of message dicts, got {type(messages_or_text).__name__}")
-    if not messages_or_text:
-        raise ValueError("no messages to add")
-    texts = []
-    for i, m in enumerate(messages_or_text):
-        if not isinstance(m, Mapping):
-            raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
-        role, content, name = m.get("role"), m.get("content"), m.get("name")
-        if not isinstance(role, str) or not isinstance(content, str):
-            raise TypeError(f"message {i} needs string 'role' and 'content'")
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f"message {i}: 'name' must be a string")
-        if not role.strip():
-            raise ValueError(f"message {i} has an empty role")
-        _check_text(content, f"message {i} content")
-        speaker = name.strip() if name and name.strip() else role.strip().capitalize()
-        texts.append(f"{speaker}: {content}")
-    return texts
-
-
-def _check_metadata(metadata: Any) -> dict[str, Any]:
-    if metadata is None:
-        return {}
-    if not isinstance(metadata, Mapping):
-        raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
-    try:
-        return json.loads(json.dumps(dict(metadata)))
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"metadata must be JSON-serialisable: {exc}") from None
-
-
-def _check_context(context: Any) -> list[str] | None:
-    if context is None:
-        return None
-    if isinstance(context, str) or not isinstance(context, (list, tuple)) \
-            or not all(isinstance(c, str) for c in context):
-        raise TypeError("context must be a list of strings")
-    return [check_utf8(c, "context") for c in context]
 
 
 def _load_secret(path: Path) -> bytes:

@@ -1,0 +1,117 @@
+"""What the memory store accepts from its callers: every argument is checked before any work.
+
+Errors are ``TypeError`` / ``ValueError`` naming the argument, so the server can answer 4xx
+with the message as is.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from inferscale_engine.errors import check_utf8
+
+MAX_USER_ID = 128
+MAX_K = 1000
+
+
+def check_user(user_id: Any) -> str:
+    if (
+        not isinstance(user_id, str) or not user_id.strip() or len(user_id) > MAX_USER_ID
+        or not user_id.isprintable()
+    ):
+        raise ValueError(f"user_id must be a non-empty string of at most {MAX_USER_ID} printable characters, "
+                         f"got {user_id!r:.80}")
+    return user_id
+
+
+def check_k(k: Any) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
+        raise ValueError(f"k must be an integer from 1 to {MAX_K}, got {k!r}")
+    return k
+
+
+def check_text(text: Any, what: str = "memory text") -> str:
+    if not isinstance(text, str):
+        raise TypeError(f"{what} must be a string, got {type(text).__name__}")
+    if not text.strip():
+        raise ValueError(f"{what} is empty")
+    return check_utf8(text, what)
+
+
+def texts_of(messages_or_text: Any) -> list[str]:
+    if isinstance(messages_or_text, str):
+        return [check_text(messages_or_text)]
+    if isinstance(messages_or_text, Mapping):
+        messages_or_text = [messages_or_text]
+    if not isinstance(messages_or_text, (list, tuple)):
+        raise TypeError(f"add() takes a string or a list of message dicts, got {type(messages_or_text).__name__}")
+    if not messages_or_text:
+        raise ValueError("no messages to add")
+    texts = []
+    for i, m in enumerate(messages_or_text):
+        if not isinstance(m, Mapping):
+            raise TypeError(f"message {i} must be a dict with 'role' and 'content', got {type(m).__name__}")
+        role, content, name = m.get("role"), m.get("content"), m.get("name")
+        if not isinstance(role, str) or not isinstance(content, str):
+            raise TypeError(f"message {i} needs string 'role' and 'content'")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"message {i}: 'name' must be a string")
+        if not role.strip():
+            raise ValueError(f"message {i} has an empty role")
+        check_text(content, f"message {i} content")
+        speaker = name.strip() if name and name.strip() else role.strip().capitalize()
+        texts.append(f"{speaker}: {content}")
+    return texts
+
+
+def check_metadata(metadata: Any) -> dict[str, Any]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
+    try:
+        return json.loads(json.dumps(dict(metadata)))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"metadata must be JSON-serialisable: {exc}") from None
+
+
+def check_context(context: Any) -> list[str] | None:
+    if context is None:
+        return None
+    if isinstance(context, str) or not isinstance(context, (list, tuple)) \
+            or not all(isinstance(c, str) for c in context):
+        raise TypeError("context must be a list of strings")
+    return [check_utf8(c, "context") for c in context]
+
+
+def turn_texts(turns: Any) -> list[str]:
+    """``(speaker, text)`` turns as the ``"speaker: text"`` facts an import stores."""
+    if isinstance(turns, (str, bytes)) or not isinstance(turns, Sequence):
+        raise TypeError("turns must be a list of (speaker, text) pairs")
+    texts = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, (tuple, list)) or len(turn) != 2:
+            raise TypeError(f"turn {i} must be a (speaker, text) pair")
+        speaker, text = turn
+        if not isinstance(speaker, str) or not isinstance(text, str):
+            raise TypeError(f"turn {i}: speaker and text must be strings")
+        if not text.strip():
+            raise ValueError(f"turn {i} has empty text")
+        texts.append(f"{speaker.strip()}: {text}" if speaker.strip() else text)
+    return texts
+
+
+def check_metadata_per_turn(metadata_per_turn: Any, turns: int) -> list[dict[str, Any]]:
+    if metadata_per_turn is None:
+        return [{} for _ in range(turns)]
+    if len(metadata_per_turn) != turns:
+        raise ValueError(f"metadata_per_turn has {len(metadata_per_turn)} entries for {turns} turns")
+    return [check_metadata(m) for m in metadata_per_turn]
+
+
+def check_sliding_group(group: Any) -> int | None:
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+        raise ValueError(f"sliding_group must be None or an integer >= 1, got {group!r}")
+    return group
