@@ -38,7 +38,6 @@ import fcntl
 import json
 import logging
 import os
-import queue
 import secrets
 import threading
 import time
@@ -68,6 +67,7 @@ from inferscale_engine.kv import FactKV
 from inferscale_engine.memory.context import Chunk, Context, ContextBuilder
 from inferscale_engine.memory.db import FactRow, MetaDB
 from inferscale_engine.memory.embedder import Embedder
+from inferscale_engine.memory.encode_queue import EncodeQueue, Job
 from inferscale_engine.memory.encoding import ChatGenerate, Encoder, device_of
 from inferscale_engine.memory.extraction import extract_actions
 from inferscale_engine.memory.index import IndexKind, UserIndex
@@ -195,10 +195,7 @@ class MemoryStore:
             encoder.tokenize, encoder.max_model_len, window=window, prefix=self.context_prefix)
 
         self._lock = threading.RLock()
-        self._idle = threading.Condition()
-        self._inflight = 0
         self._closed = False  # the API refuses calls
-        self._stopping = False  # the encoder thread stops after its batch
         self._db_open = True
         self._facts: dict[str, FactRow] = {}
         self._by_seq: dict[int, str] = {}
@@ -206,8 +203,8 @@ class MemoryStore:
         self._indexes: dict[str, UserIndex] = {}
         self._pending: dict[str, _Pending] = {}
         self._encode_errors: dict[str, str] = {}
-        self._queue: queue.Queue[tuple[str, int]] = queue.Queue(maxsize=encode_queue)
-        self._worker: threading.Thread | None = None
+        self._queue = EncodeQueue(self._encode_batch, self._job_tokens, maxsize=encode_queue, batch=encode_batch,
+                                  batch_tokens=encode_batch_tokens)
 
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = _acquire_lock(self.path / LOCK_FILE)
@@ -224,8 +221,7 @@ class MemoryStore:
             _release_lock(self._lock_fd)
             raise
         if encoder is not None:
-            self._worker = threading.Thread(target=self._work, name="inferscale-memory-encoder", daemon=True)
-            self._worker.start()
+            self._queue.start()
 
     @classmethod
     def from_config(cls, encoder: Encoder | None, config: MemoryConfig, *,
@@ -335,7 +331,7 @@ class MemoryStore:
             item = self._item(new)
         self.tiers.delete_key((fact_id, old.kv_version))
         if self.encoder is not None:
-            self._enqueue([(fact_id, version)])
+            self._queue.put([(fact_id, version)])
         return item
 
     def delete(self, fact_id: str, *, user_id: str | None = None) -> None:
@@ -401,7 +397,7 @@ class MemoryStore:
                     raise ForgedHandleError(f"memory {fact_id} does not belong to this user")
                 facts.append(dataclasses.replace(fact))
         if self.encoder is None:
-            raise InferScaleError("this memory store has no encoder, so it has no KV to serve")
+            raise InferScaleError("this memory store has no engine (encoder), so it has no KV to serve")
         kvs: list[FactKV | None] = [None] * len(facts)
         ready = [i for i, f in enumerate(facts) if f.fingerprint == self.fingerprint]
         try:
@@ -420,13 +416,7 @@ class MemoryStore:
 
     def wait_for_encoding(self, timeout: float | None = None) -> None:
         """Block until every queued fact has been encoded (or failed); ``TimeoutError`` after ``timeout``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._idle:
-            while self._inflight > 0:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"{self._inflight} memory facts still waiting to be encoded")
-                self._idle.wait(remaining)
+        self._queue.wait_idle(timeout)
 
     def close(self) -> None:
         """Stop the encoder (the batch in flight finishes) and close the database. Idempotent.
@@ -438,19 +428,7 @@ class MemoryStore:
             if self._closed:
                 return
             self._closed = True
-            self._stopping = True
-        if self._worker is not None:
-            self._worker.join(timeout=300)
-        dropped = 0
-        while True:
-            try:
-                self._queue.get_nowait()
-                dropped += 1
-            except queue.Empty:
-                break
-        with self._idle:
-            self._inflight = 0
-            self._idle.notify_all()
+        dropped = self._queue.stop()
         with self._lock:
             for p in self._pending.values():
                 p.event.set()
@@ -518,7 +496,7 @@ class MemoryStore:
                 self._db.new_kv_versions(rows)
         for key in stale:
             self.tiers.delete_key(key)
-        self._enqueue(jobs)
+        self._queue.put(jobs)
         return len(jobs)
 
     @property
@@ -532,8 +510,7 @@ class MemoryStore:
             facts = len(self._facts)
             encoded = sum(1 for f in self._facts.values() if f.fingerprint == self.fingerprint and f.fingerprint)
             users = sum(1 for v in self._user_facts.values() if v)
-        with self._idle:
-            inflight = self._inflight
+        inflight = self._queue.inflight
         return {"users": users, "facts": facts, "encoded": encoded, "queued": inflight,
                 "encode_errors": len(self._encode_errors), **self.tiers.stats()}
 
@@ -738,7 +715,7 @@ class MemoryStore:
         if self.encoder is None:
             return items
         if background:
-            self._enqueue([(f.id, 1) for f in new])
+            self._queue.put([(f.id, 1) for f in new])
             return items
 
         # Bulk import: encode here, in batches, with a progress bar.
@@ -797,70 +774,21 @@ class MemoryStore:
 
     # ================================================================== internals: encoding
 
-    def _enqueue(self, jobs: list[tuple[str, int]]) -> None:
-        with self._idle:
-            self._inflight += len(jobs)
-        for n, job in enumerate(jobs):
-            while True:
-                if self._stopping:
-                    with self._idle:
-                        self._inflight -= len(jobs) - n
-                        self._idle.notify_all()
-                    return
-                try:
-                    self._queue.put(job, timeout=0.1)  # waits while the queue is full (backpressure)
-                    break
-                except queue.Full:
-                    continue
+    def _encode_batch(self, batch: list[Job]) -> None:
+        """The encoder thread's work: encode the jobs no one changed or took meanwhile."""
+        jobs = []
+        with self._lock:
+            for fact_id, version in batch:
+                p, f = self._pending.get(fact_id), self._facts.get(fact_id)
+                if p is None or f is None or p.version != version or f.kv_version != version or p.state != "queued":
+                    continue  # deleted, updated, or taken by a resolve meanwhile
+                p.state = "running"
+                task = self._task(f)
+                jobs.append((EncodeWindow.single(task.token_ids, task.context_ids), [(task, p)]))
+        if jobs:
+            self._encode_jobs(jobs)
 
-    def _work(self) -> None:
-        """Encoder thread: batch what is queued (up to the batch limits) into one encoder.encode call."""
-        carry: tuple[str, int] | None = None
-        while not self._stopping:
-            if carry is not None:
-                first, carry = carry, None
-            else:
-                try:
-                    first = self._queue.get(timeout=0.1)
-                except queue.Empty:
-                    continue
-            batch = [first]
-            tokens = self._job_tokens(first)
-            while len(batch) < self.encode_batch and tokens < self.encode_batch_tokens:
-                try:
-                    job = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                n = self._job_tokens(job)
-                if tokens + n > self.encode_batch_tokens:
-                    carry = job  # first of the next batch
-                    break
-                batch.append(job)
-                tokens += n
-            try:
-                jobs = []
-                with self._lock:
-                    for fact_id, version in batch:
-                        p, f = self._pending.get(fact_id), self._facts.get(fact_id)
-                        if p is None or f is None or p.version != version or f.kv_version != version or p.state != "queued":
-                            continue  # deleted, updated, or taken by a resolve meanwhile
-                        p.state = "running"
-                        task = self._task(f)
-                        jobs.append((EncodeWindow.single(task.token_ids, task.context_ids), [(task, p)]))
-                if jobs:
-                    self._encode_jobs(jobs)
-            except Exception:  # never let the encoder thread die
-                logger.exception("memory encoder thread: unexpected error")
-            finally:
-                with self._idle:
-                    self._inflight = max(0, self._inflight - len(batch))
-                    self._idle.notify_all()
-        if carry is not None:
-            with self._idle:
-                self._inflight = max(0, self._inflight - 1)
-                self._idle.notify_all()
-
-    def _job_tokens(self, job: tuple[str, int]) -> int:
+    def _job_tokens(self, job: Job) -> int:
         with self._lock:
             f = self._facts.get(job[0])
             if f is None or f.token_ids is None:
