@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import fcntl
 import json
 import logging
 import os
@@ -70,8 +69,10 @@ from inferscale_engine.memory.embedder import Embedder
 from inferscale_engine.memory.encode_queue import EncodeQueue, Job
 from inferscale_engine.memory.encoding import ChatGenerate, Encoder, device_of
 from inferscale_engine.memory.extraction import extract_actions
+from inferscale_engine.memory.folder import DB_FILE, KV_DIR, LOCK_FILE, SECRET_FILE, acquire_lock, load_secret, release_lock
 from inferscale_engine.memory.index import IndexKind, UserIndex
 from inferscale_engine.memory.item import MemoryItem
+from inferscale_engine.memory.load import reconcile_kv, refresh
 from inferscale_engine.memory.tiers import KVKey, KVMissingError, KVTiers
 from inferscale_engine.memory.validation import (
     check_context,
@@ -90,10 +91,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SECRET_FILE = "secret.key"
-DB_FILE = "memory.sqlite3"
-KV_DIR = "kv"
-LOCK_FILE = ".lock"
 
 
 @dataclass(frozen=True)
@@ -207,9 +204,9 @@ class MemoryStore:
                                   batch_tokens=encode_batch_tokens)
 
         self.path.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = _acquire_lock(self.path / LOCK_FILE)
+        self._lock_fd = acquire_lock(self.path / LOCK_FILE)
         try:
-            self._codec = HandleCodec(_load_secret(self.path / SECRET_FILE))
+            self._codec = HandleCodec(load_secret(self.path / SECRET_FILE))
             self.embedder = embedder if isinstance(embedder, Embedder) else Embedder(embedder, device=self.device)
             self._db = MetaDB(self.path / DB_FILE)
             self.tiers = KVTiers(
@@ -218,7 +215,7 @@ class MemoryStore:
             )
             self._load()
         except BaseException:
-            _release_lock(self._lock_fd)
+            release_lock(self._lock_fd)
             raise
         if encoder is not None:
             self._queue.start()
@@ -435,7 +432,7 @@ class MemoryStore:
             self._pending.clear()
             self._db_open = False
             self._db.close()
-        _release_lock(self._lock_fd)
+        release_lock(self._lock_fd)
         if dropped:
             logger.info("memory store closed with %d facts still queued; they will be encoded on demand", dropped)
 
@@ -555,36 +552,7 @@ class MemoryStore:
 
     def _load(self) -> None:
         rows = self._db.load_live_facts()
-        stale_embedder = self._db.get_meta("embedder") != self.embedder.name
-        redo = [f for f in rows if stale_embedder or f.embedding is None]
-        if redo:
-            logger.info("embedding %d stored facts with %s", len(redo), self.embedder.name)
-            vecs = self.embedder.embed([f.text for f in redo], progress=len(redo) > 1000)
-            self._db.set_embeddings((f.id, v) for f, v in zip(redo, vecs))
-            for f, v in zip(redo, vecs):
-                f.embedding = v
-        if redo or not rows:
-            self._db.set_meta("embedder", self.embedder.name)
-        if self.encoder is not None:
-            # Token ids belong to the tokenizer that made them: another model re-tokenizes facts
-            # and contexts (context ids are rebuilt from the stored context text when encoding).
-            same = self._db.get_meta("tokenizer") == self.encoder.fingerprint
-            retok = [f for f in rows if f.token_ids is None or not same]
-            for f in retok:
-                f.token_ids = tuple(int(t) for t in self.encoder.tokenize(f.text))
-                f.context_ids = None
-                if len(f.token_ids) >= self.max_model_len:  # type: ignore[operator]
-                    logger.warning("memory %s has %d tokens under this model, more than its context", f.id,
-                                   len(f.token_ids))
-            self._db.set_token_ids((f.id, f.token_ids) for f in retok)
-            self._db.set_meta("tokenizer", self.encoder.fingerprint)
-            if retok:
-                logger.info("re-tokenized %d memories for model %s", len(retok), self.encoder.fingerprint)
-            if (self._db.get_meta("context_prefix") or "") != self.context_prefix:
-                for f in rows:  # window contexts start with the prefix: rebuild them when encoding
-                    if f.context_kind != "explicit":
-                        f.context_window = -1
-            self._db.set_meta("context_prefix", self.context_prefix)
+        refresh(rows, self._db, self.embedder, self.contexts, self.encoder and self.encoder.fingerprint)
         by_user: dict[str, list[FactRow]] = {}
         for f in rows:
             self._facts[f.id] = f
@@ -596,25 +564,7 @@ class MemoryStore:
             self._index_for(user_id, vecs.shape[1]).add([f.seq for f in facts], vecs)
         for f in rows:
             f.embedding = None  # the index holds it now
-
-        # KV files: drop temp files and orphans; reconcile the encoded flags with what is on disk.
-        kept, removed = self.tiers.sweep({f.id: f.kv_version for f in rows})
-        changes: list[tuple[str | None, str]] = []
-        for f in rows:
-            has_file = (f.id, f.kv_version) in kept
-            if f.fingerprint is not None and not has_file:
-                f.fingerprint = None
-                changes.append((None, f.id))
-            elif f.fingerprint is None and has_file and self.fingerprint is not None:
-                meta = self.tiers.read_metadata((f.id, f.kv_version)) or {}
-                if meta.get("fingerprint") == self.fingerprint and f.token_ids is not None \
-                        and meta.get("num_tokens") == str(len(f.token_ids)):
-                    f.fingerprint = self.fingerprint  # encoded just before a crash: adopt the file
-                    changes.append((f.fingerprint, f.id))
-        if changes:
-            self._db.set_fingerprints(changes)
-        if removed or changes:
-            logger.info("memory store %s: removed %d stray KV files, reconciled %d facts", self.path, removed, len(changes))
+        reconcile_kv(rows, self._db, self.tiers, self.fingerprint)
 
     def _delete_facts(self, facts: list[FactRow]) -> None:
         """Under the store lock: mark deleted in SQLite (one transaction) and forget in memory."""
@@ -976,46 +926,3 @@ def _now() -> str:
 
 def _new_hex() -> str:
     return secrets.token_hex(8)
-
-
-def _load_secret(path: Path) -> bytes:
-    """The store's handle secret: created once (0600, atomically), then read."""
-    try:
-        secret = path.read_bytes()
-    except FileNotFoundError:
-        secret = secrets.token_bytes(32)
-        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.write(fd, secret)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.link(tmp, path)  # fails if another process created it first
-        except FileExistsError:
-            secret = path.read_bytes()
-        finally:
-            tmp.unlink()
-    if len(secret) < 32:
-        raise InferScaleError(f"handle secret {path} is damaged ({len(secret)} bytes)")
-    return secret
-
-
-def _acquire_lock(path: Path) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise InferScaleError(
-            f"memory store {path.parent} is already open (in this or another process); close it first"
-        ) from None
-    return fd
-
-
-def _release_lock(fd: int) -> None:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)

@@ -1,0 +1,58 @@
+"""The folder of a memory store: its files, its handle secret and the lock that keeps it to one process."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+from pathlib import Path
+
+from inferscale_engine.errors import InferScaleError
+
+SECRET_FILE = "secret.key"
+DB_FILE = "memory.sqlite3"
+KV_DIR = "kv"
+LOCK_FILE = ".lock"
+
+
+def load_secret(path: Path) -> bytes:
+    """The store's handle secret: created once (0600, atomically), then read."""
+    try:
+        secret = path.read_bytes()
+    except FileNotFoundError:
+        secret = secrets.token_bytes(32)
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, secret)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)  # fails if another process created it first
+        except FileExistsError:
+            secret = path.read_bytes()
+        finally:
+            tmp.unlink()
+    if len(secret) < 32:
+        raise InferScaleError(f"handle secret {path} is damaged ({len(secret)} bytes)")
+    return secret
+
+
+def acquire_lock(path: Path) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise InferScaleError(
+            f"memory store {path.parent} is already open (in this or another process); close it first"
+        ) from None
+    return fd
+
+
+def release_lock(fd: int) -> None:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
