@@ -1,16 +1,17 @@
 """``MemoryStore``: a Mem0-style, per-user memory whose facts carry precomputed KV.
 
-What happens to a fact::
+What happens to a fact (module doing it in brackets)::
 
-    add() ── validate, tokenize (encoder), embed ──▶ SQLite commit ──▶ searchable, handle ready
-                                                        │  (add returns here)
+    add() ── validate [validation], tokenize (encoder), embed ──▶ SQLite commit [db]
+          ──▶ searchable, handle ready (add returns here)
                                                         ▼
-          bounded queue ──▶ encoder thread: one batched encoder.encode() of whatever is queued
+          bounded queue [encode_queue] ──▶ encoder thread: one batched encoder.encode() of
+          whatever is queued, each fact after its context [context] ──▶ [kv_keeper]
                                                         ▼
-          KV tiers: disk file (atomic, fingerprinted) ──▶ device slab (LRU ▶ host ▶ disk)
+          KV tiers [tiers]: disk file (atomic, fingerprinted) ──▶ device slab (LRU ▶ host ▶ disk)
 
     resolve(handle, user) ── MAC, owner, existence ──▶ KV from the fastest tier (promoted),
-          waiting for a queued/in-flight encode (bounded), or encoding on demand ──▶ Span
+          waiting for a queued/in-flight encode (bounded), or encoding on demand [kv_keeper] ──▶ Span
 
 Decisions (see ``docs/memory.md``):
 
@@ -39,41 +40,42 @@ import logging
 import os
 import secrets
 import threading
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from inferscale_engine.config import MemoryConfig
-from inferscale_engine.encoder import EncodeWindow
 from inferscale_engine.errors import (
     ContextOverflowError,
     EngineClosedError,
     FactNotFoundError,
     ForgedHandleError,
     InferScaleError,
-    KVNotReadyError,
-    StaleKVError,
     check_utf8,
 )
 from inferscale_engine.handles import Handle, HandleCodec
-from inferscale_engine.kv import FactKV
 from inferscale_engine.memory.context import Chunk, Context, ContextBuilder
 from inferscale_engine.memory.db import FactRow, MetaDB
 from inferscale_engine.memory.embedder import Embedder
-from inferscale_engine.memory.encode_queue import EncodeQueue, Job
 from inferscale_engine.memory.encoding import ChatGenerate, Encoder, device_of
 from inferscale_engine.memory.extraction import extract_actions
-from inferscale_engine.memory.folder import DB_FILE, KV_DIR, LOCK_FILE, SECRET_FILE, acquire_lock, load_secret, release_lock
+from inferscale_engine.memory.folder import (
+    DB_FILE,
+    KV_DIR,
+    LOCK_FILE,
+    SECRET_FILE,
+    acquire_lock,
+    load_secret,
+    release_lock,
+)
 from inferscale_engine.memory.index import IndexKind, UserIndex
 from inferscale_engine.memory.item import MemoryItem
+from inferscale_engine.memory.kv_keeper import KVKeeper
 from inferscale_engine.memory.load import reconcile_kv, refresh
-from inferscale_engine.memory.tiers import KVKey, KVMissingError, KVTiers
+from inferscale_engine.memory.tiers import KVTiers
 from inferscale_engine.memory.validation import (
     check_context,
     check_k,
@@ -92,43 +94,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-
-@dataclass(frozen=True)
-class _Task:
-    """What one fact is encoded from (a snapshot taken under the store lock)."""
-
-    fact_id: str
-    version: int
-    token_ids: tuple[int, ...]
-    context_ids: tuple[int, ...]
-
-    @property
-    def key(self) -> KVKey:
-        return (self.fact_id, self.version)
-
-
-class _Pending:
-    """Encoding state of one fact version: queued → running → done (event set)."""
-
-    __slots__ = ("version", "state", "event", "error")
-
-    def __init__(self, version: int, state: Literal["queued", "running"]) -> None:
-        self.version = version
-        self.state: str = state
-        self.event = threading.Event()
-        self.error: BaseException | None = None
-
-
 class MemoryStore:
     """Per-user memory facts with KV for injection; also the engine's ``FactSource``.
 
     Args:
         encoder: the :class:`~inferscale_engine.memory.encoding.Encoder` (the serving engine)
             whose model encodes the facts; ``None`` gives a retrieval-only store (no tokens, no KV).
+        path: folder of the store (``memory.sqlite3``, ``secret.key``, ``kv/``); created.
         generate: the model that extracts facts for ``add(..., infer=True)``
             (:func:`~inferscale_engine.memory.encoding.engine_generate`); ``None``: no extraction.
         device: where the device KV tier and the search index live; ``None``: the encoder's device.
-        path: folder of the store (``memory.sqlite3``, ``secret.key``, ``kv/``); created.
         window: facts of the same user a new fact is encoded after (0 = independent).
         context_prefix: text every window context starts with — the opening of the prompts the
             facts will be served in (chat template, system text), so a fact is encoded after the
@@ -181,9 +156,8 @@ class MemoryStore:
         self.window = window
         self.context_prefix = check_utf8(str(context_prefix), "context_prefix")
         self.index_kind: IndexKind = index
-        self.encode_batch = encode_batch
-        self.encode_batch_tokens = encode_batch_tokens
-        self.resolve_timeout = float(resolve_timeout)
+        self._keeper: KVKeeper | None = None  # with an encoder: the KV of the facts
+        self.resolve_timeout = resolve_timeout
         self.fingerprint: str | None = f"{encoder.fingerprint}-w{window}" if encoder is not None else None
         if self.fingerprint is not None and self.context_prefix:
             self.fingerprint += "-p" + hashlib.sha256(self.context_prefix.encode()).hexdigest()[:12]
@@ -193,15 +167,10 @@ class MemoryStore:
 
         self._lock = threading.RLock()
         self._closed = False  # the API refuses calls
-        self._db_open = True
         self._facts: dict[str, FactRow] = {}
         self._by_seq: dict[int, str] = {}
         self._user_facts: dict[str, dict[str, None]] = {}  # insertion-ordered fact ids per user
         self._indexes: dict[str, UserIndex] = {}
-        self._pending: dict[str, _Pending] = {}
-        self._encode_errors: dict[str, str] = {}
-        self._queue = EncodeQueue(self._encode_batch, self._job_tokens, maxsize=encode_queue, batch=encode_batch,
-                                  batch_tokens=encode_batch_tokens)
 
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = acquire_lock(self.path / LOCK_FILE)
@@ -218,7 +187,11 @@ class MemoryStore:
             release_lock(self._lock_fd)
             raise
         if encoder is not None:
-            self._queue.start()
+            self._keeper = KVKeeper(
+                encoder, self.contexts, self.fingerprint, lock=self._lock, facts=self._facts,  # type: ignore[arg-type]
+                user_facts=self._user_facts, db=self._db, tiers=self.tiers, queue_size=encode_queue,
+                batch=encode_batch, batch_tokens=encode_batch_tokens, resolve_timeout=self._resolve_timeout,
+            )
 
     @classmethod
     def from_config(cls, encoder: Encoder | None, config: MemoryConfig, *,
@@ -231,6 +204,17 @@ class MemoryStore:
             page_tokens=config.page_tokens, encode_queue=config.encode_queue, encode_batch=config.encode_batch,
             encode_batch_tokens=config.encode_batch_tokens, resolve_timeout=config.resolve_timeout,
         )
+
+    @property
+    def resolve_timeout(self) -> float:
+        """Seconds ``resolve`` waits for a fact that is being encoded; may be changed any time."""
+        return self._resolve_timeout
+
+    @resolve_timeout.setter
+    def resolve_timeout(self, seconds: float) -> None:
+        self._resolve_timeout = float(seconds)
+        if self._keeper is not None:
+            self._keeper.resolve_timeout = self._resolve_timeout
 
     # ================================================================== public API
 
@@ -321,14 +305,13 @@ class MemoryStore:
             self._db.update_text(old, new, vec)
             self._facts[fact_id] = new
             self._index_for(old.user_id, vec.shape[0]).add([old.seq], vec[None])
-            self._encode_errors.pop(fact_id, None)
-            self._retire_pending(fact_id)
-            if self.encoder is not None:
-                self._pending[fact_id] = _Pending(version, "queued")
+            if self._keeper is not None:
+                self._keeper.retire(fact_id)
+                self._keeper.expect(fact_id, version)
             item = self._item(new)
         self.tiers.delete_key((fact_id, old.kv_version))
-        if self.encoder is not None:
-            self._queue.put([(fact_id, version)])
+        if self._keeper is not None:
+            self._keeper.enqueue([(fact_id, version)])
         return item
 
     def delete(self, fact_id: str, *, user_id: str | None = None) -> None:
@@ -393,27 +376,15 @@ class MemoryStore:
                 if fact.user_id != user_id:  # cannot happen with a valid MAC; checked anyway
                     raise ForgedHandleError(f"memory {fact_id} does not belong to this user")
                 facts.append(dataclasses.replace(fact))
-        if self.encoder is None:
+        if self._keeper is None:
             raise InferScaleError("this memory store has no engine (encoder), so it has no KV to serve")
-        kvs: list[FactKV | None] = [None] * len(facts)
-        ready = [i for i, f in enumerate(facts) if f.fingerprint == self.fingerprint]
-        try:
-            got = self.tiers.get_many([(facts[i].id, facts[i].kv_version) for i in ready], self.fingerprint)  # type: ignore[arg-type]
-            for i, kv in zip(ready, got):
-                kvs[i] = kv
-        except (KVMissingError, StaleKVError):
-            pass  # the fact-by-fact path below repairs (re-encodes) what is missing or stale
-        spans = []
-        for fact, kv in zip(facts, kvs):
-            if kv is None:  # not encoded yet, or its KV needs repair
-                kv, fact = self._kv(fact.id)
-            assert fact.token_ids is not None
-            spans.append(Span(key=f"fact:{fact.id}:{fact.kv_version}", token_ids=tuple(fact.token_ids), kv=kv, text=fact.text))
-        return spans
+        return [Span(key=f"fact:{f.id}:{f.kv_version}", token_ids=tuple(f.token_ids), kv=kv, text=f.text)  # type: ignore[arg-type]
+                for kv, f in self._keeper.kvs(facts)]
 
     def wait_for_encoding(self, timeout: float | None = None) -> None:
         """Block until every queued fact has been encoded (or failed); ``TimeoutError`` after ``timeout``."""
-        self._queue.wait_idle(timeout)
+        if self._keeper is not None:
+            self._keeper.wait_idle(timeout)
 
     def close(self) -> None:
         """Stop the encoder (the batch in flight finishes) and close the database. Idempotent.
@@ -425,12 +396,10 @@ class MemoryStore:
             if self._closed:
                 return
             self._closed = True
-        dropped = self._queue.stop()
+        dropped = self._keeper.stop() if self._keeper is not None else 0
         with self._lock:
-            for p in self._pending.values():
-                p.event.set()
-            self._pending.clear()
-            self._db_open = False
+            if self._keeper is not None:
+                self._keeper.close()
             self._db.close()
         release_lock(self._lock_fd)
         if dropped:
@@ -470,46 +439,27 @@ class MemoryStore:
         encoding; returns how many. Useful after a model or window change, so that ``resolve``
         does not encode them one by one on demand."""
         self._check_open()
-        if self.encoder is None:
+        if self._keeper is None:
             return 0
         if user_id is not None:
             user_id = check_user(user_id)
-        jobs: list[tuple[str, int]] = []
-        stale: list[KVKey] = []
         with self._lock:
             ids = list(self._user_facts.get(user_id, ())) if user_id is not None else list(self._facts)
-            rows = []
-            for fact_id in ids:
-                f = self._facts[fact_id]
-                if f.fingerprint == self.fingerprint or fact_id in self._pending:
-                    continue
-                if f.fingerprint is not None:  # stale KV: new version, as in resolve()
-                    stale.append((fact_id, f.kv_version))
-                    f = self._facts[fact_id] = dataclasses.replace(f, kv_version=f.kv_version + 1, fingerprint=None)
-                    rows.append((f.kv_version, fact_id))
-                self._pending[fact_id] = _Pending(f.kv_version, "queued")
-                jobs.append((fact_id, f.kv_version))
-            if rows:
-                self._db.new_kv_versions(rows)
-        for key in stale:
-            self.tiers.delete_key(key)
-        self._queue.put(jobs)
-        return len(jobs)
+        return self._keeper.reencode(ids)
 
     @property
     def encoding_errors(self) -> dict[str, str]:
         """Facts whose last background encoding failed (fact id → error); they are re-encoded on demand."""
-        with self._lock:
-            return dict(self._encode_errors)
+        return self._keeper.errors if self._keeper is not None else {}
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             facts = len(self._facts)
             encoded = sum(1 for f in self._facts.values() if f.fingerprint == self.fingerprint and f.fingerprint)
             users = sum(1 for v in self._user_facts.values() if v)
-        inflight = self._queue.inflight
-        return {"users": users, "facts": facts, "encoded": encoded, "queued": inflight,
-                "encode_errors": len(self._encode_errors), **self.tiers.stats()}
+        return {"users": users, "facts": facts, "encoded": encoded,
+                "queued": self._keeper.queued if self._keeper is not None else 0,
+                "encode_errors": len(self.encoding_errors), **self.tiers.stats()}
 
     def __enter__(self) -> "MemoryStore":
         return self
@@ -578,14 +528,8 @@ class MemoryStore:
             index = self._indexes.get(f.user_id)
             if index is not None:
                 index.remove(f.seq)
-            self._encode_errors.pop(f.id, None)
-            self._retire_pending(f.id)
-
-    def _retire_pending(self, fact_id: str) -> None:
-        p = self._pending.pop(fact_id, None)
-        if p is not None:
-            p.state = "done"
-            p.event.set()  # waiters re-read the fact (new version, or gone)
+            if self._keeper is not None:
+                self._keeper.retire(f.id)
 
     # ================================================================== internals: adding
 
@@ -645,9 +589,9 @@ class MemoryStore:
                 while fact_id in self._facts:
                     fact_id = _new_hex()
                 new.append(FactRow(
-                    seq=0, id=fact_id, user_id=user_id, text=text, token_ids=ids,
-                    context_ids=ctx and ctx.ids, context_text=ctx and ctx.text, context_kind=kind, context_window=self.window, metadata=meta, created_at=now,
-                    updated_at=now, kv_version=1, fingerprint=None, encode_error=None, embedding=vec,
+                    seq=0, id=fact_id, user_id=user_id, text=text, token_ids=ids, context_ids=ctx and ctx.ids,
+                    context_text=ctx and ctx.text, context_kind=kind, context_window=self.window, metadata=meta,
+                    created_at=now, updated_at=now, kv_version=1, fingerprint=None, encode_error=None, embedding=vec,
                 ))
             self._db.insert_facts(new, now)
             # Committed: from here on the facts are visible.
@@ -657,47 +601,16 @@ class MemoryStore:
                 self._by_seq[f.seq] = f.id
                 self._user_facts.setdefault(user_id, {})[f.id] = None
             self._index_for(user_id, vecs.shape[1]).add([f.seq for f in new], vecs)
-            pendings = {}
-            if self.encoder is not None:
-                for f in new:
-                    pendings[f.id] = self._pending[f.id] = _Pending(1, "queued" if background else "running")
+            keeper = self._keeper
+            pendings = {f.id: keeper.expect(f.id, 1, queued=background) for f in new} if keeper is not None else {}
             items = [self._item(f) for f in new]
-        if self.encoder is None:
+        if keeper is None:
             return items
         if background:
-            self._queue.put([(f.id, 1) for f in new])
+            keeper.enqueue([(f.id, 1) for f in new])
             return items
 
-        # Bulk import: encode here, in batches, with a progress bar.
-        if not chunks:
-            chunks = Chunk.per_fact([f.context_ids for f in new], [f.token_ids for f in new])  # type: ignore[misc]
-        # Batches obey the same limits as the encoder thread, so chat requests interleave.
-        batches: list[list[Chunk]] = [[]]
-        tokens = 0
-        for chunk in chunks:
-            n = len(chunk.window.token_ids)
-            if batches[-1] and (len(batches[-1]) >= self.encode_batch or tokens + n > self.encode_batch_tokens):
-                batches.append([])
-                tokens = 0
-            batches[-1].append(chunk)
-            tokens += n
-        bar = tqdm(total=len(new), desc="encoding memories", unit="fact", disable=not progress)
-        try:
-            for batch in batches:
-                jobs = []
-                for chunk in batch:
-                    ids = chunk.window.token_ids
-                    tasks = [(_Task(new[i].id, 1, tuple(new[i].token_ids), ids[:s]), pendings[new[i].id])  # type: ignore[arg-type]
-                             for i, (s, _) in zip(chunk.facts, chunk.window.ranges)]
-                    jobs.append((chunk.window, tasks))
-                self._encode_jobs(jobs)
-                bar.update(sum(len(c.facts) for c in batch))
-        finally:
-            bar.close()
-            for f in new:  # interrupted: whatever is left is encoded on demand
-                p = pendings[f.id]
-                if p.state != "done":
-                    self._finish(f.id, p, None)
+        keeper.encode_now(new, chunks, pendings, progress=progress)
         with self._lock:
             return [self._item(self._facts.get(f.id, f)) for f in new]
 
@@ -721,201 +634,6 @@ class MemoryStore:
             except (FactNotFoundError, ValueError, TypeError) as exc:
                 logger.warning("memory extraction: skipping %s: %s", action, exc)
         return out
-
-    # ================================================================== internals: encoding
-
-    def _encode_batch(self, batch: list[Job]) -> None:
-        """The encoder thread's work: encode the jobs no one changed or took meanwhile."""
-        jobs = []
-        with self._lock:
-            for fact_id, version in batch:
-                p, f = self._pending.get(fact_id), self._facts.get(fact_id)
-                if p is None or f is None or p.version != version or f.kv_version != version or p.state != "queued":
-                    continue  # deleted, updated, or taken by a resolve meanwhile
-                p.state = "running"
-                task = self._task(f)
-                jobs.append((EncodeWindow.single(task.token_ids, task.context_ids), [(task, p)]))
-        if jobs:
-            self._encode_jobs(jobs)
-
-    def _job_tokens(self, job: Job) -> int:
-        with self._lock:
-            f = self._facts.get(job[0])
-            if f is None or f.token_ids is None:
-                return 0
-            return len(f.token_ids) + len(f.context_ids or ())
-
-    def _task(self, f: FactRow) -> _Task:
-        """Under the store lock: the inputs to encode ``f`` with now (window contexts follow the window)."""
-        assert f.token_ids is not None and self.contexts is not None
-        window_changed = f.context_kind != "explicit" and f.context_window != self.window
-        if window_changed or (f.context_ids is None and f.context_text is None):
-            # The window or prefix changed (both are in the fingerprint): rebuild from the predecessors.
-            prev: list[str] = []
-            if self.window:
-                ids = list(self._user_facts.get(f.user_id, {}))
-                at = ids.index(f.id) if f.id in ids else len(ids)
-                prev = [self._facts[i].text for i in ids[max(0, at - self.window) : at]]
-            ctx = self.contexts.window_context(prev, len(f.token_ids))
-            f.context_ids, f.context_text = ctx.ids, ctx.text
-            f.context_kind, f.context_window = "window", self.window
-        elif f.context_ids is None:
-            # Re-tokenized for another model: the same context text, with its tokenizer.
-            f.context_ids = self.contexts.retokenized(f.context_text, len(f.token_ids))
-        else:
-            return _Task(f.id, f.kv_version, tuple(f.token_ids), tuple(f.context_ids))
-        try:
-            if not self._db_open:
-                raise EngineClosedError("memory store closed")
-            self._db.set_context(f)
-        except Exception:
-            logger.exception("could not record the new context of memory %s", f.id)
-        return _Task(f.id, f.kv_version, tuple(f.token_ids), tuple(f.context_ids))
-
-    def _encode_jobs(self, jobs: list[tuple[EncodeWindow, list[tuple[_Task, _Pending]]]]) -> BaseException | None:
-        """Encode windows in one encoder call and store every captured span; returns the first error."""
-        assert self.encoder is not None and self.fingerprint is not None
-        try:
-            results = self.encoder.encode([w for w, _ in jobs])
-        except Exception as exc:
-            self._fail([tp for _, tps in jobs for tp in tps], exc)
-            return exc
-        stored: list[tuple[_Task, _Pending]] = []
-        error: BaseException | None = None
-        for (_, tps), kvs in zip(jobs, results):
-            for (task, p), kv in zip(tps, kvs):
-                with self._lock:
-                    f = self._facts.get(task.fact_id)
-                    current = f is not None and f.kv_version == task.version
-                if not current:
-                    self._finish(task.fact_id, p, None)
-                    continue
-                try:
-                    self.tiers.put(task.key, kv, self.fingerprint)
-                except Exception as exc:
-                    self._fail([(task, p)], exc)
-                    error = error or exc
-                else:
-                    stored.append((task, p))
-        self._commit_encoded(stored)
-        return error
-
-    def _commit_encoded(self, stored: list[tuple[_Task, _Pending]]) -> None:
-        orphans: list[KVKey] = []
-        with self._lock:
-            rows = []
-            for task, _ in stored:
-                f = self._facts.get(task.fact_id)
-                if f is None or f.kv_version != task.version:  # deleted / updated while encoding
-                    orphans.append(task.key)
-                    continue
-                f.fingerprint, f.encode_error = self.fingerprint, None
-                self._encode_errors.pop(f.id, None)
-                rows.append((f.id, f.kv_version))
-            if rows and self._db_open:
-                self._db.mark_encoded(self.fingerprint, rows)  # type: ignore[arg-type]
-            for task, p in stored:
-                self._finish(task.fact_id, p, None)
-        for key in orphans:
-            self.tiers.delete_key(key)
-
-    def _fail(self, tasks: list[tuple[_Task, _Pending]], exc: BaseException) -> None:
-        msg = f"{type(exc).__name__}: {exc}"
-        logger.error("encoding %d memory fact(s) failed (%s); they stay unencoded and are encoded on demand",
-                     len(tasks), msg)
-        with self._lock:
-            rows = []
-            for task, p in tasks:
-                f = self._facts.get(task.fact_id)
-                if f is not None and f.kv_version == task.version:
-                    f.encode_error = msg
-                    self._encode_errors[f.id] = msg
-                    rows.append((msg, f.id))
-                self._finish(task.fact_id, p, exc)
-            if rows and self._db_open:
-                try:
-                    self._db.set_encode_errors(rows)
-                except Exception:
-                    logger.exception("could not record the encoding error")
-
-    def _finish(self, fact_id: str, p: _Pending, error: BaseException | None) -> None:
-        with self._lock:
-            p.error = error
-            p.state = "done"
-            if self._pending.get(fact_id) is p:
-                del self._pending[fact_id]
-        p.event.set()
-
-    def _mark_unencoded(self, key: KVKey) -> None:
-        with self._lock:
-            if not self._db_open:
-                return
-            f = self._facts.get(key[0])
-            if f is not None and f.kv_version == key[1] and f.fingerprint is not None:
-                f.fingerprint = None
-                self._db.mark_unencoded(*key)
-
-    def _new_kv_version(self, key: KVKey) -> None:
-        with self._lock:
-            f = self._facts.get(key[0])
-            if f is None or f.kv_version != key[1] or not self._db_open:
-                return
-            version = f.kv_version + 1
-            self._db.new_kv_version(key[0], key[1], version)
-            self._facts[key[0]] = dataclasses.replace(f, kv_version=version, fingerprint=None)
-            self._retire_pending(key[0])
-        self.tiers.delete_key(key)
-
-    def _kv(self, fact_id: str) -> tuple[FactKV, FactRow]:
-        """KV of the current version of ``fact_id`` (and that version's record)."""
-        deadline = time.monotonic() + self.resolve_timeout
-        for _ in range(8):
-            self._check_open()
-            with self._lock:
-                f = self._facts.get(fact_id)
-                if f is None:
-                    raise FactNotFoundError(f"memory {fact_id} does not exist (it was deleted)")
-                snap = dataclasses.replace(f)
-            if snap.fingerprint is not None:
-                try:
-                    if snap.fingerprint != self.fingerprint:
-                        raise StaleKVError(f"memory {fact_id} was encoded under fingerprint {snap.fingerprint!r}, "
-                                           f"this store serves {self.fingerprint!r}")
-                    return self.tiers.get((fact_id, snap.kv_version), self.fingerprint), snap  # type: ignore[arg-type]
-                except StaleKVError as exc:
-                    # Other KV content under the same span key could be reused from vLLM's prefix
-                    # cache: re-encode under a new KV version (new key, new file).
-                    logger.warning("%s; re-encoding it with the current encoder", exc)
-                    self._new_kv_version((fact_id, snap.kv_version))
-                except KVMissingError as exc:  # same fingerprint and context: same KV, same version
-                    logger.warning("%s; re-encoding it", exc)
-                    self._mark_unencoded((fact_id, snap.kv_version))
-            with self._lock:
-                f = self._facts.get(fact_id)
-                if f is None:
-                    raise FactNotFoundError(f"memory {fact_id} does not exist (it was deleted)")
-                if f.kv_version != snap.kv_version or f.fingerprint == self.fingerprint:
-                    continue  # changed meanwhile: look again
-                p = self._pending.get(fact_id)
-                mine = p is None or p.version != f.kv_version or p.state == "done" or p.state == "queued"
-                if mine:
-                    if p is None or p.version != f.kv_version or p.state == "done":
-                        p = self._pending[fact_id] = _Pending(f.kv_version, "running")
-                    p.state = "running"
-                    task = self._task(f)
-            if mine:  # encode it now, in this thread
-                err = self._encode_jobs([(EncodeWindow.single(task.token_ids, task.context_ids), [(task, p)])])
-                if err is not None:
-                    raise InferScaleError(f"could not encode memory {fact_id}: {err}") from err
-                continue
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not p.event.wait(remaining):  # type: ignore[union-attr]
-                raise KVNotReadyError(
-                    f"memory {fact_id} is still being encoded after {self.resolve_timeout:g}s "
-                    "(raise MemoryStore.resolve_timeout, or wait_for_encoding() before serving)"
-                )
-        raise InferScaleError(f"memory {fact_id} kept changing while it was being resolved; try again")
-
 
 # ====================================================================== helpers
 
