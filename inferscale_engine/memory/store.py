@@ -362,7 +362,7 @@ class MemoryStore:
 
     def resolve_many(self, handles: Sequence[Handle | str], user_id: str) -> list["Span"]:
         """:meth:`resolve` for every handle of one request, reading their KV in one batch."""
-        from inferscale_engine.engine import Span
+        from inferscale_engine.engine import Span  # at call time: engine.py is not imported by memory
 
         self._check_open()
         user_id = check_user(user_id)

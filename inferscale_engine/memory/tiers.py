@@ -14,10 +14,10 @@
   Nothing waits on the host for either; the slab's readers and writers on the caller's stream
   wait for the side stream's last copy on the device, a copy waits for their last access
   (:meth:`KVTiers._copy`), and a promotion waits for the eviction still writing its host pages.
-* **Disk tier** – one safetensors file per fact version, written atomically (temp file in the
-  same folder, fsync, ``os.replace``, fsync of the folder) and carrying the model fingerprint
-  in its metadata. Disk is write-through and unbounded: every encoded fact has its file before
-  it enters memory, so the memory tiers are pure caches.
+* **Disk tier** (:class:`~inferscale_engine.memory.disk_tier.DiskTier`) – one safetensors file
+  per fact version, written atomically and carrying the model fingerprint. Disk is
+  write-through and unbounded: every encoded fact has its file before it enters memory, so the
+  memory tiers are pure caches.
 
 Memory tiers are exclusive and LRU: a ``put`` or a promotion lands on the device; the device
 evicts its least recently used fact to the host (never one the same ``get_many`` serves), the
@@ -33,9 +33,7 @@ import contextlib
 import logging
 import math
 import os
-import re
 import threading
-import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -45,23 +43,18 @@ from typing import Literal
 import numpy as np
 import torch
 
-from inferscale_engine.errors import StaleKVError
 from inferscale_engine.kv import FactKV
+from inferscale_engine.memory.disk_tier import DiskTier, KVKey, KVMissingError, check_fingerprint
 from inferscale_engine.memory.dma import ByteCopier, Sources
+
+__all__ = ["KVKey", "KVMissingError", "KVTiers", "Tier"]
 
 logger = logging.getLogger(__name__)
 
-KVKey = tuple[str, int]  # (fact id, kv version)
 Tier = Literal["device", "host", "disk"]
 
-FILE_FORMAT = "inferscale-kv/1"
 #: Host-tier pages are pinned this many bytes at a time, as the tier fills.
 HOST_CHUNK_BYTES = 64 << 20
-_FILE_RE = re.compile(r"^([0-9a-f]{16})-(\d+)\.safetensors$")
-
-
-class KVMissingError(LookupError):
-    """No usable KV file for this fact version (never written, deleted, or unreadable)."""
 
 
 @dataclass
@@ -93,8 +86,8 @@ class KVTiers:
             raise ValueError(f"page_tokens must be >= 1, got {page_tokens}")
         if device_bytes < 0 or host_bytes < 0:
             raise ValueError("tier capacities must be >= 0 bytes")
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.disk = DiskTier(root)
+        self.root = self.disk.root
         self.device = torch.device(device)
         self.device_bytes = int(device_bytes)
         self.host_bytes = int(host_bytes)
@@ -126,16 +119,14 @@ class KVTiers:
         self._copiers: dict[torch.cuda.Stream, ByteCopier] = {}
         self._side_done: torch.cuda.Event | None = None
         self._caller_done: torch.cuda.Event | None = None
-        self.counters = {
-            "disk_writes": 0, "disk_reads": 0, "host_to_device": 0, "device_to_host": 0, "host_drops": 0,
-        }
+        self.counters = {"host_to_device": 0, "device_to_host": 0, "host_drops": 0}
 
     # ------------------------------------------------------------------ public API
 
     def put(self, key: KVKey, kv: FactKV, fingerprint: str) -> None:
         """Store ``kv`` durably on disk, then cache it on the device."""
         self._check_geometry(kv)
-        self._write_file(key, kv, fingerprint)
+        self.disk.put(key, kv, fingerprint)
         with self._lock:
             self._drop_memory(key)
             self._insert(key, self._to_pages(kv.k, kv.v), kv.num_tokens, kv.position, fingerprint)
@@ -160,13 +151,13 @@ class KVTiers:
             for i, key in enumerate(keys):
                 entry = self._device.get(key)
                 if entry is not None:
-                    _check_fingerprint(key, entry.fingerprint, fingerprint, "device tier")
+                    check_fingerprint(key, entry.fingerprint, fingerprint, "device tier")
                     self._device.move_to_end(key)
                     on_device.append((i, entry))
                     continue
                 host = self._host.get(key)
                 if host is not None:
-                    _check_fingerprint(key, host.fingerprint, fingerprint, "host tier")
+                    check_fingerprint(key, host.fingerprint, fingerprint, "host tier")
                     on_host.setdefault(key, []).append(i)
             if on_host:
                 promoted, served = self._promote(list(on_host), keep={keys[i] for i, _ in on_device})
@@ -189,7 +180,7 @@ class KVTiers:
                 return "device"
             if key in self._host:
                 return "host"
-        return "disk" if self.path(key).exists() else None
+        return "disk" if self.disk.contains(key) else None
 
     def evict(self, key: KVKey, to: Literal["host", "disk"] = "host") -> None:
         """Move ``key`` down to ``to`` (for tests and benchmarks; LRU does this on its own)."""
@@ -210,54 +201,24 @@ class KVTiers:
         with self._lock:
             for key in [k for k in (*self._device, *self._host) if k[0] == fact_id]:
                 self._drop_memory(key)
-            folder = self.root / fact_id[:2]
-            if folder.is_dir():
-                for p in folder.glob(f"{fact_id}-*.safetensors"):
-                    _unlink(p)
-                for p in folder.glob(f".{fact_id}-*.tmp"):
-                    _unlink(p)
+            self.disk.remove_fact(fact_id)
 
     def delete_key(self, key: KVKey) -> None:
         """Free one version of a fact in every tier."""
         with self._lock:
             self._drop_memory(key)
-            _unlink(self.path(key))
+            self.disk.remove(key)
 
     def path(self, key: KVKey) -> Path:
-        fact_id, version = key
-        return self.root / fact_id[:2] / f"{fact_id}-{int(version)}.safetensors"
+        return self.disk.path(key)
 
     def read_metadata(self, key: KVKey) -> dict[str, str] | None:
-        """The safetensors metadata of ``key``'s file, or ``None`` when absent or unreadable."""
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(self.path(key)), framework="pt", device="cpu") as f:
-                return dict(f.metadata() or {})
-        except Exception:
-            return None
+        return self.disk.read_metadata(key)
 
     def sweep(self, live: Mapping[str, int]) -> tuple[set[KVKey], int]:
         """Remove temp files and KV files of no live fact version; return (files kept, removed)."""
-        kept: set[KVKey] = set()
-        removed = 0
         with self._lock:
-            for folder in self.root.iterdir():
-                if not folder.is_dir():
-                    continue
-                for p in folder.iterdir():
-                    m = _FILE_RE.match(p.name)
-                    if p.name.endswith(".tmp"):
-                        _unlink(p)
-                        removed += 1
-                    elif m is not None:
-                        key = (m.group(1), int(m.group(2)))
-                        if live.get(key[0]) == key[1]:
-                            kept.add(key)
-                        else:
-                            _unlink(p)
-                            removed += 1
-        return kept, removed
+            return self.disk.sweep(live)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -271,6 +232,8 @@ class KVTiers:
                 "host_facts": len(self._host),
                 "host_bytes": host_pages * self._page_bytes,
                 "host_bytes_allocated": sum(c.nbytes for c in self._host_chunks),
+                "disk_writes": self.disk.writes,
+                "disk_reads": self.disk.reads,
                 **self.counters,
             }
 
@@ -308,12 +271,12 @@ class KVTiers:
         return (layers, 2, self.page_tokens, heads, dim)
 
     def _get_from_disk(self, key: KVKey, fingerprint: str) -> FactKV:
-        k, v, position = self._read_file(key, fingerprint)
+        k, v, position = self.disk.get_blocking(key, fingerprint)
         self._check_geometry(FactKV(k, v, position))  # a store reopened reads before it writes
         with self._lock:
             if key in self._device or key in self._host:  # another thread loaded it meanwhile
                 return self.get_many([key], fingerprint)[0]
-            if not self.path(key).exists():  # deleted while we read it: serve, but do not cache
+            if not self.disk.contains(key):  # deleted while we read it: serve, but do not cache
                 return FactKV(k.to(self.device), v.to(self.device), position)
             self._insert(key, self._to_pages(k, v), k.shape[1], position, fingerprint)
             entry = self._device.get(key)
@@ -611,88 +574,6 @@ class KVTiers:
     def _pages_to_block(pages: torch.Tensor) -> torch.Tensor:
         m, layers, _, pt, heads, dim = pages.shape
         return pages.permute(2, 1, 0, 3, 4, 5).reshape(2, layers, m * pt, heads, dim)
-
-    # ------------------------------------------------------------------ disk tier
-
-    def _write_file(self, key: KVKey, kv: FactKV, fingerprint: str) -> None:
-        from safetensors.torch import save
-
-        path = self.path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {"k": kv.k.detach().to("cpu").contiguous(), "v": kv.v.detach().to("cpu").contiguous()}
-        metadata = {
-            "format": FILE_FORMAT,
-            "fingerprint": fingerprint,
-            "fact_id": key[0],
-            "kv_version": str(key[1]),
-            "position": str(int(kv.position)),
-            "num_tokens": str(kv.num_tokens),
-        }
-        data = save(tensors, metadata=metadata)
-        tmp = path.parent / f".{path.stem}.{uuid.uuid4().hex}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            _unlink(tmp)
-            raise
-        os.close(fd)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-        self.counters["disk_writes"] += 1
-
-    def _read_file(self, key: KVKey, fingerprint: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-        from safetensors import safe_open
-
-        path = self.path(key)
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                meta = dict(f.metadata() or {})
-                k, v = f.get_tensor("k"), f.get_tensor("v")
-        except FileNotFoundError:
-            raise KVMissingError(f"no KV file for fact {key[0]} v{key[1]}") from None
-        except Exception as exc:
-            logger.warning("unreadable KV file %s: %s", path, exc)
-            raise KVMissingError(f"unreadable KV file for fact {key[0]} v{key[1]}: {exc}") from exc
-        if meta.get("format") != FILE_FORMAT or meta.get("fact_id") != key[0] or meta.get("kv_version") != str(key[1]):
-            raise KVMissingError(f"KV file {path.name} does not hold fact {key[0]} v{key[1]}")
-        _check_fingerprint(key, meta.get("fingerprint"), fingerprint, f"file {path.name}")
-        if k.shape != v.shape or k.shape[1] != int(meta.get("num_tokens", -1)):
-            raise KVMissingError(f"KV file {path.name} is inconsistent")
-        self.counters["disk_reads"] += 1
-        return k, v, int(meta["position"])
-
-
-def _check_fingerprint(key: KVKey, found: str | None, expected: str, where: str) -> None:
-    if found != expected:
-        raise StaleKVError(
-            f"KV of fact {key[0]} v{key[1]} in {where} was encoded under model fingerprint {found!r}, "
-            f"this store serves {expected!r}; refusing it"
-        )
-
-
-def _unlink(path: Path) -> None:
-    try:
-        path.unlink()
-    except FileNotFoundError:
-        pass
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def page_runs(
