@@ -30,7 +30,8 @@ def build_memory(engine: InferScaleEngine, config: MemoryConfig | None = None) -
     from inferscale_engine.memory.encoding import engine_generate
 
     config = config or MemoryConfig.for_engine(engine.config)
-    return MemoryStore.from_config(engine, config, generate=engine_generate(engine, max_tokens=config.extraction_max_tokens))
+    generate = engine_generate(engine, max_tokens=config.extraction_max_tokens)
+    return MemoryStore.from_config(engine, config, generate=generate)
 
 
 @dataclass

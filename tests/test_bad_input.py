@@ -92,9 +92,11 @@ def snapshot(store: Any) -> dict[str, Any]:
         history = c.execute("SELECT memory_id, event, old_memory, new_memory FROM history ORDER BY seq").fetchall()
         users = c.execute("SELECT user_id FROM users ORDER BY user_id").fetchall()
     files = sorted(str(p.relative_to(store.path)) for p in (store.path / "kv").rglob("*") if p.is_file())
-    with store._lock:
-        mem = (sorted(store._facts), {u: list(v) for u, v in store._user_facts.items()},
-               {u: len(ix) if hasattr(ix, "__len__") else None for u, ix in store._indexes.items()})
+    with store.table.lock:
+        ids = store.table.ids_by_user()
+        indexes = {u: store.table.index(u) for u in ids}
+        mem = (sorted(store.table.by_id), ids,
+               {u: len(ix) if hasattr(ix, "__len__") else None for u, ix in indexes.items() if ix is not None})
     return {"facts": facts, "history": history, "users": users, "files": files, "mem": mem}
 
 

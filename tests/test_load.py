@@ -97,7 +97,7 @@ def test_answers_with_exhausted_tiers_equal_answers_with_ample_tiers(engine, rep
 
     store = engine.memory
     store.wait_for_encoding(120)
-    users = sorted(u for u, facts in store._user_facts.items() if facts)[:12]
+    users = sorted(u for u, ids in store.table.ids_by_user().items() if ids)[:12]
     assert len(users) >= min(12, LOAD_USERS)
     prompts = []
     for user in users:

@@ -191,7 +191,7 @@ def bench_search(minilm: Any, root: Path, sizes: tuple[int, ...], repeats: int =
             store = MemoryStore(None, root / f"search-{kind}-{n}", embedder=Embedder(_RandomEmbedder()), index=kind)
             store.import_conversation([("", f"fact number {i}") for i in range(n)], user_id="u", progress=False)
             store.embedder = minilm  # queries go through the real model
-            index = store._indexes["u"]
+            index = store.table.index("u")
             store.search(queries[0], user_id="u", k=10)
             e2e, idx = [], []
             for q in queries:

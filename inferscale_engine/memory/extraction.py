@@ -1,4 +1,4 @@
-"""Mem0-style memory extraction (``add(..., infer=True)``), run on the serving engine itself.
+"""Mem0-style memory extraction (``add(..., infer=True)``), by the store's ``generate`` model.
 
 Two model calls, as in Mem0: (1) extract short facts from the conversation, (2) decide for
 each against the most similar existing memories whether to ADD it, UPDATE or DELETE an
@@ -13,7 +13,14 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from inferscale_engine.errors import FactNotFoundError
+
+if TYPE_CHECKING:
+    from inferscale_engine.memory.encoding import ChatGenerate
+    from inferscale_engine.memory.item import MemoryItem
+    from inferscale_engine.memory.store import MemoryStore
 
 logger = logging.getLogger(__name__)
 
@@ -139,3 +146,25 @@ def extract_actions(
         logger.warning("memory update decision: model reply is not the JSON asked for; storing nothing (%.200r)", reply)
         return []
     return actions
+
+
+def infer_facts(store: MemoryStore, generate: ChatGenerate, conversation: Sequence[str], *, user_id: str,
+                metadata: dict[str, Any]) -> list[MemoryItem]:
+    """``store.add(..., infer=True)``: extract, then apply each action through the store's own
+    API; an action the store refuses (its fact was deleted meanwhile, bad text) is skipped."""
+
+    def similar(fact: str) -> list[tuple[str, str]]:
+        return [(it.id, it.memory) for it in store.search(fact, user_id=user_id, k=5)]
+
+    out: list[MemoryItem] = []
+    for action in extract_actions(lambda messages: generate(messages, user_id), conversation, similar):
+        try:
+            if action.event == "ADD":
+                out.extend(store.add(action.text, user_id=user_id, metadata=metadata))  # type: ignore[arg-type]
+            elif action.event == "UPDATE":
+                out.append(store.update(action.fact_id, action.text, user_id=user_id))  # type: ignore[arg-type]
+            elif action.event == "DELETE":
+                store.delete(action.fact_id, user_id=user_id)  # type: ignore[arg-type]
+        except (FactNotFoundError, ValueError, TypeError) as exc:
+            logger.warning("memory extraction: skipping %s: %s", action, exc)
+    return out

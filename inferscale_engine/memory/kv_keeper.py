@@ -6,8 +6,9 @@ encoder thread, an import, or a ``resolve`` that cannot wait) encodes it, and ev
 waits for its event. KV is written to the tiers before the fact is marked encoded, and KV made
 under another fingerprint is re-encoded under a new KV version, never served.
 
-:class:`KVKeeper` shares the store's fact maps and lock (facts change under that one lock
-whether the API or the encoder changes them); it owns the encoding state and the encode queue.
+:class:`KVKeeper` shares the store's :class:`~inferscale_engine.memory.facts.FactTable` and its
+lock (a fact changes under that one lock whether the API or the encoder changes it); it owns
+the encoding state and the encode queue.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from inferscale_engine.memory.context import Chunk, ContextBuilder
 from inferscale_engine.memory.db import FactRow, MetaDB
 from inferscale_engine.memory.encode_queue import EncodeQueue, Job
 from inferscale_engine.memory.encoding import Encoder
+from inferscale_engine.memory.facts import FactTable
 from inferscale_engine.memory.tiers import KVKey, KVMissingError, KVTiers
 
 logger = logging.getLogger(__name__)
@@ -60,17 +62,15 @@ class _Pending:
 
 
 class KVKeeper:
-    """Makes, keeps and serves the KV of the facts in ``facts`` (the store's maps, under ``lock``)."""
+    """Makes, keeps and serves the KV of the facts in ``table`` (under its lock)."""
 
     def __init__(
         self,
         encoder: Encoder,
         contexts: ContextBuilder,
         fingerprint: str,
+        table: FactTable,
         *,
-        lock: threading.RLock,
-        facts: dict[str, FactRow],
-        user_facts: dict[str, dict[str, None]],
         db: MetaDB,
         tiers: KVTiers,
         queue_size: int,
@@ -86,9 +86,9 @@ class KVKeeper:
         self.encode_batch = batch
         self.encode_batch_tokens = batch_tokens
         self.resolve_timeout = resolve_timeout
-        self._lock = lock
-        self._facts = facts
-        self._user_facts = user_facts
+        self._table = table
+        self._lock = table.lock
+        self._facts = table.by_id
         self._db = db
         self._db_open = True
         self._closed = False
@@ -241,12 +241,7 @@ class KVKeeper:
         window_changed = f.context_kind != "explicit" and f.context_window != self.window
         if window_changed or (f.context_ids is None and f.context_text is None):
             # The window or prefix changed (both are in the fingerprint): rebuild from the predecessors.
-            prev: list[str] = []
-            if self.window:
-                ids = list(self._user_facts.get(f.user_id, {}))
-                at = ids.index(f.id) if f.id in ids else len(ids)
-                prev = [self._facts[i].text for i in ids[max(0, at - self.window) : at]]
-            ctx = self.contexts.window_context(prev, len(f.token_ids))
+            ctx = self.contexts.window_context(self._table.texts_before(f, self.window), len(f.token_ids))
             f.context_ids, f.context_text = ctx.ids, ctx.text
             f.context_kind, f.context_window = "window", self.window
         elif f.context_ids is None:

@@ -39,7 +39,6 @@ import json
 import logging
 import os
 import secrets
-import threading
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -61,7 +60,8 @@ from inferscale_engine.memory.context import Chunk, Context, ContextBuilder
 from inferscale_engine.memory.db import FactRow, MetaDB
 from inferscale_engine.memory.embedder import Embedder
 from inferscale_engine.memory.encoding import ChatGenerate, Encoder, device_of
-from inferscale_engine.memory.extraction import extract_actions
+from inferscale_engine.memory.extraction import infer_facts
+from inferscale_engine.memory.facts import FactTable
 from inferscale_engine.memory.folder import (
     DB_FILE,
     KV_DIR,
@@ -71,7 +71,7 @@ from inferscale_engine.memory.folder import (
     load_secret,
     release_lock,
 )
-from inferscale_engine.memory.index import IndexKind, UserIndex
+from inferscale_engine.memory.index import IndexKind
 from inferscale_engine.memory.item import MemoryItem
 from inferscale_engine.memory.kv_keeper import KVKeeper
 from inferscale_engine.memory.load import reconcile_kv, refresh
@@ -165,12 +165,11 @@ class MemoryStore:
         self.contexts: ContextBuilder | None = None if encoder is None else ContextBuilder(
             encoder.tokenize, encoder.max_model_len, window=window, prefix=self.context_prefix)
 
-        self._lock = threading.RLock()
         self._closed = False  # the API refuses calls
-        self._facts: dict[str, FactRow] = {}
-        self._by_seq: dict[int, str] = {}
-        self._user_facts: dict[str, dict[str, None]] = {}  # insertion-ordered fact ids per user
-        self._indexes: dict[str, UserIndex] = {}
+        #: The live facts in memory (read-only outside the store, like ``tiers``).
+        self.table = FactTable(index_kind=index, device=self.device)
+        self._lock = self.table.lock
+        self._facts = self.table.by_id
 
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = acquire_lock(self.path / LOCK_FILE)
@@ -188,8 +187,8 @@ class MemoryStore:
             raise
         if encoder is not None:
             self._keeper = KVKeeper(
-                encoder, self.contexts, self.fingerprint, lock=self._lock, facts=self._facts,  # type: ignore[arg-type]
-                user_facts=self._user_facts, db=self._db, tiers=self.tiers, queue_size=encode_queue,
+                encoder, self.contexts, self.fingerprint, self.table, db=self._db, tiers=self.tiers,  # type: ignore[arg-type]
+                queue_size=encode_queue,
                 batch=encode_batch, batch_tokens=encode_batch_tokens, resolve_timeout=self._resolve_timeout,
             )
 
@@ -241,7 +240,10 @@ class MemoryStore:
         meta = check_metadata(metadata)
         ctx = check_context(context)
         if infer:
-            return self._add_inferred(texts, user_id, meta)
+            if self.generate is None:
+                raise InferScaleError("add(..., infer=True) needs a model to extract facts: build the store "
+                                      "with generate=")
+            return infer_facts(self, self.generate, texts, user_id=user_id, metadata=meta)
         return self._insert(texts, user_id, [meta] * len(texts), explicit=ctx, progress=progress)
 
     def search(self, query: str, *, user_id: str, k: int = 5) -> list[MemoryItem]:
@@ -251,33 +253,24 @@ class MemoryStore:
         query = check_text(query, "query")
         k = check_k(k)
         with self._lock:
-            if not self._user_facts.get(user_id):
+            if not self.table.has_facts(user_id):
                 return []
         vec = self.embedder.embed([query])[0]
         with self._lock:
-            index = self._indexes.get(user_id)
-            if index is None:
-                return []
-            hits = index.search(vec, k)
-            out = []
-            for seq, score in hits:
-                fact_id = self._by_seq.get(seq)
-                if fact_id is not None:
-                    out.append(self._item(self._facts[fact_id], score=score))
-            return out
+            return [self._item(f, score=score) for f, score in self.table.search(user_id, vec, k)]
 
     def get(self, fact_id: str, *, user_id: str | None = None) -> MemoryItem:
         """One fact; :class:`FactNotFoundError` if it does not exist or belongs to another user."""
         self._check_open()
         with self._lock:
-            return self._item(self._lookup(fact_id, user_id))
+            return self._item(self.table.lookup(fact_id, user_id))
 
     def get_all(self, *, user_id: str) -> list[MemoryItem]:
         """Every live fact of ``user_id``, in insertion order."""
         self._check_open()
         user_id = check_user(user_id)
         with self._lock:
-            return [self._item(self._facts[i]) for i in self._user_facts.get(user_id, ())]
+            return [self._item(f) for f in self.table.of_user(user_id)]
 
     def update(self, fact_id: str, text: str, *, user_id: str | None = None) -> MemoryItem:
         """Replace a fact's text: re-tokenized, re-embedded, re-encoded under a new KV version.
@@ -287,13 +280,13 @@ class MemoryStore:
         self._check_open()
         text = check_text(text)
         with self._lock:
-            self._lookup(fact_id, user_id)
+            self.table.lookup(fact_id, user_id)
         token_ids = self._tokenize_fact(text)
         vec = self.embedder.embed([text])[0]
         now = _now()
         with self._lock:
             self._check_open()
-            old = self._lookup(fact_id, user_id)
+            old = self.table.lookup(fact_id, user_id)
             version = old.kv_version + 1
             ctx = old.context_ids
             if token_ids is not None and ctx is not None:
@@ -303,8 +296,7 @@ class MemoryStore:
                 fingerprint=None, encode_error=None,
             )
             self._db.update_text(old, new, vec)
-            self._facts[fact_id] = new
-            self._index_for(old.user_id, vec.shape[0]).add([old.seq], vec[None])
+            self.table.replace(new, vec)
             if self._keeper is not None:
                 self._keeper.retire(fact_id)
                 self._keeper.expect(fact_id, version)
@@ -319,7 +311,7 @@ class MemoryStore:
         self._check_open()
         with self._lock:
             self._check_open()
-            fact = self._lookup(fact_id, user_id)
+            fact = self.table.lookup(fact_id, user_id)
             self._delete_facts([fact])
         self.tiers.delete(fact_id)
 
@@ -329,7 +321,7 @@ class MemoryStore:
         user_id = check_user(user_id)
         with self._lock:
             self._check_open()
-            facts = [self._facts[i] for i in self._user_facts.get(user_id, ())]
+            facts = self.table.of_user(user_id)
             self._delete_facts(facts)
         for f in facts:
             self.tiers.delete(f.id)
@@ -347,7 +339,7 @@ class MemoryStore:
         self._check_open()
         user_id = check_user(user_id)
         with self._lock:
-            self._lookup(fact_id, user_id)
+            self.table.lookup(fact_id, user_id)
         return self._codec.make(user_id, fact_id)
 
     def resolve(self, handle: Handle | str, user_id: str) -> "Span":
@@ -444,7 +436,7 @@ class MemoryStore:
         if user_id is not None:
             user_id = check_user(user_id)
         with self._lock:
-            ids = list(self._user_facts.get(user_id, ())) if user_id is not None else list(self._facts)
+            ids = [f.id for f in self.table.of_user(user_id)] if user_id is not None else list(self._facts)
         return self._keeper.reencode(ids)
 
     @property
@@ -454,9 +446,9 @@ class MemoryStore:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            facts = len(self._facts)
+            facts = len(self.table)
             encoded = sum(1 for f in self._facts.values() if f.fingerprint == self.fingerprint and f.fingerprint)
-            users = sum(1 for v in self._user_facts.values() if v)
+            users = self.table.users
         return {"users": users, "facts": facts, "encoded": encoded,
                 "queued": self._keeper.queued if self._keeper is not None else 0,
                 "encode_errors": len(self.encoding_errors), **self.tiers.stats()}
@@ -476,17 +468,6 @@ class MemoryStore:
         if self._closed:
             raise EngineClosedError("this memory store was closed")
 
-    def _lookup(self, fact_id: str, user_id: str | None) -> FactRow:
-        if not isinstance(fact_id, str):
-            raise TypeError(f"fact id must be a string, got {type(fact_id).__name__}")
-        if user_id is not None:
-            user_id = check_user(user_id)
-        fact = self._facts.get(fact_id)
-        if fact is None or (user_id is not None and fact.user_id != user_id):
-            who = f" for user {user_id!r}" if user_id is not None else ""
-            raise FactNotFoundError(f"no memory {fact_id!r}{who}")
-        return fact
-
     def _item(self, f: FactRow, score: float | None = None) -> MemoryItem:
         return MemoryItem(
             id=f.id, memory=f.text, user_id=f.user_id, handle=self._codec.make(f.user_id, f.id), score=score,
@@ -494,26 +475,11 @@ class MemoryStore:
             encoded=self.fingerprint is not None and f.fingerprint == self.fingerprint,
         )
 
-    def _index_for(self, user_id: str, dim: int) -> UserIndex:
-        index = self._indexes.get(user_id)
-        if index is None:
-            index = self._indexes[user_id] = UserIndex(dim, kind=self.index_kind, device=self.device)
-        return index
-
     def _load(self) -> None:
         rows = self._db.load_live_facts()
         refresh(rows, self._db, self.embedder, self.contexts, self.encoder and self.encoder.fingerprint)
-        by_user: dict[str, list[FactRow]] = {}
-        for f in rows:
-            self._facts[f.id] = f
-            self._by_seq[f.seq] = f.id
-            self._user_facts.setdefault(f.user_id, {})[f.id] = None
-            by_user.setdefault(f.user_id, []).append(f)
-        for user_id, facts in by_user.items():
-            vecs = np.stack([f.embedding for f in facts])  # type: ignore[misc]
-            self._index_for(user_id, vecs.shape[1]).add([f.seq for f in facts], vecs)
-        for f in rows:
-            f.embedding = None  # the index holds it now
+        if rows:
+            self.table.add(rows, np.stack([f.embedding for f in rows]))  # type: ignore[misc]
         reconcile_kv(rows, self._db, self.tiers, self.fingerprint)
 
     def _delete_facts(self, facts: list[FactRow]) -> None:
@@ -522,12 +488,7 @@ class MemoryStore:
             return
         self._db.delete_facts(facts, _now())
         for f in facts:
-            self._facts.pop(f.id, None)
-            self._by_seq.pop(f.seq, None)
-            self._user_facts.get(f.user_id, {}).pop(f.id, None)
-            index = self._indexes.get(f.user_id)
-            if index is not None:
-                index.remove(f.seq)
+            self.table.remove(f)
             if self._keeper is not None:
                 self._keeper.retire(f.id)
 
@@ -544,16 +505,6 @@ class MemoryStore:
                 f"memory of {len(ids)} tokens does not fit the model's context of {self.max_model_len} tokens"
             )
         return ids
-
-    def _previous_texts(self, user_id: str, count: int) -> list[str]:
-        if count <= 0:
-            return []
-        out = []
-        for fact_id in reversed(self._user_facts.get(user_id, {})):
-            out.append(self._facts[fact_id].text)
-            if len(out) == count:
-                break
-        return out[::-1]
 
     def _insert(
         self,
@@ -577,7 +528,7 @@ class MemoryStore:
             kind = "explicit" if explicit is not None else "window"
             contexts: list[Context | None] = [None] * len(texts)  # retrieval only: no tokens, no context
             if self.contexts is not None:
-                before = self._previous_texts(user_id, self.window)
+                before = self.table.last_texts(user_id, self.window)
                 if sliding_group is not None:
                     contexts, chunks = self.contexts.sliding(before, texts, token_ids, sliding_group)  # type: ignore[arg-type,assignment]
                     kind = "sliding"
@@ -594,13 +545,7 @@ class MemoryStore:
                     created_at=now, updated_at=now, kv_version=1, fingerprint=None, encode_error=None, embedding=vec,
                 ))
             self._db.insert_facts(new, now)
-            # Committed: from here on the facts are visible.
-            for f in new:
-                f.embedding = None  # the index holds it
-                self._facts[f.id] = f
-                self._by_seq[f.seq] = f.id
-                self._user_facts.setdefault(user_id, {})[f.id] = None
-            self._index_for(user_id, vecs.shape[1]).add([f.seq for f in new], vecs)
+            self.table.add(new, vecs)  # committed: from here on the facts are visible
             keeper = self._keeper
             pendings = {f.id: keeper.expect(f.id, 1, queued=background) for f in new} if keeper is not None else {}
             items = [self._item(f) for f in new]
@@ -614,26 +559,6 @@ class MemoryStore:
         with self._lock:
             return [self._item(self._facts.get(f.id, f)) for f in new]
 
-    def _add_inferred(self, texts: list[str], user_id: str, meta: dict[str, Any]) -> list[MemoryItem]:
-        if self.generate is None:
-            raise InferScaleError("add(..., infer=True) needs a model to extract facts: build the store with generate=")
-        generate = self.generate
-
-        def similar(fact: str) -> list[tuple[str, str]]:
-            return [(it.id, it.memory) for it in self.search(fact, user_id=user_id, k=5)]
-
-        out: list[MemoryItem] = []
-        for action in extract_actions(lambda messages: generate(messages, user_id), texts, similar):
-            try:
-                if action.event == "ADD":
-                    out.extend(self._insert([action.text], user_id, [meta], explicit=None))  # type: ignore[list-item]
-                elif action.event == "UPDATE":
-                    out.append(self.update(action.fact_id, action.text, user_id=user_id))  # type: ignore[arg-type]
-                elif action.event == "DELETE":
-                    self.delete(action.fact_id, user_id=user_id)  # type: ignore[arg-type]
-            except (FactNotFoundError, ValueError, TypeError) as exc:
-                logger.warning("memory extraction: skipping %s: %s", action, exc)
-        return out
 
 # ====================================================================== helpers
 

@@ -1,0 +1,127 @@
+"""The live facts of a memory store, in memory: what every read is answered from.
+
+SQLite is written through and read only at open, so the store keeps each live fact's row by
+id, each user's facts in insertion order (the window a fact is encoded after), and each
+user's vector index. One lock guards all of it, and the encoding state of the facts too
+(:class:`~inferscale_engine.memory.kv_keeper.KVKeeper` takes the same lock), so a fact
+changes atomically whether the API or the encoder changes it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from inferscale_engine.errors import FactNotFoundError
+from inferscale_engine.memory.db import FactRow
+from inferscale_engine.memory.index import IndexKind, UserIndex
+from inferscale_engine.memory.validation import check_user
+
+
+class FactTable:
+    """Rows by id, ids per user (insertion order) and per-user vector indexes; hold ``lock``."""
+
+    def __init__(self, *, index_kind: IndexKind, device: str) -> None:
+        self.lock = threading.RLock()
+        self.by_id: dict[str, FactRow] = {}
+        self._by_seq: dict[int, str] = {}
+        self._of_user: dict[str, dict[str, None]] = {}  # a dict keeps insertion order and deletes in O(1)
+        self._indexes: dict[str, UserIndex] = {}
+        self._index_kind: IndexKind = index_kind
+        self._device = device
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    @property
+    def users(self) -> int:
+        return sum(1 for v in self._of_user.values() if v)
+
+    def add(self, facts: Sequence[FactRow], vecs: np.ndarray) -> None:
+        """Committed facts, with their embeddings (``vecs[i]`` of ``facts[i]``), in insertion order."""
+        by_user: dict[str, list[int]] = {}
+        for i, f in enumerate(facts):
+            f.embedding = None  # the index holds it
+            self.by_id[f.id] = f
+            self._by_seq[f.seq] = f.id
+            self._of_user.setdefault(f.user_id, {})[f.id] = None
+            by_user.setdefault(f.user_id, []).append(i)
+        for user_id, at in by_user.items():
+            self._index(user_id, vecs.shape[1]).add([facts[i].seq for i in at], vecs[at])
+
+    def replace(self, f: FactRow, vec: np.ndarray) -> None:
+        """``f`` takes the place of the row with its id (same seq), re-embedded as ``vec``."""
+        self.by_id[f.id] = f
+        self._index(f.user_id, vec.shape[0]).add([f.seq], vec[None])
+
+    def remove(self, f: FactRow) -> None:
+        self.by_id.pop(f.id, None)
+        self._by_seq.pop(f.seq, None)
+        self._of_user.get(f.user_id, {}).pop(f.id, None)
+        index = self._indexes.get(f.user_id)
+        if index is not None:
+            index.remove(f.seq)
+
+    def lookup(self, fact_id: str, user_id: str | None) -> FactRow:
+        """The row of ``fact_id`` (of ``user_id``, when given); :class:`FactNotFoundError` if none."""
+        if not isinstance(fact_id, str):
+            raise TypeError(f"fact id must be a string, got {type(fact_id).__name__}")
+        if user_id is not None:
+            user_id = check_user(user_id)
+        fact = self.by_id.get(fact_id)
+        if fact is None or (user_id is not None and fact.user_id != user_id):
+            who = f" for user {user_id!r}" if user_id is not None else ""
+            raise FactNotFoundError(f"no memory {fact_id!r}{who}")
+        return fact
+
+    def of_user(self, user_id: str) -> list[FactRow]:
+        """The live facts of ``user_id``, in insertion order."""
+        return [self.by_id[i] for i in self._of_user.get(user_id, ())]
+
+    def last_texts(self, user_id: str, count: int) -> list[str]:
+        """Texts of the last ``count`` facts of ``user_id``, oldest first."""
+        if count <= 0:
+            return []
+        out = []
+        for fact_id in reversed(self._of_user.get(user_id, {})):
+            out.append(self.by_id[fact_id].text)
+            if len(out) == count:
+                break
+        return out[::-1]
+
+    def texts_before(self, f: FactRow, count: int) -> list[str]:
+        """Texts of the ``count`` facts of the same user before ``f`` (all of them if ``f`` is gone)."""
+        if count <= 0:
+            return []
+        ids = list(self._of_user.get(f.user_id, {}))
+        at = ids.index(f.id) if f.id in ids else len(ids)
+        return [self.by_id[i].text for i in ids[max(0, at - count) : at]]
+
+    def ids_by_user(self) -> dict[str, list[str]]:
+        """Fact ids of every user the table has seen (also those with none left), in insertion order."""
+        return {u: list(ids) for u, ids in self._of_user.items()}
+
+    def index(self, user_id: str) -> UserIndex | None:
+        return self._indexes.get(user_id)
+
+    def has_facts(self, user_id: str) -> bool:
+        return bool(self._of_user.get(user_id))
+
+    def search(self, user_id: str, vec: np.ndarray, k: int) -> list[tuple[FactRow, float]]:
+        index = self._indexes.get(user_id)
+        if index is None:
+            return []
+        out = []
+        for seq, score in index.search(vec, k):
+            fact_id = self._by_seq.get(seq)
+            if fact_id is not None:
+                out.append((self.by_id[fact_id], score))
+        return out
+
+    def _index(self, user_id: str, dim: int) -> UserIndex:
+        index = self._indexes.get(user_id)
+        if index is None:
+            index = self._indexes[user_id] = UserIndex(dim, kind=self._index_kind, device=self._device)
+        return index
