@@ -1,8 +1,9 @@
 """Composition root: the one place that builds an engine and its memory store and wires them.
 
-The memory package never imports the engine (it needs only an
-:class:`~inferscale_engine.memory.encoding.Encoder`), and the engine needs only a
-``FactSource`` to resolve handles; this module is where the two meet::
+The memory package does not import the engine module (it needs only an
+:class:`~inferscale_engine.memory.encoding.Encoder`; the ``Span`` value type it returns is
+looked up at call time), and the engine needs only a ``FactSource`` to resolve handles; this
+module is where the two meet::
 
     EngineConfig ──▶ InferScaleEngine ─┐ (encoder, extraction model)
     MemoryConfig ──────────────────────┴──▶ MemoryStore ──▶ engine.memory (its FactSource)
