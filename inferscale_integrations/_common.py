@@ -265,7 +265,7 @@ def save_messages(
     if not messages:
         return []
     turn_id = turn_id or new_turn_id()
-    engine = getattr(store, "engine", None)
+    engine = getattr(store, "encoder", None)  # the engine that encodes the store's facts (None: retrieval only)
     previous: list[tuple[str, str]] = []
     if style is not None and engine is not None:
         window = int(getattr(store, "window", 5))
