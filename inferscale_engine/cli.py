@@ -27,6 +27,7 @@ examples:
   echo "My dog is called Rex." | inferscale chat --user alice     scripted: one line per turn
   inferscale serve --port 8000 --api-key s3cret                   OpenAI-compatible HTTP API
   inferscale models prepare smollm2            convert the packaged SmolLM2 once (~30 s)
+  inferscale models prepare ./my-model.gguf    dequantize any local GGUF once (then --model ./my-model.gguf)
   inferscale memory add --user alice "I live in Lyon."
   inferscale memory search --user alice "where do I live?"
   inferscale memory import-locomo ../shared/data/locomo/locomo10.json --conversations 1
@@ -89,6 +90,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length (default: the model's, 8192 for smollm2)")
     g.add_argument("--dtype", default=None, help="weights/activations dtype, e.g. bfloat16, float32 (default: the model's)")
     g.add_argument("--window", type=int, default=None, metavar="W", help="turns of context each memory is encoded after (default 5)")
+    g.add_argument("--recompute", type=int, default=None, metavar="R",
+                   help="the quality knob: the R most relevant memories of a prompt are prefilled as text after the "
+                        "injected rest (more: closer to pasted memories, more prefill; default: the engine's)")
     g.add_argument("--engine-option", action="append", default=[], type=engine_option, metavar="KEY=VALUE",
                    help="an EngineConfig field or vLLM engine argument, e.g. gpu_memory_utilization=0.5 (repeatable)")
 
@@ -141,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = msub.add_parser("list", help="known aliases and whether they are prepared")
     q.set_defaults(func=cmd_models_list)
     q = msub.add_parser("prepare", help="make an alias loadable (converts once, then cached)")
-    q.add_argument("name", nargs="?", default="smollm2", help="alias (default smollm2)")
+    q.add_argument("name", nargs="?", default="smollm2",
+                   help="alias (smollm2, qwen2.5-coder-0.5b) or a local .gguf file (default smollm2)")
     q.add_argument("--force", action="store_true", help="rebuild even if cached")
     q.set_defaults(func=cmd_models_prepare)
     p.set_defaults(func=lambda args: _subhelp(p))
@@ -299,7 +304,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's options from the command line: ``--engine-option`` pairs, then the flags
     that name an option themselves (which win)."""
     options: dict[str, Any] = dict(args.engine_option)
-    for name in ("max_model_len", "dtype", "window"):
+    for name in ("max_model_len", "dtype", "window", "recompute"):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value
@@ -391,12 +396,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_models_list(args: argparse.Namespace) -> int:
     from inferscale_engine.models import MODEL_ALIASES, is_prepared, model_cache_dir
 
-    print(f"{'ALIAS':<10} {'MODEL':<26} {'STATUS':<12} PATH")
+    print(f"{'ALIAS':<20} {'MODEL':<28} {'STATUS':<12} PATH")
     for alias, name in sorted(MODEL_ALIASES.items()):
         path = model_cache_dir(alias)
         status = "prepared" if is_prepared(path) else "not prepared"
-        print(f"{alias:<10} {name:<26} {status:<12} {path}")
-    print("\nAny local Hugging Face model folder works too: --model /path/to/model", file=sys.stderr)
+        print(f"{alias:<20} {name:<28} {status:<12} {path}")
+    print("\nAny local Hugging Face model folder or .gguf file works too: --model /path/to/model", file=sys.stderr)
     return 0
 
 

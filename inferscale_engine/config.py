@@ -61,6 +61,11 @@ class EngineConfig:
     #: which saves hashing, evicting and caching every block of every request (1–2 ms at k=200)
     #: and leaves the cache to prompts it can serve again. Read per request.
     prefix_cache_injected: bool = False
+    #: The quality knob: how many of a prompt's memories, counted back from its last one, are
+    #: prefilled as text after the injected ones instead of injected. Those see every memory
+    #: before them, as in prompt injection; at least as many as a prompt holds reproduces prompt
+    #: injection exactly. Each costs its tokens of prefill. Per-request override: ``recompute=``.
+    recompute: int = 0
     vllm_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -71,6 +76,7 @@ class EngineConfig:
         self.store_path = Path(self.store_path).expanduser() if self.store_path else default_store_path()
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
+        check_recompute(self.recompute)
         if self.max_model_len is not None and self.max_model_len < 32:
             raise ValueError(f"max_model_len too small: {self.max_model_len}")
         if self.enforce_eager is None:
@@ -85,6 +91,13 @@ class EngineConfig:
         extra = {k: v for k, v in options.items() if k not in names}
         ours.setdefault("vllm_options", {}).update(extra)
         return cls(**ours)
+
+
+def check_recompute(value: Any) -> int:
+    """``value`` as a ``recompute`` setting: a count of memories, ``>= 0``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"recompute must be an integer >= 0 (memories prefilled as text), got {value!r}")
+    return value
 
 
 def engine_option(text: str) -> tuple[str, Any]:

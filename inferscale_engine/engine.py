@@ -36,7 +36,7 @@ import pydantic
 import torch
 
 from inferscale_engine import cuda_graphs
-from inferscale_engine.config import EngineConfig
+from inferscale_engine.config import EngineConfig, check_recompute
 from inferscale_engine.connector import compat
 from inferscale_engine.connector.bridge import drop_bridge, new_bridge
 from inferscale_engine.connector.plan import InjectionPlan, SpanRef, injected_tokens, plan_kind
@@ -356,16 +356,22 @@ class InferScaleEngine:
         max_tokens: int = 256,
         temperature: float = 0.0,
         mode: Mode = "inject",
+        recompute: int | None = None,
         **sampling: Any,
     ) -> GenerationResult:
         """Generate from a prompt string or chat messages; handles in it are injected as KV.
 
         ``mode="prompt"`` sends the very same token ids without injection (the baseline of
-        pasting facts as text). Extra keyword arguments go to vLLM's ``SamplingParams``.
+        pasting facts as text). ``recompute`` (default: the engine's ``config.recompute``) is the
+        quality knob: the last ``recompute`` memories of the prompt are prefilled as text after
+        the injected ones, so they attend to everything before them; list the most relevant
+        memories last. At least as many as the prompt holds gives prompt injection's output.
+        Extra keyword arguments go to vLLM's ``SamplingParams``.
         """
         segments = self.resolve(prompt_or_messages, user_id=user_id)
         return self.generate_segments(
-            segments, user_id=user_id, max_tokens=max_tokens, temperature=temperature, mode=mode, **sampling
+            segments, user_id=user_id, max_tokens=max_tokens, temperature=temperature, mode=mode,
+            recompute=recompute, **sampling
         )
 
     def stream(self, prompt_or_messages: str | Messages, *, user_id: str = "default", **kwargs: Any) -> Iterator[StreamDelta]:
@@ -451,6 +457,7 @@ class InferScaleEngine:
         max_tokens: int = 256,
         temperature: float = 0.0,
         mode: Mode = "inject",
+        recompute: int | None = None,
         first_logprobs: int | None = None,
         **sampling: Any,
     ) -> tuple[_Prepared, Any]:
@@ -460,6 +467,7 @@ class InferScaleEngine:
         self._check_open()
         if mode not in ("inject", "prompt"):
             raise ValueError(f"mode must be 'inject' or 'prompt', got {mode!r}")
+        recompute = self.config.recompute if recompute is None else check_recompute(recompute)
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         if sampling.get("seed") is not None:
@@ -476,7 +484,7 @@ class InferScaleEngine:
                 f"prompt of {n} tokens ({sum(len(s.token_ids) for s in segments if isinstance(s, Span))} from memory) "
                 f"plus max_tokens={max_tokens} exceeds the model's context of {self.max_model_len}"
             )
-        spans, tail = self._layout(segments)
+        spans, tail = self._layout(segments, recompute)
         token_ids = [*itertools.chain.from_iterable(s.token_ids for s in spans), *tail]
         extra: dict[str, Any] = {}
         prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
@@ -509,9 +517,14 @@ class InferScaleEngine:
         self._stage(staged)
         return _Prepared(prompt, plan, staged, started), params
 
-    def _layout(self, segments: Sequence[Segment]) -> tuple[list[Span], list[int]]:
-        """Spans covering everything up to the last fact, and the computed tail after it."""
-        last = max((i for i, s in enumerate(segments) if isinstance(s, Span)), default=-1)
+    def _layout(self, segments: Sequence[Segment], recompute: int = 0) -> tuple[list[Span], list[int]]:
+        """Spans covering everything up to the last injected fact, and the computed tail after it.
+
+        The last ``recompute`` facts belong to the tail: vLLM prefills them, with the separators
+        and text around them, after the injected prefix (the connector loads only a prefix).
+        """
+        facts = [i for i, s in enumerate(segments) if isinstance(s, Span)]
+        last = facts[len(facts) - recompute - 1] if recompute < len(facts) else -1
         head: Sequence[int] = ()
         spans: list[Span] = []
         for i, seg in enumerate(segments[: last + 1]):
@@ -521,7 +534,7 @@ class InferScaleEngine:
                 spans.append(self._static_span(seg, context=head if spans else ()))
                 if i == 0:
                     head = seg
-        tail = [int(t) for seg in segments[last + 1 :] for t in seg]  # type: ignore[union-attr]
+        tail = [int(t) for seg in segments[last + 1 :] for t in (seg.token_ids if isinstance(seg, Span) else seg)]
         return spans, tail
 
     def _stage(self, spans: list[Span]) -> None:

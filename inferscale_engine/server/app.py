@@ -223,6 +223,8 @@ def create_app(
             s["presence_penalty"] = req.presence_penalty
         if req.frequency_penalty:
             s["frequency_penalty"] = req.frequency_penalty
+        if req.recompute is not None:
+            s["recompute"] = req.recompute
         return s
 
     async def prepare(prompt: Any, user: str, requested: int | None, param: str) -> tuple[list[Any], int]:

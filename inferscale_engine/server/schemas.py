@@ -58,6 +58,9 @@ class _SamplingRequest(_Lenient):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     user: StrictStr | None = None
     logit_bias: dict[str, float] | None = None
+    #: InferScale extension, the quality knob: the last N memories of the prompt are prefilled as
+    #: text after the injected ones (default: the server's ``--recompute``).
+    recompute: StrictInt | None = Field(default=None, ge=0)
 
     def stop_list(self) -> list[str] | None:
         if self.stop is None:

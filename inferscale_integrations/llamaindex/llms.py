@@ -83,6 +83,11 @@ class InferScaleLLM(CustomLLM):
     model_name: str = Field(default="smollm2", description="Model alias or local model folder.")
     user_id: str = Field(default="default", description="Whose memory handles may be resolved.")
     mode: Literal["inject", "prompt"] = Field(default="inject", description="inject KV, or prefill (baseline).")
+    recompute: int | None = Field(
+        default=None, ge=0,
+        description="The quality knob: the last N memories of a prompt are prefilled as text after the injected "
+                    "ones (None: the engine's default); at least the prompt's memory count equals pasted memories.",
+    )
     temperature: float = Field(default=0.0, ge=0.0)
     max_tokens: int = Field(default=256, gt=0, description="Most tokens generated (metadata.num_output).")
     context_window: int | None = Field(default=None, description="Defaults to the engine's max_model_len.")
@@ -133,6 +138,7 @@ class InferScaleLLM(CustomLLM):
             "max_tokens": self.max_tokens,
             "user_id": self.user_id,
             "mode": self.mode,
+            **({"recompute": self.recompute} if self.recompute is not None else {}),
             **self.sampling_kwargs,
             **kwargs,
         }
