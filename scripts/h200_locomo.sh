@@ -40,7 +40,8 @@ case $cmd in
     tar -C "$B" -cf "$B/bundle.tar" site whl data
     # The first call also carries .gpu (~39 MiB): its part is smaller.
     head -c 21M "$B/bundle.tar" > .carry/part-1
-    tail -c +$((21 * 1048576 + 1)) "$B/bundle.tar" | split -b 60M -d -a 1 --numeric-suffixes=2 - .carry/part-
+    tail -c +$((21 * 1048576 + 1)) "$B/bundle.tar" | split -b 60M -d -a 2 --numeric-suffixes=2 - .carry/part-
+    for f in .carry/part-0*; do mv "$f" ".carry/part-${f##*part-0}"; done  # part-02 -> part-2
     ls -la .carry ;;
   take)
     mkdir -p /tmp/carry-parts && cp ".carry/part-$2" /tmp/carry-parts/ && ls -la /tmp/carry-parts ;;
@@ -61,6 +62,8 @@ case $cmd in
       --json "$OUT/locomo-$MODEL-full.json" --answers "$OUT/locomo-$MODEL-full-answers.jsonl" \
       --plot "$OUT/locomo-$MODEL-full.png" > "$OUT/locomo.log" 2>&1
     rc=$?
+    # The answers so far, whatever happened: a run cut short can still be scored from them.
+    for f in /tmp/locomo-work/*/answers-*.jsonl; do xz -1 -c "$f" > "$OUT/$(basename "$f").xz"; done
     grep -v -E "it/s]|s/it]" "$OUT/locomo.log" | tail -40
     cat /tmp/locomo-work/*/timings.json
     exit $rc ;;
