@@ -12,7 +12,8 @@ import sys
 
 from inferscale_engine.bench import locomo
 from inferscale_engine.bench.__main__ import main
-from inferscale_engine.engine import InferScaleEngine, Span
+from inferscale_engine.engine import InferScaleEngine
+from inferscale_engine.types import Span
 
 _key = locomo.LocomoBench._key
 _layout = InferScaleEngine._layout

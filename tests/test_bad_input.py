@@ -30,7 +30,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inferscale_engine.engine import Span, _fingerprint
+from inferscale_engine.engine import _fingerprint
+from inferscale_engine.types import Span
 from inferscale_engine.errors import (
     ContextOverflowError,
     FactNotFoundError,

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from inferscale_engine.encoder import EncodeWindow
-from inferscale_engine.engine import Span
+from inferscale_engine.types import Span
 from inferscale_engine.errors import (
     ContextOverflowError,
     EngineClosedError,

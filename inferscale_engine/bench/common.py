@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from inferscale_engine.engine import InferScaleEngine, Span
+    from inferscale_engine.engine import InferScaleEngine
+    from inferscale_engine.types import Span
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -106,7 +107,7 @@ class SyntheticWorkload:
         seed: int = 0,
     ) -> "SyntheticWorkload":
         from inferscale_engine.encoder import EncodeWindow
-        from inferscale_engine.engine import Span
+        from inferscale_engine.types import Span
 
         rng = random.Random(seed)
         hi = min(engine.vocab_size, 32000) - 1

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from inferscale_engine.encoder import EncodeWindow
-from inferscale_engine.engine import GenerationResult, Span
+from inferscale_engine.types import GenerationResult, Span
 
 if TYPE_CHECKING:
     from inferscale_engine.engine import InferScaleEngine

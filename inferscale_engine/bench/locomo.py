@@ -534,7 +534,7 @@ class LocomoBench:
         Injection then computes what the prompt run computes, so its disagreement with the
         prompt answers is the numeric noise floor (bf16, batch shapes), not the approximation."""
         from inferscale_engine.encoder import EncodeWindow
-        from inferscale_engine.engine import Span
+        from inferscale_engine.types import Span
 
         w = self.ws[0]
         self.engine.fact_source = self.store(w)

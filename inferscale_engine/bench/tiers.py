@@ -74,8 +74,8 @@ def run_tiers(
     """
     import torch
 
-    from inferscale_engine.engine import Span
     from inferscale_engine.memory.tiers import KVTiers
+    from inferscale_engine.types import Span
 
     kmax = max(ks)
     # Twice the facts needed: the prompt baseline samples k of them in random order, so vLLM's
