@@ -17,7 +17,7 @@ Public API:
 * :func:`prepare_model` -- generic "make this alias available" dispatcher.
 * :func:`prepare_smollm2` -- the SmolLM2 GGUF -> safetensors conversion.
 * :func:`default_cache_dir` / :func:`model_cache_dir` -- where things go.
-* :class:`ModelNotFoundError`.
+* :class:`ModelNotFoundError` / :class:`ModelPreparationError` (defined in :mod:`inferscale_engine.errors`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from inferscale_engine.errors import ModelNotFoundError, ModelPreparationError
 
 __all__ = [
     "CACHE_DIR_ENV",
@@ -73,14 +75,6 @@ SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # from older InferScale versions are rebuilt instead of silently reused.
 _MARKER_NAME = ".inferscale-prepared.json"
 _FORMAT_VERSION = 1
-
-
-class ModelNotFoundError(ValueError):
-    """Raised when a model name is neither an existing directory nor an alias."""
-
-
-class ModelPreparationError(RuntimeError):
-    """Raised when a model cannot be prepared (missing source, bad output)."""
 
 
 # --------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inferscale_engine.errors import ConnectorError
 from inferscale_engine.kv import FactKV
 from inferscale_engine.rope import RopeTable
 
@@ -49,7 +50,7 @@ class CaptureBuffer:
 
     def result(self, position: int) -> FactKV:
         if self.k is None or not bool(self.filled.all()):
-            raise RuntimeError(
+            raise ConnectorError(
                 "capture incomplete: vLLM did not compute every row of the span (with a KV cache "
                 "layout InferScale cannot read back, full CUDA graphs hide vLLM's KV writes: "
                 "use compilation_config={'cudagraph_mode': 'FULL_AND_PIECEWISE'})"
@@ -80,7 +81,7 @@ def get_bridge(bridge_id: str) -> Bridge:
     try:
         return _BRIDGES[bridge_id]
     except KeyError:
-        raise RuntimeError(
+        raise ConnectorError(
             "InferScaleConnector found no engine bridge: it must run in the engine's own process "
             "(VLLM_ENABLE_V1_MULTIPROCESSING=0; InferScaleEngine sets this up)"
         ) from None

@@ -42,6 +42,7 @@ from inferscale_engine.connector.plan import (
     parse_params,
 )
 from inferscale_engine.connector.table import InjectionTable, SpanColumns
+from inferscale_engine.errors import ConnectorError
 from inferscale_engine.kv import FactKV
 from inferscale_engine.rope import rotate
 
@@ -127,7 +128,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         if num_external_tokens == 0:
             return
         if num_external_tokens != count:
-            raise RuntimeError(f"vLLM allocated {num_external_tokens} external tokens, connector claimed {count}")
+            raise ConnectorError(f"vLLM allocated {num_external_tokens} external tokens, connector claimed {count}")
         plan = self._plans[request.request_id]
         assert isinstance(plan, InjectionPlan)
         stop = start + count
@@ -244,10 +245,10 @@ class InferScaleConnector(KVConnectorBase_V1):
         for key in keys:
             kv = staged.get(key)
             if kv is None:
-                raise RuntimeError(f"span {key!r} was not staged before its request ran")
+                raise ConnectorError(f"span {key!r} was not staged before its request ran")
             _, _, _, layers = kv.layout()
             if layers != num_layers:
-                raise RuntimeError(f"stored KV has {layers} layers, the model has {num_layers}")
+                raise ConnectorError(f"stored KV has {layers} layers, the model has {num_layers}")
             if kv.ready is not None:
                 ready[id(kv.ready)] = kv.ready
             kvs.append(kv)
@@ -320,7 +321,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         ropes = self._bridge().ropes
         tables = [ropes.get(name) for name, _ in self._layers]
         if any(t is None for t in tables):
-            raise RuntimeError("rotary tables were not registered for every attention layer")
+            raise ConnectorError("rotary tables were not registered for every attention layer")
         if all(t is tables[0] for t in tables):
             return rotate(k, deltas, tables[0])
         out = torch.empty_like(k)
