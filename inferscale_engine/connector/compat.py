@@ -44,6 +44,23 @@ def attention_layers(forward_context: "ForwardContext") -> list[tuple[str, Any]]
     return layers
 
 
+def wrap_kv_cache_update(
+    layer: Any, after: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+) -> Callable[..., None]:
+    """Make ``layer``'s KV write call ``after(key, value, slot_mapping)`` once vLLM's own write
+    is done; returns vLLM's unwrapped write ``(layer, key, value, kv_cache, slot_mapping)``, for
+    writes nothing should see."""
+    original = layer.impl.do_kv_cache_update
+
+    def write_then_after(layer_: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+        original(layer_, key, value, kv_cache, slot_mapping)
+        after(key, value, slot_mapping)
+
+    layer.impl.do_kv_cache_update = write_then_after
+    return original
+
+
 def layer_index(layer_name: str) -> int:
     m = _LAYER_INDEX.search(layer_name)
     return int(m.group(1)) if m else -1

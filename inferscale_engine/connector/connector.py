@@ -191,15 +191,12 @@ class InferScaleConnector(KVConnectorBase_V1):
         """Wrap every attention layer's KV write once, to see what vLLM writes."""
         self._layers = compat.attention_layers(forward_context)
         for index, (name, layer) in enumerate(self._layers):
-            original = layer.impl.do_kv_cache_update
-            self._writers[name] = original
 
-            def write_and_capture(layer_, key, value, kv_cache, slot_mapping, _index=index, _original=original):
-                _original(layer_, key, value, kv_cache, slot_mapping)
+            def after_write(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, _index: int = index) -> None:
                 if self._hooked_captures:
                     self._capture(_index, key, value, slot_mapping)
 
-            layer.impl.do_kv_cache_update = write_and_capture
+            self._writers[name] = compat.wrap_kv_cache_update(layer, after_write)
         logger.debug("InferScaleConnector hooked %d attention layers", len(self._layers))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
