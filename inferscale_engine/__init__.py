@@ -34,7 +34,20 @@ __all__ = [
     "StreamDelta",
     "Usage",
 ]
-__version__ = "0.1.0"
+
+
+def _installed_version() -> str:
+    # pyproject.toml is the one place the version is written; an installed package (editable
+    # included) carries it in its metadata.
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("inferscale")
+    except PackageNotFoundError:  # a source checkout on sys.path that was never pip-installed
+        return "0+unknown"
+
+
+__version__ = _installed_version()
 
 
 def __getattr__(name: str):
