@@ -50,7 +50,7 @@ class GraphedEngine(Protocol):
     def encode(self, windows: Sequence[EncodeWindow]) -> list[list[FactKV]]: ...
 
 
-def wanted(cfg: "EngineConfig") -> bool:
+def wanted(cfg: EngineConfig) -> bool:
     """Whether to start with full graphs: CUDA, graphs on, no graph settings of the caller's,
     a cache layout the connector reads captures back from (no KV write hook runs inside a full
     graph), and room for a prefill longer than vLLM's default largest graph (256 tokens)."""
@@ -98,6 +98,6 @@ def keep(error: float | None) -> bool:
     return error is not None and error <= TOLERANCE
 
 
-def _relative(got: "torch.Tensor", want: "torch.Tensor") -> float:
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     diff = (got.float() - want.float()).abs().amax(dim=(1, 2, 3))
     return float((diff / want.float().abs().amax(dim=(1, 2, 3)).clamp(min=1e-30)).max())

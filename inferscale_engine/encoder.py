@@ -29,7 +29,7 @@ class EncodeWindow:
     ranges: tuple[tuple[int, int], ...]
 
     @classmethod
-    def single(cls, fact_ids: Sequence[int], context_ids: Sequence[int] = ()) -> "EncodeWindow":
+    def single(cls, fact_ids: Sequence[int], context_ids: Sequence[int] = ()) -> EncodeWindow:
         return cls(tuple(context_ids) + tuple(fact_ids), ((len(context_ids), len(fact_ids)),))
 
 

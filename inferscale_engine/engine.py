@@ -226,14 +226,14 @@ class InferScaleEngine:
         drop_bridge(self.bridge.id)
         self._stop_vllm()
 
-    def __enter__(self) -> "InferScaleEngine":
+    def __enter__(self) -> InferScaleEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
-    def memory(self) -> "MemoryStore":
+    def memory(self) -> MemoryStore:
         """The user-scoped memory store (Mem0-style API) backed by this engine."""
         if self._memory is None:
             from inferscale_engine.memory import MemoryStore
@@ -509,7 +509,7 @@ class _Accumulator:
         self.sent = 0
         self.ttft: float | None = None
 
-    def update(self, out: "RequestOutput", t: float) -> StreamDelta | None:
+    def update(self, out: RequestOutput, t: float) -> StreamDelta | None:
         completion = out.outputs[0]
         if self.ttft is None and completion.token_ids:
             self.ttft = t
@@ -590,7 +590,7 @@ def _configure_vllm_environment(cfg: EngineConfig) -> None:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
-def _rope_tables(model: "nn.Module") -> dict[str, RopeTable]:
+def _rope_tables(model: nn.Module) -> dict[str, RopeTable]:
     """Runs inside vLLM's worker: the rotary table of every attention layer, from its own module."""
     tables: dict[str, RopeTable] = {}
     by_module: dict[int, RopeTable] = {}

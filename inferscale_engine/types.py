@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol, Union
+from typing import TYPE_CHECKING, Literal, Protocol
 
 if TYPE_CHECKING:
     from inferscale_engine.handles import Handle
@@ -34,7 +34,7 @@ class Span:
             raise ValueError(f"span {self.key}: {len(self.token_ids)} tokens but KV for {self.kv.num_tokens}")
 
 
-Segment = Union[Span, Sequence[int]]
+Segment = Span | Sequence[int]
 
 
 class FactSource(Protocol):

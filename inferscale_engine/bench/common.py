@@ -32,7 +32,7 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def environment(engine: "InferScaleEngine | None" = None) -> dict[str, Any]:
+def environment(engine: InferScaleEngine | None = None) -> dict[str, Any]:
     """Versions and hardware, recorded next to every result."""
     import torch
 
@@ -89,7 +89,7 @@ class SyntheticWorkload:
     """
 
     head: list[int]
-    facts: list["Span"]
+    facts: list[Span]
     fact_ids: list[list[int]]
     question_tokens: int
     rng: random.Random
@@ -98,14 +98,14 @@ class SyntheticWorkload:
     @classmethod
     def build(
         cls,
-        engine: "InferScaleEngine",
+        engine: InferScaleEngine,
         *,
         pool: int,
         fact_tokens: int = 28,
         head_tokens: int = 64,
         question_tokens: int = 24,
         seed: int = 0,
-    ) -> "SyntheticWorkload":
+    ) -> SyntheticWorkload:
         from inferscale_engine.encoder import EncodeWindow
         from inferscale_engine.types import Span
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 def encode_spans(
-    engine: "InferScaleEngine", head: Sequence[int], facts: Sequence[Sequence[int]], *, exact: bool, key: str
+    engine: InferScaleEngine, head: Sequence[int], facts: Sequence[Sequence[int]], *, exact: bool, key: str
 ) -> list[Span]:
     """Facts as spans, each encoded after head + the facts before it (``exact``) or alone."""
     windows, context = [], list(head)
@@ -49,7 +49,7 @@ def compare(reference: GenerationResult, candidate: GenerationResult) -> dict[st
 
 
 def run_case(
-    engine: "InferScaleEngine",
+    engine: InferScaleEngine,
     head: Sequence[int],
     facts: Sequence[Sequence[int]],
     tail: Sequence[int],
@@ -79,7 +79,7 @@ def run_case(
     return rows
 
 
-def random_case(engine: "InferScaleEngine", *, k: int = 8, fact_tokens: int = 28, seed: int = 0) -> tuple[list[int], list[list[int]], list[int]]:
+def random_case(engine: InferScaleEngine, *, k: int = 8, fact_tokens: int = 28, seed: int = 0) -> tuple[list[int], list[list[int]], list[int]]:
     """Head, facts and tail of random tokens (for random-weight models with no tokenizer)."""
     rng = random.Random(seed)
     hi = min(engine.vocab_size, 32000) - 1
@@ -87,7 +87,7 @@ def random_case(engine: "InferScaleEngine", *, k: int = 8, fact_tokens: int = 28
     return draw(64), [draw(fact_tokens) for _ in range(k)], draw(24)
 
 
-def text_case(engine: "InferScaleEngine") -> tuple[list[int], list[list[int]], list[int]]:
+def text_case(engine: InferScaleEngine) -> tuple[list[int], list[list[int]], list[int]]:
     """A small memory chat, for models with a tokenizer and chat template."""
     facts = [
         "Caroline adopted a dog named Rex last spring.",

@@ -303,7 +303,7 @@ class LocomoBench:
 
     def __init__(
         self,
-        engine: "InferScaleEngine",
+        engine: InferScaleEngine,
         conversations: list[Conversation],
         *,
         ks: Sequence[int],
@@ -359,7 +359,7 @@ class LocomoBench:
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "LocomoBench":
+    def __enter__(self) -> LocomoBench:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -367,7 +367,7 @@ class LocomoBench:
 
     # -------------------------------------------------------------- ingest
 
-    def store(self, w: int) -> "MemoryStore":
+    def store(self, w: int) -> MemoryStore:
         from inferscale_engine.memory import MemoryStore
 
         if w not in self.stores:
@@ -713,7 +713,7 @@ class LocomoBench:
 
 
 def run_locomo(
-    engine: "InferScaleEngine",
+    engine: InferScaleEngine,
     *,
     ks: Sequence[int],
     ws: Sequence[int],

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 
 def run_throughput(
-    engine: "InferScaleEngine",
+    engine: InferScaleEngine,
     users: list[int],
     *,
     k: int = 50,

@@ -49,7 +49,7 @@ def _drop_page_cache(path: os.PathLike) -> None:
 
 
 def run_tiers(
-    engine: "InferScaleEngine",
+    engine: InferScaleEngine,
     ks: list[int],
     *,
     repeats: int = 10,

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
-def attention_layers(forward_context: "ForwardContext") -> list[tuple[str, Any]]:
+def attention_layers(forward_context: ForwardContext) -> list[tuple[str, Any]]:
     """Attention layers that own a KV cache, in model order."""
     layers = []
     for name, layer in forward_context.no_compile_layers.items():
@@ -66,7 +66,7 @@ def layer_index(layer_name: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def layer_kv_cache(layer: Any, forward_context: "ForwardContext") -> torch.Tensor:
+def layer_kv_cache(layer: Any, forward_context: ForwardContext) -> torch.Tensor:
     cache = layer.kv_cache
     # Older releases kept one cache per virtual engine (pipeline stage) in a list.
     if isinstance(cache, (list, tuple)):
@@ -86,7 +86,7 @@ def single_group_block_ids(block_ids: tuple[list[int], ...] | list[int]) -> list
     return list(block_ids)
 
 
-def is_resumed(cached: "CachedRequestData", index: int) -> bool:
+def is_resumed(cached: CachedRequestData, index: int) -> bool:
     """Whether the i-th cached request resumed from preemption (its block ids are then whole)."""
     resumed = getattr(cached, "resumed_req_ids", None)
     if resumed is not None:
@@ -94,7 +94,7 @@ def is_resumed(cached: "CachedRequestData", index: int) -> bool:
     return bool(cached.resumed_from_preemption[index])  # releases before resumed_req_ids
 
 
-def start_load_before_forward(scheduler_output: "SchedulerOutput") -> None:
+def start_load_before_forward(scheduler_output: SchedulerOutput) -> None:
     """Make the worker call ``start_load_kv`` before this step's forward pass.
 
     vllm 0.32 runs ``start_load_kv`` after the forward unless the step has synchronous loads;
@@ -121,7 +121,7 @@ def paged_kv_views(layer: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, to
     return None
 
 
-def keep_out_of_prefix_cache(llm_engine: Any, chosen: "Callable[[Request], bool]") -> bool:
+def keep_out_of_prefix_cache(llm_engine: Any, chosen: Callable[[Request], bool]) -> bool:
     """Let the requests ``chosen`` picks bypass vLLM's prefix cache: their blocks are neither
     hashed, looked up nor cached. False (and nothing changed) where prefix caching is off or this
     vLLM lacks the hooks.
@@ -149,10 +149,10 @@ def keep_out_of_prefix_cache(llm_engine: Any, chosen: "Callable[[Request], bool]
         return False
     cache_blocks = coordinator.cache_blocks
 
-    def block_hashes(request: "Request") -> list[Any]:
+    def block_hashes(request: Request) -> list[Any]:
         return [] if chosen(request) else hasher(request)
 
-    def cache_unless_chosen(request: "Request", *args: Any, **kwargs: Any) -> None:
+    def cache_unless_chosen(request: Request, *args: Any, **kwargs: Any) -> None:
         if not chosen(request):
             cache_blocks(request, *args, **kwargs)
 

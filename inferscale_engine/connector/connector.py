@@ -59,9 +59,9 @@ logger = logging.getLogger(__name__)
 class InferScaleConnector(KVConnectorBase_V1):
     def __init__(
         self,
-        vllm_config: "VllmConfig",
+        vllm_config: VllmConfig,
         role: KVConnectorRole,
-        kv_cache_config: "KVCacheConfig | None" = None,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
@@ -95,7 +95,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._matches: list[tuple[CaptureBuffer, torch.Tensor, torch.Tensor]] = []
 
     @staticmethod
-    def _find_block_size(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> int:
+    def _find_block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> int:
         if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
             return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
         return int(vllm_config.cache_config.block_size)
@@ -106,7 +106,7 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler half
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
             plan = parse_params(request.kv_transfer_params)
         except (ValueError, TypeError) as exc:  # the engine validates first; never kill the scheduler
@@ -123,7 +123,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._claimed[request.request_id] = (num_computed_tokens, count)
         return count, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         start, count = self._claimed.pop(request.request_id, (0, 0))
         if num_external_tokens == 0:
             return
@@ -137,7 +137,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._loads.append(LoadRequest(block_ids, start, stop, pieces))
         self._injected[request.request_id] = count
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = InferScaleConnectorMetadata(loads=self._loads)
         self._loads = []
 
@@ -171,7 +171,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             compat.start_load_before_forward(scheduler_output)
         return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._plans.pop(request.request_id, None)
         self._claimed.pop(request.request_id, None)
         self._capture_blocks.pop(request.request_id, None)
@@ -187,7 +187,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._bridge_obj = get_bridge(self._bridge_id)
         return self._bridge_obj
 
-    def _install(self, forward_context: "ForwardContext") -> None:
+    def _install(self, forward_context: ForwardContext) -> None:
         """Wrap every attention layer's KV write once, to see what vLLM writes."""
         self._layers = compat.attention_layers(forward_context)
         for index, (name, layer) in enumerate(self._layers):
@@ -202,7 +202,7 @@ class InferScaleConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         pass  # caches are reached through the forward context, in the backend's own layout
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, InferScaleConnectorMetadata)
         if not self._layers:
@@ -229,7 +229,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         super().clear_connector_metadata()
         self._cache_captures, self._hooked_captures = [], []
 
-    def _inject(self, loads: list[LoadRequest], forward_context: "ForwardContext") -> None:
+    def _inject(self, loads: list[LoadRequest], forward_context: ForwardContext) -> None:
         # Hundreds of spans per step at large k: per span a dict lookup and a few attribute reads
         # (FactKV.layout() reads the tensors once per FactKV); the arithmetic is numpy's.
         staged = self._bridge().staged
@@ -264,7 +264,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         else:
             self._inject_torch(spans, slots, device, forward_context)
 
-    def _paged_views(self, forward_context: "ForwardContext") -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    def _paged_views(self, forward_context: ForwardContext) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Every layer's K/V cache as ``[blocks, block_size, heads, head_dim]`` views, where the
         backend's layout is known; found once, since caches never move once allocated."""
         if self._paged is None:
@@ -272,7 +272,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._paged = views if all(views) else False  # type: ignore[assignment]
         return self._paged or None  # type: ignore[return-value]
 
-    def _fused_ready(self, forward_context: "ForwardContext") -> bool:
+    def _fused_ready(self, forward_context: ForwardContext) -> bool:
         """Whether the Triton writer knows this cache layout (per-layer rope or an unknown layout
         go the torch way)."""
         if self._fused_views is None:
@@ -300,7 +300,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         inject_rows(table, self._bridge().ropes[self._layers[0][0]], key_ptrs, value_ptrs, view)
 
     def _inject_torch(
-        self, spans: SpanColumns, slots: np.ndarray, device: torch.device, forward_context: "ForwardContext"
+        self, spans: SpanColumns, slots: np.ndarray, device: torch.device, forward_context: ForwardContext
     ) -> None:
         """Reference path (CPU, or layouts the Triton writer does not know): gather, rotate,
         write through the backend's own KV write op."""

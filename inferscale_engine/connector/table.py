@@ -66,7 +66,7 @@ class InjectionTable:
     keepalive: list[torch.Tensor]  # sources copied to the device for this launch
 
     @classmethod
-    def build(cls, parts: Sequence[SpanRows], slots: np.ndarray, device: torch.device) -> "InjectionTable":
+    def build(cls, parts: Sequence[SpanRows], slots: np.ndarray, device: torch.device) -> InjectionTable:
         """``parts`` in row order; ``slots`` the cache slot of every row (``sum(count)`` of them).
         Sources must be on ``device`` (others are copied there first, and kept alive here)."""
         return cls.build_columns(SpanColumns.of(parts), slots, device)
