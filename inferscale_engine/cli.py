@@ -247,7 +247,7 @@ def _setup_logging(verbose: int) -> Any:
 
 def _restore_logging(state: Any) -> None:
     saved, redirected, env, filters = state
-    warnings.filters[:] = filters
+    warnings.filters[:] = filters  # type: ignore[index]  # a list at runtime; typeshed says Sequence
     for k, v in env.items():
         if v is None:
             os.environ.pop(k, None)

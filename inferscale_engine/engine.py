@@ -191,7 +191,7 @@ class InferScaleEngine:
         self.vllm_config = self._vllm.vllm_config
         model_config = self.vllm_config.model_config
         # None when vLLM runs with skip_tokenizer_init (token-id-only benchmarks).
-        self.tokenizer = None if model_config.skip_tokenizer_init else self._vllm.get_tokenizer()
+        self.tokenizer: Any = None if model_config.skip_tokenizer_init else self._vllm.get_tokenizer()
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.get_vocab_size()
         self.dtype = model_config.dtype
@@ -238,6 +238,7 @@ class InferScaleEngine:
         if self._memory is None:
             from inferscale_engine.memory import MemoryStore
 
+            assert self.config.store_path is not None  # EngineConfig fills in the default
             self._memory = MemoryStore(engine=self, path=self.config.store_path, window=self.config.window)
         return self._memory
 
@@ -370,7 +371,8 @@ class InferScaleEngine:
         if handles:
             source = self.fact_source or self.memory
             many = getattr(source, "resolve_many", None)
-            spans = many(handles, user_id) if many is not None else [source.resolve(h, user_id) for h in handles]
+            spans = many(handles, user_id) if many is not None else [
+                source.resolve(h, user_id) for h in handles]  # type: ignore[attr-defined]  # see FactSource
         else:
             spans = []
         segments: list[Segment] = [self.tokenize(pieces[0], add_special_tokens=not is_chat)]

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import EllipsisType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Listener = Callable[["RequestOutput | BaseException", float], None]
+Listener = Callable[["RequestOutput | BaseException", float], object]
 
 
 @dataclass
@@ -123,6 +124,7 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             busy = self._engine.has_unfinished_requests()
+            item: _Submission | tuple[str, str] | EllipsisType | None
             try:
                 item = self._inbox.get(block=not busy, timeout=None)
             except queue.Empty:
@@ -146,7 +148,8 @@ class EngineLoop:
                 self._engine.abort_request([request_id])
             return
         try:
-            self._engine.add_request(item.request_id, item.prompt, item.params)
+            # A TokensPrompt built as a plain dict (prompt_token_ids, cache_salt).
+            self._engine.add_request(item.request_id, item.prompt, item.params)  # type: ignore[arg-type]
         except Exception as exc:  # bad prompt (too long, bad token ids): this request only
             item.listener(exc, time.perf_counter())
             return
@@ -167,7 +170,7 @@ class EngineLoop:
             if out.finished:
                 del self._listeners[out.request_id]
             try:
-                listener(out, now)
+                listener(out, now)  # type: ignore[arg-type]  # a generating engine: no pooling outputs
             except Exception:  # a caller's listener must not stop the engine
                 logger.exception("listener for %s failed", out.request_id)
 

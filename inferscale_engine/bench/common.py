@@ -154,7 +154,8 @@ class SyntheticRetriever:
         self.device, self.k = device, k
         cfg = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
         # The store's own single-query path (CUDA-graphed on a GPU), over a random-weight MiniLM shape.
-        self.encoder = GraphedQueryEncoder(BertModel(cfg).to(device).eval())
+        # transformers wraps .to() in a decorator whose type loses the bound model.
+        self.encoder = GraphedQueryEncoder(BertModel(cfg).to(device).eval())  # type: ignore[arg-type]
         self.index = ExactIndex(384, device=device)
         vecs = np.random.default_rng(seed).standard_normal((facts, 384)).astype("float32")
         self.index.add(list(range(facts)), vecs / np.linalg.norm(vecs, axis=1, keepdims=True))

@@ -59,7 +59,7 @@ def run_case(
 ) -> list[dict[str, Any]]:
     """Rows ``{mode: exact|w0, arch, dtype, greedy_match, max_logit_diff, ...}`` for one prompt."""
     flat = list(head) + [t for f in facts for t in f] + list(tail)
-    sampling = {"max_tokens": max_tokens, "temperature": 0.0, "first_logprobs": logprobs}
+    sampling: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0, "first_logprobs": logprobs}
     reference = engine.generate_segments([flat], mode="prompt", **sampling)
     hf = engine.vllm_config.model_config.hf_config
     rows = []

@@ -127,7 +127,7 @@ def load_locomo(
     if not path.exists():
         raise FileNotFoundError(f"LoCoMo data not found at {path} (pass --data or set ${ENV_DATA})")
     data = json.loads(path.read_text())
-    out = []
+    out: list[Conversation] = []
     for sample in data[:conversations] if conversations else data:
         conv = sample["conversation"]
         turns: list[Turn] = []
@@ -474,7 +474,7 @@ class LocomoBench:
 
             async with sem:
                 msgs = [{"role": r, "content": c} for r, c in job.messages]
-                sampling = {"user_id": job.conv.user_id, "max_tokens": self.max_tokens, "temperature": 0.0}
+                sampling: dict[str, Any] = {"user_id": job.conv.user_id, "max_tokens": self.max_tokens, "temperature": 0.0}
                 try:
                     if job.segments is not None:
                         res = await self.engine.agenerate_segments(list(job.segments), mode="inject", **sampling)
@@ -482,7 +482,7 @@ class LocomoBench:
                         res = await self.engine.agenerate(
                             msgs, mode="prompt" if job.mode == "full" else job.mode, **sampling)
                 except ContextOverflowError as exc:
-                    rec = {"key": job.key, "skipped": str(exc)}
+                    rec: dict[str, Any] = {"key": job.key, "skipped": str(exc)}
                 else:
                     rec = {
                         "key": job.key, "answer": res.text, "prompt_hash": _ids_hash(res.prompt_token_ids),
@@ -549,7 +549,8 @@ class LocomoBench:
                     turns = self.pick(ranking[(conv.sample_id, q.index)], conv.speakers, k)
                     msgs = self.messages((handles[conv.sample_id][i] for i in turns), q.question)
                     segs = self.engine.resolve([{"role": r, "content": c} for r, c in msgs], user_id=conv.user_id)
-                    head, parts, tail = list(segs[0]), segs[1:-1], list(segs[-1])
+                    # resolve() puts token ids first and last, spans only between them.
+                    head, parts, tail = list(segs[0]), segs[1:-1], list(segs[-1])  # type: ignore[arg-type]
                     groups: list[list[int]] = []
                     for seg in parts:
                         if isinstance(seg, Span):

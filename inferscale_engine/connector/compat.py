@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
@@ -74,8 +74,9 @@ def layer_kv_cache(layer: Any, forward_context: ForwardContext) -> torch.Tensor:
     return cache
 
 
-def single_group_block_ids(block_ids: tuple[list[int], ...] | list[int]) -> list[int]:
-    """Block ids of the one KV-cache group InferScale supports."""
+def single_group_block_ids(block_ids: Sequence[Any]) -> list[int]:
+    """Block ids of the one KV-cache group InferScale supports, from a tuple of per-group lists
+    or a flat list."""
     if block_ids and isinstance(block_ids[0], list):
         if len(block_ids) != 1:
             raise NotImplementedError(
@@ -91,7 +92,7 @@ def is_resumed(cached: CachedRequestData, index: int) -> bool:
     resumed = getattr(cached, "resumed_req_ids", None)
     if resumed is not None:
         return cached.req_ids[index] in resumed
-    return bool(cached.resumed_from_preemption[index])  # releases before resumed_req_ids
+    return bool(cached.resumed_from_preemption[index])  # type: ignore[attr-defined]  # releases before resumed_req_ids
 
 
 def start_load_before_forward(scheduler_output: SchedulerOutput) -> None:
@@ -136,12 +137,12 @@ def keep_out_of_prefix_cache(llm_engine: Any, chosen: Callable[[Request], bool])
     ``KVCacheManager.cache_blocks``). A request with no block hashes finds no prefix-cache hit,
     and its freed blocks, carrying no hash, are reused before cached ones.
     """
-    core = getattr(getattr(llm_engine, "engine_core", None), "engine_core", None)
+    core: Any = getattr(getattr(llm_engine, "engine_core", None), "engine_core", None)
     hasher = getattr(core, "request_block_hasher", None)
     if hasher is None and hasattr(core, "request_block_hasher"):
         return False  # prefix caching is off: nothing to keep out of it
     manager = getattr(getattr(core, "scheduler", None), "kv_cache_manager", None)
-    coordinator = getattr(manager, "coordinator", None)
+    coordinator: Any = getattr(manager, "coordinator", None)
     if hasher is None or not callable(getattr(coordinator, "cache_blocks", None)):
         # Still correct (injected prompts are salted), only slower at large k: say so once.
         logger.info("this vLLM lacks the prefix-cache hooks InferScale knows: injected prompts go "

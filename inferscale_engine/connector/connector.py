@@ -63,8 +63,11 @@ class InferScaleConnector(KVConnectorBase_V1):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        # None from vLLM releases that did not pass it yet.
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None  # vLLM builds a connector only from its kv_transfer_config
+        extra = transfer.kv_connector_extra_config or {}
         if "bridge_id" not in extra:
             raise ValueError("InferScaleConnector needs kv_connector_extra_config={'bridge_id': ...}")
         self._bridge_id: str = extra["bridge_id"]
@@ -161,6 +164,7 @@ class InferScaleConnector(KVConnectorBase_V1):
 
         for req_id, done in scheduled:
             plan = self._plans[req_id]
+            assert isinstance(plan, CapturePlan)  # only captures have blocks kept
             blocks = self._capture_blocks[req_id]
             end = done + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             for r in plan.ranges:
@@ -294,7 +298,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         pass on its stream."""
         from inferscale_engine.rope_triton import inject_rows
 
-        assert self._fused_views
+        assert isinstance(self._fused_views, tuple)
         key_ptrs, value_ptrs, view = self._fused_views
         table = InjectionTable.build_columns(spans, slots, device)
         inject_rows(table, self._bridge().ropes[self._layers[0][0]], key_ptrs, value_ptrs, view)
@@ -316,9 +320,10 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     def _rotate(self, k: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         ropes = self._bridge().ropes
-        tables = [ropes.get(name) for name, _ in self._layers]
-        if any(t is None for t in tables):
-            raise ConnectorError("rotary tables were not registered for every attention layer")
+        try:
+            tables = [ropes[name] for name, _ in self._layers]
+        except KeyError:
+            raise ConnectorError("rotary tables were not registered for every attention layer") from None
         if all(t is tables[0] for t in tables):
             return rotate(k, deltas, tables[0])
         out = torch.empty_like(k)

@@ -29,7 +29,7 @@ class SpanRows(NamedTuple):
 
     kv: FactKV
     row: int
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count: the field reads better
     delta: int
 
 
@@ -40,7 +40,7 @@ class SpanColumns(NamedTuple):
 
     kv: Sequence[FactKV]
     row: np.ndarray  # int64, as are count and delta
-    count: np.ndarray
+    count: np.ndarray  # type: ignore[assignment]  # shadows tuple.count, as SpanRows does
     delta: np.ndarray
 
     @classmethod
