@@ -371,8 +371,10 @@ class InferScaleEngine:
         if handles:
             source = self.fact_source or self.memory
             many = getattr(source, "resolve_many", None)
-            spans = many(handles, user_id) if many is not None else [
-                source.resolve(h, user_id) for h in handles]  # type: ignore[attr-defined]  # see FactSource
+            if many is not None:
+                spans = many(handles, user_id)
+            else:  # a source with only resolve() (see FactSource)
+                spans = [source.resolve(h, user_id) for h in handles]  # type: ignore[attr-defined]
         else:
             spans = []
         segments: list[Segment] = [self.tokenize(pieces[0], add_special_tokens=not is_chat)]

@@ -13,7 +13,9 @@ from inferscale_engine.errors import InferScaleError
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("inferscale_engine", "inferscale_integrations")
-_BUILTIN_ERRORS = {name for name, obj in vars(builtins).items() if isinstance(obj, type) and issubclass(obj, BaseException)}
+_BUILTIN_ERRORS = {
+    name for name, obj in vars(builtins).items() if isinstance(obj, type) and issubclass(obj, BaseException)
+}
 #: Error classes allowed outside errors.py without InferScaleError: shrink, never grow.
 ALLOWED = {
     # The server's HTTP response carrier (status + OpenAI error body), raised and caught inside

@@ -474,7 +474,8 @@ class LocomoBench:
 
             async with sem:
                 msgs = [{"role": r, "content": c} for r, c in job.messages]
-                sampling: dict[str, Any] = {"user_id": job.conv.user_id, "max_tokens": self.max_tokens, "temperature": 0.0}
+                sampling: dict[str, Any] = {
+                    "user_id": job.conv.user_id, "max_tokens": self.max_tokens, "temperature": 0.0}
                 try:
                     if job.segments is not None:
                         res = await self.engine.agenerate_segments(list(job.segments), mode="inject", **sampling)

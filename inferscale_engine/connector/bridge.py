@@ -27,7 +27,9 @@ class CaptureBuffer:
     v: torch.Tensor | None = None
     filled: torch.Tensor | None = None
 
-    def _allocate(self, num_layers: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _allocate(
+        self, num_layers: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.k is None or self.v is None or self.filled is None:
             self.k = torch.empty((num_layers, self.length, *k.shape[-2:]), dtype=k.dtype, device=k.device)
             self.v = torch.empty((num_layers, self.length, *v.shape[-2:]), dtype=v.dtype, device=v.device)

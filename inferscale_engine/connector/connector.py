@@ -195,8 +195,10 @@ class InferScaleConnector(KVConnectorBase_V1):
         """Wrap every attention layer's KV write once, to see what vLLM writes."""
         self._layers = compat.attention_layers(forward_context)
         for index, (name, layer) in enumerate(self._layers):
-
-            def after_write(key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, _index: int = index) -> None:
+            # Bound per layer through the default: a closure would see the loop's last index.
+            def after_write(
+                key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, _index: int = index
+            ) -> None:
                 if self._hooked_captures:
                     self._capture(_index, key, value, slot_mapping)
 
