@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from inferscale_engine import __version__
 from inferscale_engine.config import engine_option
 
 PROG = "inferscale"
@@ -106,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v: progress and vLLM warnings; -vv: debug logs and tracebacks")
-    parser.add_argument("--version", action="version", version=f"{PROG} 0.1.0")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     # chat
@@ -251,7 +252,7 @@ def _setup_logging(verbose: int) -> Any:
 
 def _restore_logging(state: Any) -> None:
     saved, redirected, env, filters = state
-    warnings.filters[:] = filters
+    warnings.filters[:] = filters  # type: ignore[index]  # a list at runtime; typeshed says Sequence
     for k, v in env.items():
         if v is None:
             os.environ.pop(k, None)

@@ -84,7 +84,7 @@ class EngineConfig:
             self.enforce_eager = self.device == "cpu"
 
     @classmethod
-    def from_options(cls, **options: Any) -> "EngineConfig":
+    def from_options(cls, **options: Any) -> EngineConfig:
         """Build from keyword options; unknown ones go to ``vllm_options``."""
         names = set(cls.__dataclass_fields__)
         ours = {k: v for k, v in options.items() if k in names}

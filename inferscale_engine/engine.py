@@ -28,9 +28,9 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, Union
+from typing import TYPE_CHECKING, Any, Literal
 
 import pydantic
 import torch
@@ -48,10 +48,20 @@ from inferscale_engine.errors import (
     InferScaleError,
     check_utf8,
 )
-from inferscale_engine.handles import Handle, split_on_handles
+from inferscale_engine.handles import split_on_handles
 from inferscale_engine.kv import FactKV
 from inferscale_engine.loop import EngineLoop
 from inferscale_engine.rope import RopeTable
+from inferscale_engine.types import (
+    FactSource,
+    GenerationResult,
+    Messages,
+    Mode,
+    Segment,
+    Span,
+    StreamDelta,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -60,66 +70,6 @@ if TYPE_CHECKING:
     from inferscale_engine.memory import MemoryStore
 
 logger = logging.getLogger(__name__)
-
-Mode = Literal["inject", "prompt"]
-Messages = Sequence[dict[str, str]]
-
-
-@dataclass(frozen=True)
-class Span:
-    """Tokens whose KV is injected rather than computed."""
-
-    key: str  # identifies the KV content: equal keys must mean equal KV
-    token_ids: tuple[int, ...]
-    kv: FactKV
-    text: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kv.num_tokens != len(self.token_ids):
-            raise ValueError(f"span {self.key}: {len(self.token_ids)} tokens but KV for {self.kv.num_tokens}")
-
-
-Segment = Union[Span, Sequence[int]]
-
-
-class FactSource(Protocol):
-    """Turns the handles of a request of ``user_id`` into the spans to inject (the memory store).
-    A source with only ``resolve(handle, user_id) -> Span`` is asked handle by handle."""
-
-    def resolve_many(self, handles: Sequence[Handle], user_id: str) -> list[Span]: ...
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    injected_tokens: int  # prompt tokens whose KV was injected instead of prefilled
-    cached_tokens: int  # prompt tokens vLLM's prefix cache already held
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    usage: Usage
-    ttft_s: float  # from the start of the request's preparation (layout, plan) to its first token
-    latency_s: float
-    prompt_token_ids: list[int] = field(repr=False, default_factory=list)
-    #: Log-probabilities of the first generated token ({token id: logprob}) when asked for.
-    first_logprobs: dict[int, float] | None = field(repr=False, default=None)
-
-
-@dataclass
-class StreamDelta:
-    """One piece of a streamed generation; the last one carries the whole result."""
-
-    text: str
-    result: GenerationResult | None = None
 
 
 @dataclass
@@ -241,7 +191,7 @@ class InferScaleEngine:
         self.vllm_config = self._vllm.vllm_config
         model_config = self.vllm_config.model_config
         # None when vLLM runs with skip_tokenizer_init (token-id-only benchmarks).
-        self.tokenizer = None if model_config.skip_tokenizer_init else self._vllm.get_tokenizer()
+        self.tokenizer: Any = None if model_config.skip_tokenizer_init else self._vllm.get_tokenizer()
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.get_vocab_size()
         self.dtype = model_config.dtype
@@ -276,18 +226,19 @@ class InferScaleEngine:
         drop_bridge(self.bridge.id)
         self._stop_vllm()
 
-    def __enter__(self) -> "InferScaleEngine":
+    def __enter__(self) -> InferScaleEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
-    def memory(self) -> "MemoryStore":
+    def memory(self) -> MemoryStore:
         """The user-scoped memory store (Mem0-style API) backed by this engine."""
         if self._memory is None:
             from inferscale_engine.memory import MemoryStore
 
+            assert self.config.store_path is not None  # EngineConfig fills in the default
             self._memory = MemoryStore(engine=self, path=self.config.store_path, window=self.config.window)
         return self._memory
 
@@ -426,7 +377,10 @@ class InferScaleEngine:
         if handles:
             source = self.fact_source or self.memory
             many = getattr(source, "resolve_many", None)
-            spans = many(handles, user_id) if many is not None else [source.resolve(h, user_id) for h in handles]
+            if many is not None:
+                spans = many(handles, user_id)
+            else:  # a source with only resolve() (see FactSource)
+                spans = [source.resolve(h, user_id) for h in handles]  # type: ignore[attr-defined]
         else:
             spans = []
         segments: list[Segment] = [self.tokenize(pieces[0], add_special_tokens=not is_chat)]
@@ -572,7 +526,7 @@ class _Accumulator:
         self.sent = 0
         self.ttft: float | None = None
 
-    def update(self, out: "RequestOutput", t: float) -> StreamDelta | None:
+    def update(self, out: RequestOutput, t: float) -> StreamDelta | None:
         completion = out.outputs[0]
         if self.ttft is None and completion.token_ids:
             self.ttft = t
@@ -653,7 +607,7 @@ def _configure_vllm_environment(cfg: EngineConfig) -> None:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
-def _rope_tables(model: "nn.Module") -> dict[str, RopeTable]:
+def _rope_tables(model: nn.Module) -> dict[str, RopeTable]:
     """Runs inside vLLM's worker: the rotary table of every attention layer, from its own module."""
     tables: dict[str, RopeTable] = {}
     by_module: dict[int, RopeTable] = {}

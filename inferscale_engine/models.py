@@ -24,7 +24,7 @@ Public API:
 * :func:`prepare_smollm2` / :func:`prepare_qwen_coder` / :func:`prepare_gguf` --
   GGUF -> safetensors conversions (packaged aliases, any local file).
 * :func:`default_cache_dir` / :func:`model_cache_dir` -- where things go.
-* :class:`ModelNotFoundError`.
+* :class:`ModelNotFoundError` / :class:`ModelPreparationError` (defined in :mod:`inferscale_engine.errors`).
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from inferscale_engine.errors import ModelNotFoundError, ModelPreparationError
 
 __all__ = [
     "CACHE_DIR_ENV",
@@ -94,14 +96,6 @@ QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c
 # from older InferScale versions are rebuilt instead of silently reused.
 _MARKER_NAME = ".inferscale-prepared.json"
 _FORMAT_VERSION = 1
-
-
-class ModelNotFoundError(ValueError):
-    """Raised when a model name is neither an existing directory nor an alias."""
-
-
-class ModelPreparationError(RuntimeError):
-    """Raised when a model cannot be prepared (missing source, bad output)."""
 
 
 # --------------------------------------------------------------------------

@@ -70,7 +70,8 @@ def patch():
 def main(model: str, k: int) -> None:
     patch()
     from inferscale_engine.bench.common import SyntheticWorkload, median
-    from inferscale_engine.engine import InferScaleEngine, Span
+    from inferscale_engine.engine import InferScaleEngine
+    from inferscale_engine.types import Span
 
     cuda = torch.cuda.is_available()  # the CPU runs it too (real weights), to check the script
     device = "cuda" if cuda else "cpu"

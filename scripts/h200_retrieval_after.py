@@ -26,7 +26,7 @@ def request() -> None:
 
 def after(settle, first=request) -> float:
     times = []
-    for i in range(25):
+    for _ in range(25):
         first()
         settle()
         times.append(1e3 * retriever(work.question()))

@@ -30,7 +30,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inferscale_engine.engine import Span, _fingerprint
+from inferscale_engine.engine import _fingerprint
 from inferscale_engine.errors import (
     ContextOverflowError,
     FactNotFoundError,
@@ -45,6 +45,7 @@ from inferscale_engine.handles import (
     find_handles,
     split_on_handles,
 )
+from inferscale_engine.types import Span
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -220,7 +221,7 @@ def test_bad_prompts_and_handles_are_refused_before_vllm(engine, user_facts):
     submit = engine.loop.submit
     engine.loop.submit = lambda *a, **k: (submitted.append(1), submit(*a, **k))[1]
     try:
-        for name, call, exc in cases:
+        for _name, call, exc in cases:
             with pytest.raises(exc):
                 call()
             assert_nothing_staged(engine)
@@ -446,9 +447,9 @@ def test_http_bad_inputs_are_4xx_json_never_500(engine, user_facts, caplog):
     user, items = user_facts
     client = TestClient(create_app(engine, served_model_name="tiny"))  # re-raises any unhandled error
     h = items[0].handle
-    chat = lambda **kw: ("POST", "/v1/chat/completions", {"json": {"model": "tiny", "max_tokens": 2, **kw}})
+    chat = lambda **kw: ("POST", "/v1/chat/completions", {"json": {"model": "tiny", "max_tokens": 2, **kw}})  # noqa: E731
     msgs = [{"role": "user", "content": "hi"}]
-    raw = lambda path, body: ("POST", path, {"content": body, "headers": {"Content-Type": "application/json"}})
+    raw = lambda path, body: ("POST", path, {"content": body, "headers": {"Content-Type": "application/json"}})  # noqa: E731
     cases: list[tuple[tuple[str, str, dict], int]] = [
         (raw("/v1/memories/", b"{not json"), 400),
         (raw("/v1/memories/", b'{"messages": "\xff\xfe", "user_id": "u"}'), 400),
@@ -570,7 +571,7 @@ def test_segmentation_is_the_text_with_handles_replaced_by_fact_tokens(engine, u
             assert list(seg) == engine.tokenize(pieces[j // 2], add_special_tokens=(j == 0 and not is_chat))
     # Decoded, the prompt is its text with each handle replaced by the fact's text (each piece
     # NFC-normalised on its own, as the tokenizer does).
-    nfc = lambda t: unicodedata.normalize("NFC", t)
+    nfc = lambda t: unicodedata.normalize("NFC", t)  # noqa: E731
     expected = "".join(nfc(pieces[j]) + nfc(FACT_TEXTS[i]) for j, (_, i) in enumerate(parts)) + nfc(pieces[-1])
     ids = [t for s in segments for t in (s.token_ids if isinstance(s, Span) else s)]
     assert engine.detokenize(ids) == expected

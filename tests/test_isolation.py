@@ -374,7 +374,7 @@ def test_llamaindex_classes(engine, people):
 
 def test_http_handles_of_another_user_are_403(engine, people, http):
     b, handle = people["b"], people["a_items"][0].handle
-    body = lambda **kw: {"model": "tiny", "max_tokens": 2, "temperature": 0, **kw}
+    body = lambda **kw: {"model": "tiny", "max_tokens": 2, "temperature": 0, **kw}  # noqa: E731
     sys_msg = {"role": "system", "content": f"Memory: {handle}"}
     cases = [
         ("/v1/chat/completions", body(user=b, messages=[sys_msg, {"role": "user", "content": "code?"}])),

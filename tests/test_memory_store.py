@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from inferscale_engine.encoder import EncodeWindow
-from inferscale_engine.engine import Span
 from inferscale_engine.errors import (
     ContextOverflowError,
     EngineClosedError,
@@ -33,6 +32,7 @@ from inferscale_engine.handles import Handle, find_handles
 from inferscale_engine.kv import FactKV
 from inferscale_engine.memory import MemoryItem, MemoryStore
 from inferscale_engine.memory.embedder import Embedder
+from inferscale_engine.types import Span
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 1024}

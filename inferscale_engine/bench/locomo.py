@@ -133,7 +133,7 @@ def load_locomo(
     if not path.exists():
         raise FileNotFoundError(f"LoCoMo data not found at {path} (pass --data or set ${ENV_DATA})")
     data = json.loads(path.read_text())
-    out = []
+    out: list[Conversation] = []
     for sample in data[:conversations] if conversations else data:
         conv = sample["conversation"]
         turns: list[Turn] = []
@@ -310,7 +310,7 @@ class LocomoBench:
 
     def __init__(
         self,
-        engine: "InferScaleEngine",
+        engine: InferScaleEngine,
         conversations: list[Conversation],
         *,
         ks: Sequence[int],
@@ -376,7 +376,7 @@ class LocomoBench:
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "LocomoBench":
+    def __enter__(self) -> LocomoBench:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -384,7 +384,7 @@ class LocomoBench:
 
     # -------------------------------------------------------------- ingest
 
-    def store(self, w: int) -> "MemoryStore":
+    def store(self, w: int) -> MemoryStore:
         from inferscale_engine.memory import MemoryStore
 
         if w not in self.stores:
@@ -497,7 +497,8 @@ class LocomoBench:
 
             async with sem:
                 msgs = [{"role": r, "content": c} for r, c in job.messages]
-                sampling = {"user_id": job.conv.user_id, "max_tokens": self.max_tokens, "temperature": 0.0}
+                sampling: dict[str, Any] = {
+                    "user_id": job.conv.user_id, "max_tokens": self.max_tokens, "temperature": 0.0}
                 try:
                     if job.segments is not None:
                         res = await self.engine.agenerate_segments(list(job.segments), mode="inject", **sampling)
@@ -506,7 +507,7 @@ class LocomoBench:
                             msgs, mode="prompt" if job.mode == "full" else job.mode, recompute=job.recompute,
                             **sampling)
                 except ContextOverflowError as exc:
-                    rec = {"key": job.key, "skipped": str(exc)}
+                    rec: dict[str, Any] = {"key": job.key, "skipped": str(exc)}
                 else:
                     rec = {
                         "key": job.key, "answer": res.text, "prompt_hash": _ids_hash(res.prompt_token_ids),
@@ -566,7 +567,7 @@ class LocomoBench:
         Injection then computes what the prompt run computes, so its disagreement with the
         prompt answers is the numeric noise floor (bf16, batch shapes), not the approximation."""
         from inferscale_engine.encoder import EncodeWindow
-        from inferscale_engine.engine import Span
+        from inferscale_engine.types import Span
 
         w = self.ws[0]
         self.engine.fact_source = self.store(w)
@@ -581,7 +582,8 @@ class LocomoBench:
                     turns = self.pick(ranking[(conv.sample_id, q.index)], conv.speakers, k)
                     msgs = self.messages((handles[conv.sample_id][i] for i in turns), q.question)
                     segs = self.engine.resolve([{"role": r, "content": c} for r, c in msgs], user_id=conv.user_id)
-                    head, parts, tail = list(segs[0]), segs[1:-1], list(segs[-1])
+                    # resolve() puts token ids first and last, spans only between them.
+                    head, parts, tail = list(segs[0]), segs[1:-1], list(segs[-1])  # type: ignore[arg-type]
                     groups: list[list[int]] = []
                     for seg in parts:
                         if isinstance(seg, Span):
@@ -756,7 +758,7 @@ class LocomoBench:
 
 
 def run_locomo(
-    engine: "InferScaleEngine",
+    engine: InferScaleEngine,
     *,
     ks: Sequence[int],
     ws: Sequence[int],

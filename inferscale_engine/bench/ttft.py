@@ -17,7 +17,7 @@ MODES = ("none", "prompt", "inject", "floor")
 
 
 def run_ttft(
-    engine: "InferScaleEngine",
+    engine: InferScaleEngine,
     ks: list[int],
     *,
     fact_tokens: int = 28,
@@ -61,11 +61,12 @@ def run_ttft(
             # in alternating order so neither always goes first.
             settle = ttft([work.head + work.question()], "prompt")
             runs = {
-                "inject": lambda: ttft(work.inject_segments(picks, q), "inject"),
+                "inject": lambda: ttft(work.inject_segments(picks, q), "inject"),  # noqa: B023  (called below, same iteration)
                 # Floor: the prompt call above left head+facts in vLLM's prefix cache; a fresh
                 # question over them is the best any injection can do in this engine.
-                "floor": lambda: ttft(work.prompt_segments(picks, work.question()), "prompt"),
-                **{f"inject-r{r}": (lambda r=r: ttft(work.inject_segments(picks, q), "inject", r)) for r in knob},
+                "floor": lambda: ttft(work.prompt_segments(picks, work.question()), "prompt"),  # noqa: B023  (same)
+                **{f"inject-r{r}": (lambda r=r: ttft(work.inject_segments(picks, q), "inject", r))  # noqa: B023
+                   for r in knob},
             }
             order = list(runs)
             for m in order if rep % 2 == 0 else reversed(order):

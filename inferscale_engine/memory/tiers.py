@@ -45,7 +45,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from inferscale_engine.errors import StaleKVError
+from inferscale_engine.errors import KVMissingError, StaleKVError
 from inferscale_engine.kv import FactKV
 from inferscale_engine.memory.dma import ByteCopier, Sources
 
@@ -58,10 +58,6 @@ FILE_FORMAT = "inferscale-kv/1"
 #: Host-tier pages are pinned this many bytes at a time, as the tier fills.
 HOST_CHUNK_BYTES = 64 << 20
 _FILE_RE = re.compile(r"^([0-9a-f]{16})-(\d+)\.safetensors$")
-
-
-class KVMissingError(LookupError):
-    """No usable KV file for this fact version (never written, deleted, or unreadable)."""
 
 
 @dataclass

@@ -35,6 +35,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from inferscale_engine import __version__
 from inferscale_engine.chat import memory_context, warm_up, with_memories
 from inferscale_engine.errors import (
     ContextOverflowError,
@@ -155,7 +156,7 @@ def create_app(
     metrics = Metrics()
     created = int(time.time())
 
-    app = FastAPI(title="InferScale", version="0.1.0", description="Personalized LLM serving: memory without prefill.")
+    app = FastAPI(title="InferScale", version=__version__, description="Personalized LLM serving: memory without prefill.")
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.model_name = model_name
