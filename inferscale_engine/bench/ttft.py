@@ -4,6 +4,8 @@ prefix-cache floor (head and facts already in vLLM's cache, only the question co
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
@@ -60,13 +62,13 @@ def run_ttft(
             # the floor both follow a short request instead, as in a server serving only them,
             # in alternating order so neither always goes first.
             settle = ttft([work.head + work.question()], "prompt")
-            runs = {
-                "inject": lambda: ttft(work.inject_segments(picks, q), "inject"),  # noqa: B023  (called below, same iteration)
+            inject = work.inject_segments(picks, q)
+            runs: dict[str, Callable[[], float]] = {
+                "inject": functools.partial(ttft, inject, "inject"),
                 # Floor: the prompt call above left head+facts in vLLM's prefix cache; a fresh
                 # question over them is the best any injection can do in this engine.
-                "floor": lambda: ttft(work.prompt_segments(picks, work.question()), "prompt"),  # noqa: B023  (same)
-                **{f"inject-r{r}": (lambda r=r: ttft(work.inject_segments(picks, q), "inject", r))  # noqa: B023
-                   for r in knob},
+                "floor": functools.partial(ttft, work.prompt_segments(picks, work.question()), "prompt"),
+                **{f"inject-r{r}": functools.partial(ttft, inject, "inject", r) for r in knob},
             }
             order = list(runs)
             for m in order if rep % 2 == 0 else reversed(order):
