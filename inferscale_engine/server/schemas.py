@@ -57,6 +57,8 @@ class _SamplingRequest(_Lenient):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     user: StrictStr | None = None
+    #: OpenAI's newer per-user field; taken as the user when ``user`` is absent.
+    safety_identifier: StrictStr | None = None
     logit_bias: dict[str, float] | None = None
 
     def stop_list(self) -> list[str] | None:
