@@ -36,9 +36,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from inferscale_engine.errors import check_utf8
 from inferscale_engine.memory.extraction import extract_actions, parse_actions, parse_facts
 
 ENTITY_KEYS = ("user_id", "agent_id", "run_id", "app_id")
+MAX_ENTITY_ID = 120  # the store's user-id limit (128) less the "@agent:" prefix
 ENTITY_TYPES = {"user": "user_id", "agent": "agent_id", "run": "run_id", "app": "app_id"}
 META_KEY = "_entities"
 #: Filter keys this server evaluates; anything else is refused rather than ignored, since an
@@ -197,6 +199,10 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
             return None
         if not isinstance(v, str):
             raise bad(f"{key} must be a string", key)
+        # Checked here, not only by the store: a listing over an id the store would refuse must
+        # be a 400, not an empty success.
+        if not v.strip() or len(v) > MAX_ENTITY_ID or not v.isprintable():
+            raise bad(f"{key} must be a non-empty string of at most {MAX_ENTITY_ID} printable characters", key)
         if key == "user_id" and v.startswith(("@agent:", "@run:", "@app:")):
             raise bad(f"user_id {v!r} is reserved for agent, run and app memories", key)
         return v
@@ -249,11 +255,7 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         keys = sorted(users) if users is not None else call(s.user_ids)
         out = []
         for key in keys:
-            try:
-                items = call(s.get_all, user_id=key)
-            except APIError:
-                continue  # not a valid store user id: it has no memories
-            out.extend(i for i in items if pred(view(i)))
+            out.extend(i for i in call(s.get_all, user_id=key) if pred(view(i)))
         return out
 
     # ------------------------------------------------------------------ ping
@@ -400,6 +402,7 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         query = body.get("query")
         if not isinstance(query, str) or not query.strip():
             raise bad("query must be a non-empty string", "query")
+        call(check_utf8, query, "query")  # also when no user in scope has facts to search
         top_k = body.get("top_k", body.get("limit", 5 if legacy else 10))
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 1000:
             raise bad("top_k must be an integer from 1 to 1000", "top_k")
@@ -411,10 +414,7 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         keys = sorted(users) if users is not None else call(s.user_ids)
         hits = []
         for key in keys:
-            try:
-                n = len(call(s.get_all, user_id=key))
-            except APIError:
-                continue
+            n = len(call(s.get_all, user_id=key))
             if not n:
                 continue
             # Ask for every fact of the user when other filters apply: a top-k cut before
