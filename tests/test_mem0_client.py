@@ -92,7 +92,10 @@ def test_requests_without_entity_or_with_unknown_filters_are_400(http):
     assert r.status_code == 400
 
 
-def test_bearer_and_token_auth(server):
+def test_bearer_and_token_auth_on_every_version(server):
     assert httpx.get(server + "/v1/ping/", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
-    r = httpx.get(server + "/v1/ping/", headers={"Authorization": "Token nope"})
-    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    for method, path in [("GET", "/v1/ping/"), ("POST", "/v2/memories/"), ("POST", "/v3/memories/search/"),
+                         ("POST", "/v3/memories/add/"), ("DELETE", "/v2/entities/user/carol/"), ("GET", "/v1/entities/")]:
+        for headers in ({"Authorization": "Token nope"}, {}):
+            r = httpx.request(method, server + path, headers=headers, json={"query": "x", "filters": {"user_id": "a"}})
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (method, path, r.text)

@@ -1,21 +1,18 @@
-"""The HTTP API: OpenAI-compatible completions plus Mem0-style memory endpoints.
+"""The HTTP API: OpenAI-compatible completions plus the Mem0 platform's memory API.
 
 Routes::
 
     POST /v1/chat/completions     OpenAI chat (SSE streaming or not); handles in messages are
-                                  injected as KV for the request's ``user``
-    POST /v1/completions          OpenAI legacy completions (one prompt)
-    GET  /v1/models               the served model
-    POST /v1/memories/            add {messages, user_id, metadata}
-    POST /v1/memories/search/     search {query, user_id, limit}
-    GET  /v1/memories/?user_id=   list one user's memories
-    DELETE /v1/memories/?user_id= forget all of them
-    GET|PUT|DELETE /v1/memories/{id}/?user_id=   one memory (404 unless it is that user's)
-    GET  /v1/memories/{id}/history/?user_id=
+                                  injected as KV for the request's user (``user``,
+                                  ``safety_identifier`` or ``X-User-Id``)
+    POST /v1/completions          OpenAI legacy completions (a prompt or a list of prompts)
+    GET  /v1/models[/{id}]        the served model
+    /v1/ping/, /v1/memories/..., /v2/..., /v3/..., /v1/entities/
+                                  the Mem0 platform API (server/mem0_api.py)
     GET  /health, GET /metrics    (never behind the API key)
 
 Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}`` as OpenAI sends
-it; bad input is a 4xx, never a 500 with a traceback.
+it (plus Mem0's ``detail`` on memory routes); bad input is a 4xx, never a 500 with a traceback.
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -80,6 +78,7 @@ class APIError(Exception):
 
 
 _OPENAI_PATHS = ("/v1/chat/", "/v1/completions", "/v1/models")
+_VERSIONED = re.compile(r"/v\d+(/|$)")
 
 
 def _is_mem0_path(path: str) -> bool:
@@ -151,7 +150,8 @@ def create_app(
     Args:
         served_model_name: the ``model`` id clients send and ``/v1/models`` lists (default:
             the alias or folder name the engine was built from).
-        api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>`` (401 otherwise).
+        api_key: when set, ``/v1/*``, ``/v2/*`` and ``/v3/*`` need ``Authorization: Bearer <api_key>``
+            or ``Token <api_key>`` (401 otherwise).
         default_max_tokens: the cap for requests that give no ``max_tokens`` (also bounded by
             what is left of the context).
         preload_memory: open the memory store now (loads the embedder) rather than on the
@@ -503,7 +503,7 @@ class _AuthAndCount:
             await self.app(scope, receive, send)
             return
         method = scope.get("method", "")
-        if self.api_key and scope.get("path", "").startswith("/v1"):
+        if self.api_key and _VERSIONED.match(scope.get("path", "")):  # the Mem0 API has /v2 and /v3 routes too
             auth = ""
             for k, v in scope.get("headers", []):
                 if k == b"authorization":
