@@ -37,7 +37,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from inferscale_engine.errors import check_utf8
-from inferscale_engine.memory.extraction import extract_actions, parse_actions, parse_facts
+from inferscale_engine.memory.extraction import (
+    extract_actions,
+    parse_actions,
+    parse_facts,
+)
 
 ENTITY_KEYS = ("user_id", "agent_id", "run_id", "app_id")
 MAX_ENTITY_ID = 120  # the store's user-id limit (128) less the "@agent:" prefix

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 # Handles this process's retrievers handed out, per store: an InferScaleLLM given no user_id
 # serves the handles of the one user they were retrieved for (RetrieverQueryEngine passes the
 # LLM only the prompt text, never the retriever). Bounded: old entries are forgotten first.
-_ISSUED: "weakref.WeakKeyDictionary[MemoryStore, OrderedDict[str, str]]" = weakref.WeakKeyDictionary()
+_ISSUED: weakref.WeakKeyDictionary[MemoryStore, OrderedDict[str, str]] = weakref.WeakKeyDictionary()
 _ISSUED_MAX = 100_000
 _ISSUED_LOCK = threading.Lock()
 
