@@ -277,6 +277,23 @@ def test_unknown_model_and_route_are_404(client, http):
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
 
 
+def test_litellm_context_window_error_and_user(server, http):
+    """litellm maps the overflow to ContextWindowExceededError by its wording; it drops ``user``
+    for OpenAI-compatible providers, so the user goes in extra_body or the X-User-Id header."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of its price list at import
+    litellm = pytest.importorskip("litellm")
+    kw = dict(model=f"openai/{MODEL}", api_base=server + "/v1", api_key=API_KEY, max_tokens=4, temperature=0)
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.completion(messages=[{"role": "user", "content": "word " * 200}], **{**kw, "max_tokens": 1000})
+    r = http.post("/v1/memories/", json={"messages": "My cat is called Tom.", "user_id": "lite"})
+    msgs = [{"role": "system", "content": "Memory: " + r.json()["results"][0]["handle"]}, {"role": "user", "content": "cat?"}]
+    for extra in ({"extra_body": {"user": "lite"}}, {"extra_headers": {"X-User-Id": "lite"}}):
+        assert litellm.completion(messages=msgs, **kw, **extra).usage.model_extra["injected_tokens"] > 0
+    with pytest.raises(litellm.BadRequestError, match="names no user"):
+        litellm.completion(messages=msgs, user="lite", **kw)  # dropped by litellm: refused, not served as "default"
+    http.delete("/v1/memories/", params={"user_id": "lite"})
+
+
 def test_retrieve_model(client):
     m = client.models.retrieve(MODEL)
     assert m.id == MODEL and m.object == "model"
