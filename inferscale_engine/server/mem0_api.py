@@ -44,7 +44,8 @@ from inferscale_engine.memory.extraction import (
 )
 
 ENTITY_KEYS = ("user_id", "agent_id", "run_id", "app_id")
-MAX_ENTITY_ID = 120  # the store's user-id limit (128) less the "@agent:" prefix
+MAX_USER_ID = 128  # the store's limit
+MAX_ENTITY_ID = MAX_USER_ID - len("@agent:")  # agent/run/app-only memories are stored under "@agent:<id>"
 ENTITY_TYPES = {"user": "user_id", "agent": "agent_id", "run": "run_id", "app": "app_id"}
 META_KEY = "_entities"
 #: Filter keys this server evaluates; anything else is refused rather than ignored, since an
@@ -205,8 +206,9 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
             raise bad(f"{key} must be a string", key)
         # Checked here, not only by the store: a listing over an id the store would refuse must
         # be a 400, not an empty success.
-        if not v.strip() or len(v) > MAX_ENTITY_ID or not v.isprintable():
-            raise bad(f"{key} must be a non-empty string of at most {MAX_ENTITY_ID} printable characters", key)
+        limit = MAX_USER_ID if key == "user_id" else MAX_ENTITY_ID
+        if not v.strip() or len(v) > limit or not v.isprintable():
+            raise bad(f"{key} must be a non-empty string of at most {limit} printable characters", key)
         if key == "user_id" and v.startswith(("@agent:", "@run:", "@app:")):
             raise bad(f"user_id {v!r} is reserved for agent, run and app memories", key)
         return v
@@ -328,7 +330,7 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         if parse_facts(replies[0]) is None or (len(replies) > 1 and parse_actions(replies[1], ids) is None):
             raise APIError(422, "infer=true: the served model did not answer the memory extraction prompt with the "
                                 "JSON asked for, so nothing was stored. Retry, use a stronger model, or send "
-                                "infer=false to store the messages as they are.",
+                                f"infer=false to store the messages as they are. Its reply began: {replies[-1][:200]!r}",
                            "invalid_request_error", "infer", "extraction_failed")
         out: list[dict[str, Any]] = []
         for a in actions:
@@ -539,12 +541,13 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
             owned(memory_id, who)
             owner, meta = entities_of(item), memory_dict(item)["metadata"]
         else:
-            if who.user_id and events[0].get("user_id") != who.user_id:
+            # Deleted: its events keep only the store key, so a caller naming an agent or run of
+            # a user's memory cannot be told apart from a stranger and gets the 404.
+            key = str(events[0].get("user_id"))
+            if who.any() and key != who.store_key():
                 raise not_found(f"memory {memory_id!r} not found")
-            if not who.user_id and who.any() and not str(events[0].get("user_id", "")).startswith("@"):
-                raise not_found(f"memory {memory_id!r} not found")
-            u = events[0].get("user_id")
-            owner, meta = {"user_id": None if str(u).startswith("@") else u}, {}
+            owner = {"user_id": None if key.startswith("@") else key, "agent_id": None, "run_id": None, "app_id": None}
+            meta = {}
         return [{"id": e["id"], "memory_id": memory_id, "input": [], "old_memory": e["old_memory"],
                  "new_memory": e["new_memory"], "event": e["event"], **owner, "metadata": meta,
                  "created_at": e["created_at"], "updated_at": e["created_at"]} for e in events]
