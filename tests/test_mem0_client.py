@@ -80,6 +80,11 @@ def test_another_users_memory_is_404_to_a_caller_that_names_itself(http):
     r = http.post("/v3/memories/search/", json={"query": "cello", "filters": {"user_id": "dave"}})
     assert r.json()["results"] == []
     assert http.delete("/v1/memories/", params={"user_id": "carol"}).json()["deleted"] == 1
+    # once deleted, its history still answers only its owner (or a caller that names no one)
+    assert http.get(f"/v1/memories/{mid}/history/", params={"user_id": "dave"}).status_code == 404
+    assert http.get(f"/v1/memories/{mid}/history/", headers={"X-User-Id": "dave"}).status_code == 404
+    events = http.get(f"/v1/memories/{mid}/history/", params={"user_id": "carol"}).json()
+    assert [e["event"] for e in events] == ["ADD", "DELETE"] and events[0]["user_id"] == "carol"
 
 
 def test_requests_without_entity_or_with_unknown_filters_are_400(http):
