@@ -308,7 +308,7 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
             prompt = "\n\n".join(m["content"] for m in clean) + "\n\nReply:\n"
         return engine.generate(prompt, user_id=user, max_tokens=_EXTRACTION_MAX_TOKENS, temperature=0.0, mode="prompt").text
 
-    def add_inferred(conversation: list[str], who: Entities, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    def add_inferred(conversation: list[str], who: Entities, meta: dict[str, Any], context: Any) -> list[dict[str, Any]]:
         """Mem0's two model calls on the co-located engine; a reply we cannot use is a 422, so
         a client never gets an empty success for messages that were not stored."""
         s = store()
@@ -335,7 +335,7 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         out: list[dict[str, Any]] = []
         for a in actions:
             if a.event == "ADD":
-                for item in call(s.add, a.text, user_id=key, metadata=meta):
+                for item in call(s.add, a.text, user_id=key, metadata=meta, context=context):
                     out.append(memory_dict(item, event="ADD"))
             elif a.event == "UPDATE":
                 before = owned(a.fact_id, who)
@@ -364,11 +364,13 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
             raise bad("infer must be true or false", "infer")
         s = store()
         key = who.store_key()
+        # By default every fact is encoded after the system head that memory_k and `inferscale
+        # chat` recall memories under, so the first recalled fact is injected as prefill would be.
+        context = body["context"] if "context" in body else default_context()
         if infer:
-            results = add_inferred([f"{r.capitalize()}: {c}" for r, c in messages if c.strip()], who, meta)
+            results = add_inferred([f"{r.capitalize()}: {c}" for r, c in messages if c.strip()], who, meta, context)
         elif role_prefix:
             # InferScale's own contract on /v1/memories/: one fact per message, "User: ..." (speaker kept).
-            context = body["context"] if "context" in body else default_context()
             msgs = [{"role": r, "content": c} for r, c in messages]
             if isinstance(body.get("messages"), list):
                 for m, src in zip(msgs, body["messages"]):
@@ -378,11 +380,13 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
             results = [memory_dict(i, event="ADD") for i in items]
         else:
             # Mem0 with infer=false stores each non-system message's content as it is.
+            kept = [(r, c) for r, c in messages if r not in ("system", "developer") and c.strip()]
+            if not kept:
+                raise bad("nothing to remember: infer=false stores user and assistant messages, and there are none",
+                          "messages")
             results = []
-            for role, content in messages:
-                if role in ("system", "developer") or not content.strip():
-                    continue
-                for i in call(s.add, content, user_id=key, metadata={**meta, "role": role}):
+            for role, content in kept:
+                for i in call(s.add, content, user_id=key, metadata={**meta, "role": role}, context=context):
                     results.append(memory_dict(i, event="ADD"))
         if body.get("output_format") == "v1.0":
             return results
