@@ -509,12 +509,12 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
             raise bad("text must be a non-empty string", "text")
         if meta is not None and not isinstance(meta, dict):
             raise bad("metadata must be an object", "metadata")
+        if meta is not None and META_KEY in meta:
+            raise bad(f"metadata key {META_KEY!r} is reserved", "metadata")
         s = store()
         if text is not None:
             item = call(s.update, memory_id, text, user_id=item.user_id)
         if meta is not None:
-            if META_KEY in meta:
-                raise bad(f"metadata key {META_KEY!r} is reserved", "metadata")
             kept = (item.metadata or {}).get(META_KEY)
             item = call(s.update_metadata, memory_id, {**meta, **({META_KEY: kept} if kept else {})}, user_id=item.user_id)
         return {"message": "Memory updated successfully!", **memory_dict(item)}
