@@ -89,8 +89,8 @@ class InferScaleLLM(CustomLLM):
     model_name: str = Field(default="smollm2", description="Model alias or local model folder.")
     user_id: str | None = Field(
         default=None,
-        description="Whose memory handles may be resolved. None: the user an InferScaleRetriever of the same "
-                    "engine retrieved the prompt's handles for (set it in apps that serve several users).",
+        description="Whose memory handles may be resolved. None: the user an InferScale retriever or memory of "
+                    "the same engine recalled the prompt's handles for (set it in apps that serve several users).",
     )
     mode: Literal["inject", "prompt"] = Field(default="inject", description="inject KV, or prefill (baseline).")
     temperature: float = Field(default=0.0, ge=0.0)
@@ -148,8 +148,8 @@ class InferScaleLLM(CustomLLM):
             return next(iter(users))  # type: ignore[return-value]
         # Not a ValueError: LlamaIndex's response synthesizers swallow those into "Empty Response".
         raise MissingUserError(
-            "InferScaleLLM has no user_id, and the memory handles in its prompt were not all retrieved for one "
-            "user by an InferScaleRetriever of this engine: pass InferScaleLLM(user_id=...)"
+            "InferScaleLLM has no user_id, and the memory handles in its prompt were not all recalled for one "
+            "user by an InferScale retriever or memory of this engine: pass InferScaleLLM(user_id=...)"
         )
 
     def _sampling(self, kwargs: dict[str, Any], payload: Any) -> dict[str, Any]:
@@ -157,7 +157,7 @@ class InferScaleLLM(CustomLLM):
         sampling: dict[str, Any] = {
             "temperature": self.temperature,
             "max_tokens": self.max_tokens,
-            "user_id": self._user_for(payload),
+            "user_id": kwargs["user_id"] if "user_id" in kwargs else self._user_for(payload),
             "mode": self.mode,
             **self.sampling_kwargs,
             **kwargs,
