@@ -55,9 +55,11 @@ examples:
 
 SERVE_EPILOG = """\
 endpoints:
-  POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models
-  POST /v1/memories/  POST /v1/memories/search/  GET|DELETE /v1/memories/?user_id=U
-  GET|PUT|DELETE /v1/memories/{id}/?user_id=U   GET /v1/memories/{id}/history/?user_id=U
+  POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models[/{id}]
+  the Mem0 platform API (mem0ai's MemoryClient works unmodified): GET /v1/ping/,
+  POST /v1/memories/ | /v3/memories/add/, POST /v{1,2,3}/memories/search/, POST /v{2,3}/memories/,
+  GET|DELETE /v1/memories/?user_id=U, GET|PUT|DELETE /v1/memories/{id}/, GET /v1/memories/{id}/history/,
+  GET /v1/entities/, DELETE /v2/entities/{type}/{name}/
   GET /health  GET /metrics (Prometheus)
 
 examples:

@@ -482,7 +482,7 @@ def test_http_bad_inputs_are_4xx_json_never_500(engine, user_facts, caplog):
         (("GET", "/v1/memories/", {"params": {"user_id": "a\nb"}}), 400),
         (("GET", "/v1/memories/", {"params": {"user_id": "  "}}), 400),
         (("GET", "/v1/memories/", {}), 400),
-        (("GET", f"/v1/memories/{items[0].id}/", {}), 400),
+        (("GET", f"/v1/memories/{items[0].id}/", {"headers": {"X-User-Id": "someone-else"}}), 404),
         (("GET", f"/v1/memories/{items[0].id}/", {"params": {"user_id": "someone-else"}}), 404),
         (("GET", "/v1/memories/..%2F..%2Fsecret.key/", {"params": {"user_id": user}}), 404),
         (("GET", "/v1/memories/%ED%A0%80/", {"params": {"user_id": user}}), 404),
@@ -490,7 +490,12 @@ def test_http_bad_inputs_are_4xx_json_never_500(engine, user_facts, caplog):
         (("PUT", f"/v1/memories/{items[0].id}/", {"params": {"user_id": user}, "json": {"text": "word " * 600}}), 400),
         (("PUT", f"/v1/memories/{items[0].id}/", {"params": {"user_id": user}, "content": b'{"text": "\\udc00"}',
                                                   "headers": {"Content-Type": "application/json"}}), 400),
-        (("PUT", f"/v1/memories/{items[0].id}/", {"json": {"text": "x"}}), 400),
+        (("PUT", f"/v1/memories/{items[0].id}/", {"json": {"text": "x"}, "headers": {"X-User-Id": "someone-else"}}), 404),
+        (("PUT", f"/v1/memories/{items[0].id}/", {"json": {}}), 400),
+        (("POST", "/v3/memories/search/", {"json": {"query": "x", "filters": {"user_id": user, "created_at": "2024"}}}), 400),
+        (("POST", "/v3/memories/", {"json": {"filters": {"OR": []}}}), 400),
+        (("DELETE", "/v2/entities/planet/earth/", {}), 400),
+        (("DELETE", "/v2/entities/user/nobody-here/", {}), 404),
         (("DELETE", "/v1/memories/ffffffffffffffff/", {"params": {"user_id": user}}), 404),
         (("DELETE", "/v1/memories/", {"params": {"user_id": ""}}), 400),
         (("GET", "/v1/memories/ffffffffffffffff/history/", {"params": {"user_id": user}}), 404),
@@ -519,7 +524,8 @@ def test_http_bad_inputs_are_4xx_json_never_500(engine, user_facts, caplog):
         (raw("/v1/completions", b'{"model": "tiny", "prompt": "\\udc80", "max_tokens": 2}'), 400),
         (("POST", "/v1/completions", {"json": {"model": "tiny", "prompt": [1, 2, 3]}}), 400),
         (("POST", "/v1/completions", {"json": {"model": "tiny", "prompt": ""}}), 400),
-        (("POST", "/v1/completions", {"json": {"model": "tiny", "prompt": ["a", "b"]}}), 400),
+        (("POST", "/v1/completions", {"json": {"model": "tiny", "prompt": ["a", ""]}}), 400),
+        (("POST", "/v1/completions", {"json": {"model": "tiny", "prompt": ["a", "b"], "stream": True}}), 400),
     ]
     before = snapshot(store)
     caplog.set_level(logging.ERROR)

@@ -164,7 +164,7 @@ def test_add_messages_get_history_update_delete(make_store, engine):
     hist = store.history(items[0].id)
     assert [h["event"] for h in hist] == ["ADD", "UPDATE"]
     assert hist[1]["old_memory"] == "User: My dog is called Rex." and hist[1]["new_memory"] == "User: My dog is called Max."
-    assert set(hist[0]) == {"id", "memory_id", "event", "old_memory", "new_memory", "created_at"}
+    assert set(hist[0]) == {"id", "memory_id", "user_id", "event", "old_memory", "new_memory", "created_at"}
     hist = store.history(items[1].id)
     assert [(h["event"], h["old_memory"], h["new_memory"]) for h in hist] == [
         ("ADD", None, "Assistant: Rex is a good name."), ("DELETE", "Assistant: Rex is a good name.", None),

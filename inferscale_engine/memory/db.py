@@ -197,9 +197,9 @@ class MetaDB:
     def history(self, memory_id: str) -> list[dict[str, Any]]:
         with self.lock:
             rows = self.conn.execute(
-                "SELECT id, memory_id, event, old_memory, new_memory, created_at FROM history "
+                "SELECT id, memory_id, user_id, event, old_memory, new_memory, created_at FROM history "
                 "WHERE memory_id=? ORDER BY seq",
                 (memory_id,),
             ).fetchall()
-        keys = ("id", "memory_id", "event", "old_memory", "new_memory", "created_at")
+        keys = ("id", "memory_id", "user_id", "event", "old_memory", "new_memory", "created_at")
         return [dict(zip(keys, r)) for r in rows]

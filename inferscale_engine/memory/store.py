@@ -272,6 +272,25 @@ class MemoryStore:
         with self._lock:
             return [self._item(self._facts[i]) for i in self._user_facts.get(user_id, ())]
 
+    def user_ids(self) -> list[str]:
+        """Every user that has live facts (what an HTTP ``users`` listing needs)."""
+        self._check_open()
+        with self._lock:
+            return [u for u, facts in self._user_facts.items() if facts]
+
+    def update_metadata(self, fact_id: str, metadata: dict[str, Any], *, user_id: str | None = None) -> MemoryItem:
+        """Replace a fact's metadata; text, handle and KV stay as they are (Mem0 lets clients edit it alone)."""
+        self._check_open()
+        meta = _check_metadata(metadata)
+        now = _now()
+        with self._lock:
+            self._check_open()
+            old = self._lookup(fact_id, user_id)
+            with self._db.transaction() as c:
+                c.execute("UPDATE facts SET metadata=?, updated_at=? WHERE id=?", (json.dumps(meta), now, fact_id))
+            new = self._facts[fact_id] = dataclasses.replace(old, metadata=meta, updated_at=now)
+            return self._item(new)
+
     def update(self, fact_id: str, text: str, *, user_id: str | None = None) -> MemoryItem:
         """Replace a fact's text: re-tokenized, re-embedded, re-encoded under a new KV version.
 
