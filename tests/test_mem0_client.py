@@ -19,10 +19,9 @@ import httpx
 import pytest
 from test_server import start_server, stop_server
 
-os.environ["MEM0_TELEMETRY"] = "False"  # read when mem0 is imported
-mem0 = pytest.importorskip("mem0")
-
-import mem0_checks
+os.environ["MEM0_TELEMETRY"] = "False"  # read when mem0 is imported, so before it
+import mem0  # noqa: E402  (the test extra installs it: a missing one must fail, not skip)
+import mem0_checks  # noqa: E402
 
 API_KEY = "mem0-test-key"
 PREVIOUS_MAJOR = "mem0ai>=1.0,<2"

@@ -666,15 +666,18 @@ class LocomoBench:
             s = score(rec["answer"], q.answer, q.category)
             scores.append(s)
             by_cat.setdefault(str(q.category), []).append(s)
-        agree, ci = None, None
+        agree, ci, cat_ci = None, None, {}
         if mode == "inject":
             prompt_got = self._collect("prompt", None, k)
             ref = {(c.sample_id, q.index): r["answer"] for c, q, r in prompt_got}
             pairs = [(r["answer"], ref[(c.sample_id, q.index)]) for c, q, r in got if (c.sample_id, q.index) in ref]
             agree = agreement([a for a, _ in pairs], [b for _, b in pairs])
             prompt_scores = {(c.sample_id, q.index): score(r["answer"], q.answer, q.category) for c, q, r in prompt_got}
-            ci = ratio_ci95([(s, prompt_scores[(c.sample_id, q.index)])
-                             for (c, q, _), s in zip(got, scores) if (c.sample_id, q.index) in prompt_scores])
+            paired = [(q.category, s, prompt_scores[(c.sample_id, q.index)])
+                      for (c, q, _), s in zip(got, scores) if (c.sample_id, q.index) in prompt_scores]
+            ci = ratio_ci95([(s, p) for _, s, p in paired])
+            cat_ci = {str(cat): ratio_ci95([(s, p) for c_, s, p in paired if c_ == cat])
+                      for cat in sorted({c_ for c_, _, _ in paired})}
             # Reordered for recompute, the prompt differs from the pasted one, except where every
             # memory is recomputed (then the order is the conversation's again).
             same_prompt = r == 0 or self.order == "conversation" or r >= 2 * (k or 0)
@@ -694,6 +697,7 @@ class LocomoBench:
             # Under --concurrency requests queue behind each other: a cost indicator, not TTFT.
             "ttft_ms": float(np.median(ttfts)) * 1e3 if ttfts else None,
             **({"inject_over_prompt_ci95": ci} if ci is not None else {}),
+            **({"category_over_prompt_ci95": cat_ci} if mode == "inject" else {}),
         }
 
     def exact_summary(self) -> dict[str, Any] | None:
