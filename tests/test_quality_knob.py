@@ -84,12 +84,15 @@ def test_partial_recompute_prefills_the_last_memories(engine, messages):
 
 
 def test_engine_default_and_per_request_override(engine, messages):
+    default = engine.config.recompute
+    assert default == 4
+    assert _ask(engine, messages).usage.injected_tokens == _ask(engine, messages, recompute=4).usage.injected_tokens
     engine.config.recompute = len(FACTS)
     try:
         assert _ask(engine, messages).usage.injected_tokens == 0
         assert _ask(engine, messages, recompute=0).usage.injected_tokens > 0
     finally:
-        engine.config.recompute = 0
+        engine.config.recompute = default
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "3", True])
