@@ -97,7 +97,7 @@ if __name__ == "__main__":
     fused = "unfused" not in sys.argv[2:]
     options = dict(engine_option(a) for a in sys.argv[2:] if "=" in a)  # as bench's --engine-option
     eng = InferScaleEngine(model=sys.argv[1], device="cuda", dtype="bfloat16", load_format="dummy",
-                           skip_tokenizer_init=True, fused_rope=fused, **options)
+                           skip_tokenizer_init=True, fused_rope=fused, **{"recompute": 0, **options})
     print(f"block size {eng.vllm_config.cache_config.block_size}", flush=True)
     work = SyntheticWorkload.build(eng, pool=400)
     for k in (50, 200):
