@@ -45,7 +45,7 @@ def engine(tiny_llama, tmp_path_factory):
     from inferscale_engine import InferScaleEngine
 
     eng = InferScaleEngine(model=tiny_llama, store_path=tmp_path_factory.mktemp("iso-store"),
-                           device="cpu", dtype="float32", max_model_len=1024)
+                           device="cpu", dtype="float32", max_model_len=1024, recompute=0)
     yield eng
     from inferscale_integrations import _common
 

@@ -42,7 +42,7 @@ def engine(tiny_llama, tmp_path_factory):
     from inferscale_engine.memory import MemoryStore
 
     eng = InferScaleEngine(model=tiny_llama, store_path=tmp_path_factory.mktemp("load-store"),
-                           device="cpu", dtype="float32", max_model_len=1024)
+                           device="cpu", dtype="float32", max_model_len=1024, recompute=0)
     # The store the server uses: a device tier of 4 pages (64 tokens), a host tier of 2 pages.
     eng._memory = MemoryStore(eng, eng.config.store_path, window=eng.config.window, device_kv_bytes=4 * PAGE_BYTES,
                               host_kv_bytes=2 * PAGE_BYTES, page_tokens=PAGE_TOKENS)

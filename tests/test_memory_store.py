@@ -35,7 +35,7 @@ from inferscale_engine.memory.embedder import Embedder
 from inferscale_engine.types import Span
 
 REPO = Path(__file__).resolve().parent.parent
-ENGINE_OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 1024}
+ENGINE_OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 1024, "recompute": 0}
 
 
 @pytest.fixture(scope="module")
@@ -605,7 +605,7 @@ _CHILD = textwrap.dedent(
             def embed(self, texts, *, progress=False):
                 calls.append(list(texts))
                 return super().embed(texts, progress=progress)
-        engine = InferScaleEngine(model=model, device="cpu", dtype="float32", max_model_len=1024)
+        engine = InferScaleEngine(model=model, device="cpu", dtype="float32", max_model_len=1024, recompute=0)
         store = MemoryStore(engine, path, embedder=Counting())
         opened_calls = len(calls)
         result = {"embed_calls_on_open": opened_calls, "items": {}, "history": {}, "kv": {}, "search": {}}

@@ -67,7 +67,8 @@ def stop_server(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
-    proc, base, log = start_server(tiny_llama, tmp, "--max-model-len", "1024", "--api-key", API_KEY, name=MODEL)
+    proc, base, log = start_server(tiny_llama, tmp, "--max-model-len", "1024", "--api-key", API_KEY, "--recompute", "0",
+                                   name=MODEL)
     yield base
     stop_server(proc)
     text = log.read_text()
