@@ -55,6 +55,12 @@ class ModelPreparationError(InferScaleError, RuntimeError):
     """A model cannot be prepared (missing source, bad output)."""
 
 
+class MissingUserError(InferScaleError, RuntimeError):
+    """A request carries memory handles but names no user to check them against. A
+    ``RuntimeError``, not a ``ValueError``: LlamaIndex's response synthesizers swallow the latter
+    into an empty answer."""
+
+
 class ConnectorError(InferScaleError, RuntimeError):
     """The KV connector inside vLLM found its state inconsistent with the request it serves
     (unstaged KV, a foreign layer count, no engine bridge): a bug or misuse, not bad input."""

@@ -30,7 +30,7 @@ qe = RetrieverQueryEngine.from_args(InferScaleRetriever(engine=eng, user_id="jon
                                     llm=InferScaleLLM(engine=eng, max_tokens=16, temperature=0))
 print("ANSWER:", qe.query("Which city did Jonas move to?"))
 # A prompt with handles no retriever issued, and no user_id: a clear error, not "Empty Response".
-from inferscale_integrations.llamaindex.llms import MissingUserError
+from inferscale_engine.errors import MissingUserError
 (fact,) = eng.memory.add("Jonas plays chess.", user_id="jonas")
 try:
     InferScaleLLM(engine=eng, max_tokens=2).complete("Memory: " + fact.handle)

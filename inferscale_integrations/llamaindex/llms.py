@@ -27,6 +27,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
+from inferscale_engine.errors import MissingUserError
 from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_integrations._common import model_name_of, resolve_engine
 from inferscale_integrations.llamaindex.retrievers import issued_to
@@ -54,10 +55,6 @@ def _extra(result: GenerationResult, model_name: str) -> dict[str, Any]:
         "ttft_s": result.ttft_s,
         "latency_s": result.latency_s,
     }
-
-
-class MissingUserError(RuntimeError):
-    """An InferScaleLLM without ``user_id`` got memory handles whose user it cannot tell."""
 
 
 def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
