@@ -106,6 +106,22 @@ def memory_dict(item: Any, **more: Any) -> dict[str, Any]:
 Pred = Callable[[dict[str, Any]], bool]
 
 
+def _every(preds: list[Pred]) -> Pred:
+    return lambda e: all(p(e) for p in preds)
+
+
+def _some(preds: list[Pred]) -> Pred:
+    return lambda e: any(p(e) for p in preds)
+
+
+def _none(preds: list[Pred]) -> Pred:
+    return lambda e: not any(p(e) for p in preds)
+
+
+def _metadata_equals(want: dict[str, Any]) -> Pred:
+    return lambda e: all(e["metadata"].get(k) == v for k, v in want.items())
+
+
 def compile_filters(f: Any, error: Callable[[str], Exception]) -> tuple[Pred, set[str] | None]:
     """A predicate over ``entities_of + {metadata}`` and, when the filter pins ``user_id``,
     the store users worth searching (None: all of them)."""
@@ -126,15 +142,15 @@ def compile_filters(f: Any, error: Callable[[str], Exception]) -> tuple[Pred, se
             parts = [compile_filters(v, error) for v in value]
             ps = [p for p, _ in parts]
             if key == "AND":
-                preds.append(lambda e, ps=ps: all(p(e) for p in ps))
+                preds.append(_every(ps))
                 for _, u in parts:
                     narrow(u)
             elif key == "OR":
-                preds.append(lambda e, ps=ps: any(p(e) for p in ps))
+                preds.append(_some(ps))
                 if all(u is not None for _, u in parts):
-                    narrow(set().union(*(u for _, u in parts)))  # type: ignore[misc]
+                    narrow(set[str]().union(*(u for _, u in parts if u is not None)))
             else:
-                preds.append(lambda e, ps=ps: not any(p(e) for p in ps))
+                preds.append(_none(ps))
         elif key in ENTITY_KEYS:
             pred, pinned = _entity_pred(key, value, error)
             preds.append(pred)
@@ -143,11 +159,11 @@ def compile_filters(f: Any, error: Callable[[str], Exception]) -> tuple[Pred, se
         elif key == "metadata":
             if not isinstance(value, dict):
                 raise error("filters.metadata must be an object of key: value equalities")
-            preds.append(lambda e, want=value: all(e["metadata"].get(k) == v for k, v in want.items()))
+            preds.append(_metadata_equals(value))
         else:
             raise error(f"filter {key!r} is not supported by this server (supported: AND, OR, NOT, "
                         f"{', '.join(ENTITY_KEYS)}, metadata)")
-    return (lambda e: all(p(e) for p in preds)), users
+    return _every(preds), users
 
 
 def _entity_pred(key: str, value: Any, error: Callable[[str], Exception]) -> tuple[Pred, set[str] | None]:
@@ -259,7 +275,7 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
     def matching(pred: Pred, users: set[str] | None) -> list[Any]:
         s = store()
         keys = sorted(users) if users is not None else call(s.user_ids)
-        out = []
+        out: list[Any] = []
         for key in keys:
             out.extend(i for i in call(s.get_all, user_id=key) if pred(view(i)))
         return out
@@ -338,11 +354,11 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
                 for item in call(s.add, a.text, user_id=key, metadata=meta, context=context):
                     out.append(memory_dict(item, event="ADD"))
             elif a.event == "UPDATE":
-                before = owned(a.fact_id, who)
+                before = owned(str(a.fact_id), who)
                 item = call(s.update, a.fact_id, a.text, user_id=key)
                 out.append(memory_dict(item, event="UPDATE", previous_memory=before.memory))
             elif a.event == "DELETE":
-                before = owned(a.fact_id, who)
+                before = owned(str(a.fact_id), who)
                 call(s.delete, a.fact_id, user_id=key)
                 out.append(memory_dict(before, event="DELETE"))
         return out
@@ -422,7 +438,7 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         pred, users = selection(body, "search")
         s = store()
         keys = sorted(users) if users is not None else call(s.user_ids)
-        hits = []
+        hits: list[Any] = []
         for key in keys:
             n = len(call(s.get_all, user_id=key))
             if not n:

@@ -17,6 +17,7 @@ import asyncio
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -58,7 +59,7 @@ def remember_issued(store: MemoryStore, handles: dict[str, str]) -> None:
 def issued_to(store: MemoryStore, handles: list[str]) -> set[str | None]:
     """The users the handles were retrieved for (None for a handle no retriever issued)."""
     with _ISSUED_LOCK:
-        issued = _ISSUED.get(store) or {}
+        issued: Mapping[str, str] = _ISSUED.get(store) or {}
         return {issued.get(h) for h in handles}
 
 
