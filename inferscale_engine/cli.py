@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from inferscale_engine import __version__
 from inferscale_engine.config import engine_option
 
 PROG = "inferscale"
@@ -27,6 +28,7 @@ examples:
   echo "My dog is called Rex." | inferscale chat --user alice     scripted: one line per turn
   inferscale serve --port 8000 --api-key s3cret                   OpenAI-compatible HTTP API
   inferscale models prepare smollm2            convert the packaged SmolLM2 once (~30 s)
+  inferscale models prepare ./my-model.gguf    dequantize any local GGUF once (then --model ./my-model.gguf)
   inferscale memory add --user alice "I live in Lyon."
   inferscale memory search --user alice "where do I live?"
   inferscale memory import-locomo ../shared/data/locomo/locomo10.json --conversations 1
@@ -53,9 +55,11 @@ examples:
 
 SERVE_EPILOG = """\
 endpoints:
-  POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models
-  POST /v1/memories/  POST /v1/memories/search/  GET|DELETE /v1/memories/?user_id=U
-  GET|PUT|DELETE /v1/memories/{id}/?user_id=U   GET /v1/memories/{id}/history/?user_id=U
+  POST /v1/chat/completions, POST /v1/completions (stream or not), GET /v1/models[/{id}]
+  the Mem0 platform API (mem0ai's MemoryClient works unmodified): GET /v1/ping/,
+  POST /v1/memories/ | /v3/memories/add/, POST /v{1,2,3}/memories/search/, POST /v{2,3}/memories/,
+  GET|DELETE /v1/memories/?user_id=U, GET|PUT|DELETE /v1/memories/{id}/, GET /v1/memories/{id}/history/,
+  GET /v1/entities/, DELETE /v2/entities/{type}/{name}/
   GET /health  GET /metrics (Prometheus)
 
 examples:
@@ -89,6 +93,9 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length (default: the model's, 8192 for smollm2)")
     g.add_argument("--dtype", default=None, help="weights/activations dtype, e.g. bfloat16, float32 (default: the model's)")
     g.add_argument("--window", type=int, default=None, metavar="W", help="turns of context each memory is encoded after (default 5)")
+    g.add_argument("--recompute", type=int, default=None, metavar="R",
+                   help="the quality knob: the R most relevant memories of a prompt are prefilled as text after the "
+                        "injected rest (more: closer to pasted memories, more prefill; default: the engine's)")
     g.add_argument("--engine-option", action="append", default=[], type=engine_option, metavar="KEY=VALUE",
                    help="an EngineConfig field or vLLM engine argument, e.g. gpu_memory_utilization=0.5 (repeatable)")
 
@@ -102,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="-v: progress and vLLM warnings; -vv: debug logs and tracebacks")
-    parser.add_argument("--version", action="version", version=f"{PROG} 0.1.0")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     # chat
@@ -141,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = msub.add_parser("list", help="known aliases and whether they are prepared")
     q.set_defaults(func=cmd_models_list)
     q = msub.add_parser("prepare", help="make an alias loadable (converts once, then cached)")
-    q.add_argument("name", nargs="?", default="smollm2", help="alias (default smollm2)")
+    q.add_argument("name", nargs="?", default="smollm2",
+                   help="alias (smollm2, qwen2.5-coder-0.5b) or a local .gguf file (default smollm2)")
     q.add_argument("--force", action="store_true", help="rebuild even if cached")
     q.set_defaults(func=cmd_models_prepare)
     p.set_defaults(func=lambda args: _subhelp(p))
@@ -246,7 +254,7 @@ def _setup_logging(verbose: int) -> Any:
 
 def _restore_logging(state: Any) -> None:
     saved, redirected, env, filters = state
-    warnings.filters[:] = filters
+    warnings.filters[:] = filters  # type: ignore[index]  # a list at runtime; typeshed says Sequence
     for k, v in env.items():
         if v is None:
             os.environ.pop(k, None)
@@ -299,7 +307,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's options from the command line: ``--engine-option`` pairs, then the flags
     that name an option themselves (which win)."""
     options: dict[str, Any] = dict(args.engine_option)
-    for name in ("max_model_len", "dtype", "window"):
+    for name in ("max_model_len", "dtype", "window", "recompute"):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value
@@ -391,12 +399,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_models_list(args: argparse.Namespace) -> int:
     from inferscale_engine.models import MODEL_ALIASES, is_prepared, model_cache_dir
 
-    print(f"{'ALIAS':<10} {'MODEL':<26} {'STATUS':<12} PATH")
+    print(f"{'ALIAS':<20} {'MODEL':<28} {'STATUS':<12} PATH")
     for alias, name in sorted(MODEL_ALIASES.items()):
         path = model_cache_dir(alias)
         status = "prepared" if is_prepared(path) else "not prepared"
-        print(f"{alias:<10} {name:<26} {status:<12} {path}")
-    print("\nAny local Hugging Face model folder works too: --model /path/to/model", file=sys.stderr)
+        print(f"{alias:<20} {name:<28} {status:<12} {path}")
+    print("\nAny local Hugging Face model folder or .gguf file works too: --model /path/to/model", file=sys.stderr)
     return 0
 
 

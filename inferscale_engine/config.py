@@ -61,6 +61,13 @@ class EngineConfig:
     #: which saves hashing, evicting and caching every block of every request (1–2 ms at k=200)
     #: and leaves the cache to prompts it can serve again. Read per request.
     prefix_cache_injected: bool = False
+    #: The quality knob: how many of a prompt's memories, counted back from its last one, are
+    #: prefilled as text after the injected ones instead of injected. Those see every memory
+    #: before them, as in prompt injection; at least as many as a prompt holds reproduces prompt
+    #: injection exactly. Each costs its tokens of prefill. Per-request override: ``recompute=``.
+    #: 4: on LoCoMo (Qwen2.5-Coder-0.5B, H200) 98-105% of prompt injection's F1 at k = 5-30 per
+    #: speaker for 1.07x the all-injected TTFT at k=50 (docs/benchmarks-locomo.md).
+    recompute: int = 4
     vllm_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -71,6 +78,7 @@ class EngineConfig:
         self.store_path = Path(self.store_path).expanduser() if self.store_path else default_store_path()
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
+        check_recompute(self.recompute)
         if self.max_model_len is not None and self.max_model_len < 32:
             raise ValueError(f"max_model_len too small: {self.max_model_len}")
         if self.enforce_eager is None:
@@ -78,7 +86,7 @@ class EngineConfig:
             self.enforce_eager = self.device == "cpu"
 
     @classmethod
-    def from_options(cls, **options: Any) -> "EngineConfig":
+    def from_options(cls, **options: Any) -> EngineConfig:
         """Build from keyword options; unknown ones go to ``vllm_options``."""
         names = set(cls.__dataclass_fields__)
         ours = {k: v for k, v in options.items() if k in names}
@@ -115,10 +123,17 @@ class MemoryConfig:
         self.path = Path(self.path).expanduser() if self.path else default_store_path()
 
     @classmethod
-    def for_engine(cls, engine_config: EngineConfig, **overrides: Any) -> "MemoryConfig":
+    def for_engine(cls, engine_config: EngineConfig, **overrides: Any) -> MemoryConfig:
         """The store of an engine: its ``store_path``, ``window`` and ``device``, unless overridden."""
         base = {"path": engine_config.store_path, "window": engine_config.window, "device": engine_config.device}
         return cls(**{**base, **overrides})
+
+
+def check_recompute(value: Any) -> int:
+    """``value`` as a ``recompute`` setting: a count of memories, ``>= 0``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"recompute must be an integer >= 0 (memories prefilled as text), got {value!r}")
+    return value
 
 
 def engine_option(text: str) -> tuple[str, Any]:

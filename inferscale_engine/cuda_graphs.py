@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import random
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from inferscale_engine.encoder import EncodeWindow
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from inferscale_engine.config import EngineConfig
-    from inferscale_engine.engine import InferScaleEngine
+    from inferscale_engine.kv import FactKV
 
 FULL: dict[str, Any] = {"compilation_config": {"cudagraph_mode": "FULL"}}
 #: Largest relative difference (per layer: max |diff| / max |value|) between graphed and
@@ -38,7 +39,18 @@ _GRAPHED = (48, 80)
 _PAST_GRAPHS = 16  # tokens beyond the largest graph size in the ungraphed reference
 
 
-def wanted(cfg: "EngineConfig") -> bool:
+class GraphedEngine(Protocol):
+    """What the check needs of a started engine (the engine imports this module, so it is
+    named by shape rather than imported)."""
+
+    vllm_config: Any
+    max_model_len: int
+    vocab_size: int
+
+    def encode(self, windows: Sequence[EncodeWindow]) -> list[list[FactKV]]: ...
+
+
+def wanted(cfg: EngineConfig) -> bool:
     """Whether to start with full graphs: CUDA, graphs on, no graph settings of the caller's,
     a cache layout the connector reads captures back from (no KV write hook runs inside a full
     graph), and room for a prefill longer than vLLM's default largest graph (256 tokens)."""
@@ -54,7 +66,7 @@ def wanted(cfg: "EngineConfig") -> bool:
     )
 
 
-def prefill_error(engine: "InferScaleEngine", graph_max: int | None = None) -> float | None:
+def prefill_error(engine: GraphedEngine, graph_max: int | None = None) -> float | None:
     """Largest relative difference between the KV of graphed and ungraphed prefills of the
     same tokens; ``None`` where no step can run without a graph.
 
@@ -86,6 +98,6 @@ def keep(error: float | None) -> bool:
     return error is not None and error <= TOLERANCE
 
 
-def _relative(got: "torch.Tensor", want: "torch.Tensor") -> float:
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
     diff = (got.float() - want.float()).abs().amax(dim=(1, 2, 3))
     return float((diff / want.float().abs().amax(dim=(1, 2, 3)).clamp(min=1e-30)).max())

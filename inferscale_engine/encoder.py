@@ -11,6 +11,7 @@ import queue
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -28,7 +29,7 @@ class EncodeWindow:
     ranges: tuple[tuple[int, int], ...]
 
     @classmethod
-    def single(cls, fact_ids: Sequence[int], context_ids: Sequence[int] = ()) -> "EncodeWindow":
+    def single(cls, fact_ids: Sequence[int], context_ids: Sequence[int] = ()) -> EncodeWindow:
         return cls(tuple(context_ids) + tuple(fact_ids), ((len(context_ids), len(fact_ids)),))
 
 
@@ -65,7 +66,12 @@ def encode_windows(
             params.append(sp)
             # A fresh salt keeps vLLM's prefix cache from skipping rows we must see computed.
             prompt = {"prompt_token_ids": list(w.token_ids), "cache_salt": f"encode-{cids[0]}"}
-            loop.submit(prompt, sp, lambda out, t, i=i: done.put((i, out)) if _final(out) else None)
+
+            def listener(out: Any, t: float, i: int = i) -> None:
+                if _final(out):
+                    done.put((i, out))
+
+            loop.submit(prompt, sp, listener)
         errors = []
         for _ in tqdm(range(len(windows)), desc="encoding", unit="window", disable=not progress):
             i, out = done.get()

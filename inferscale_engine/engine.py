@@ -28,15 +28,15 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, Union
+from typing import TYPE_CHECKING, Any, Literal
 
 import pydantic
 import torch
 
 from inferscale_engine import cuda_graphs
-from inferscale_engine.config import EngineConfig
+from inferscale_engine.config import EngineConfig, check_recompute
 from inferscale_engine.connector import compat
 from inferscale_engine.connector.bridge import drop_bridge, new_bridge
 from inferscale_engine.connector.plan import InjectionPlan, SpanRef, injected_tokens, plan_kind
@@ -48,10 +48,20 @@ from inferscale_engine.errors import (
     InferScaleError,
     check_utf8,
 )
-from inferscale_engine.handles import Handle, split_on_handles
+from inferscale_engine.handles import split_on_handles
 from inferscale_engine.kv import FactKV
 from inferscale_engine.loop import EngineLoop
 from inferscale_engine.rope import RopeTable
+from inferscale_engine.types import (
+    FactSource,
+    GenerationResult,
+    Messages,
+    Mode,
+    Segment,
+    Span,
+    StreamDelta,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -60,66 +70,6 @@ if TYPE_CHECKING:
     from inferscale_engine.memory import MemoryStore
 
 logger = logging.getLogger(__name__)
-
-Mode = Literal["inject", "prompt"]
-Messages = Sequence[dict[str, str]]
-
-
-@dataclass(frozen=True)
-class Span:
-    """Tokens whose KV is injected rather than computed."""
-
-    key: str  # identifies the KV content: equal keys must mean equal KV
-    token_ids: tuple[int, ...]
-    kv: FactKV
-    text: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kv.num_tokens != len(self.token_ids):
-            raise ValueError(f"span {self.key}: {len(self.token_ids)} tokens but KV for {self.kv.num_tokens}")
-
-
-Segment = Union[Span, Sequence[int]]
-
-
-class FactSource(Protocol):
-    """Turns the handles of a request of ``user_id`` into the spans to inject (the memory store).
-    A source with only ``resolve(handle, user_id) -> Span`` is asked handle by handle."""
-
-    def resolve_many(self, handles: Sequence[Handle], user_id: str) -> list[Span]: ...
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    injected_tokens: int  # prompt tokens whose KV was injected instead of prefilled
-    cached_tokens: int  # prompt tokens vLLM's prefix cache already held
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    usage: Usage
-    ttft_s: float  # from the start of the request's preparation (layout, plan) to its first token
-    latency_s: float
-    prompt_token_ids: list[int] = field(repr=False, default_factory=list)
-    #: Log-probabilities of the first generated token ({token id: logprob}) when asked for.
-    first_logprobs: dict[int, float] | None = field(repr=False, default=None)
-
-
-@dataclass
-class StreamDelta:
-    """One piece of a streamed generation; the last one carries the whole result."""
-
-    text: str
-    result: GenerationResult | None = None
 
 
 @dataclass
@@ -241,7 +191,7 @@ class InferScaleEngine:
         self.vllm_config = self._vllm.vllm_config
         model_config = self.vllm_config.model_config
         # None when vLLM runs with skip_tokenizer_init (token-id-only benchmarks).
-        self.tokenizer = None if model_config.skip_tokenizer_init else self._vllm.get_tokenizer()
+        self.tokenizer: Any = None if model_config.skip_tokenizer_init else self._vllm.get_tokenizer()
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.get_vocab_size()
         self.dtype = model_config.dtype
@@ -276,14 +226,14 @@ class InferScaleEngine:
         drop_bridge(self.bridge.id)
         self._stop_vllm()
 
-    def __enter__(self) -> "InferScaleEngine":
+    def __enter__(self) -> InferScaleEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     @property
-    def memory(self) -> "MemoryStore":
+    def memory(self) -> MemoryStore:
         """The engine's own memory store (Mem0-style API), and the ``FactSource`` its handles
         resolve through unless ``fact_source`` is set. Built on first use by the composition
         root (:func:`inferscale_engine.runtime.build_memory`) from this engine's config; assign
@@ -295,7 +245,7 @@ class InferScaleEngine:
         return self._memory
 
     @memory.setter
-    def memory(self, store: "MemoryStore") -> None:
+    def memory(self, store: MemoryStore) -> None:
         if self._memory is not None and self._memory is not store:
             self._memory.close()
         self._memory = store
@@ -365,16 +315,22 @@ class InferScaleEngine:
         max_tokens: int = 256,
         temperature: float = 0.0,
         mode: Mode = "inject",
+        recompute: int | None = None,
         **sampling: Any,
     ) -> GenerationResult:
         """Generate from a prompt string or chat messages; handles in it are injected as KV.
 
         ``mode="prompt"`` sends the very same token ids without injection (the baseline of
-        pasting facts as text). Extra keyword arguments go to vLLM's ``SamplingParams``.
+        pasting facts as text). ``recompute`` (default: the engine's ``config.recompute``) is the
+        quality knob: the last ``recompute`` memories of the prompt are prefilled as text after
+        the injected ones, so they attend to everything before them; list the most relevant
+        memories last. At least as many as the prompt holds gives prompt injection's output.
+        Extra keyword arguments go to vLLM's ``SamplingParams``.
         """
         segments = self.resolve(prompt_or_messages, user_id=user_id)
         return self.generate_segments(
-            segments, user_id=user_id, max_tokens=max_tokens, temperature=temperature, mode=mode, **sampling
+            segments, user_id=user_id, max_tokens=max_tokens, temperature=temperature, mode=mode,
+            recompute=recompute, **sampling
         )
 
     def stream(self, prompt_or_messages: str | Messages, *, user_id: str = "default", **kwargs: Any) -> Iterator[StreamDelta]:
@@ -429,7 +385,10 @@ class InferScaleEngine:
         if handles:
             source = self.fact_source or self.memory
             many = getattr(source, "resolve_many", None)
-            spans = many(handles, user_id) if many is not None else [source.resolve(h, user_id) for h in handles]
+            if many is not None:
+                spans = many(handles, user_id)
+            else:  # a source with only resolve() (see FactSource)
+                spans = [source.resolve(h, user_id) for h in handles]  # type: ignore[attr-defined]
         else:
             spans = []
         segments: list[Segment] = [self.tokenize(pieces[0], add_special_tokens=not is_chat)]
@@ -460,6 +419,7 @@ class InferScaleEngine:
         max_tokens: int = 256,
         temperature: float = 0.0,
         mode: Mode = "inject",
+        recompute: int | None = None,
         first_logprobs: int | None = None,
         **sampling: Any,
     ) -> tuple[_Prepared, Any]:
@@ -469,6 +429,7 @@ class InferScaleEngine:
         self._check_open()
         if mode not in ("inject", "prompt"):
             raise ValueError(f"mode must be 'inject' or 'prompt', got {mode!r}")
+        recompute = self.config.recompute if recompute is None else check_recompute(recompute)
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
         if sampling.get("seed") is not None:
@@ -485,7 +446,7 @@ class InferScaleEngine:
                 f"prompt of {n} tokens ({sum(len(s.token_ids) for s in segments if isinstance(s, Span))} from memory) "
                 f"plus max_tokens={max_tokens} exceeds the model's context of {self.max_model_len}"
             )
-        spans, tail = self._layout(segments)
+        spans, tail = self._layout(segments, recompute)
         token_ids = [*itertools.chain.from_iterable(s.token_ids for s in spans), *tail]
         extra: dict[str, Any] = {}
         prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
@@ -518,9 +479,14 @@ class InferScaleEngine:
         self._stage(staged)
         return _Prepared(prompt, plan, staged, started), params
 
-    def _layout(self, segments: Sequence[Segment]) -> tuple[list[Span], list[int]]:
-        """Spans covering everything up to the last fact, and the computed tail after it."""
-        last = max((i for i, s in enumerate(segments) if isinstance(s, Span)), default=-1)
+    def _layout(self, segments: Sequence[Segment], recompute: int = 0) -> tuple[list[Span], list[int]]:
+        """Spans covering everything up to the last injected fact, and the computed tail after it.
+
+        The last ``recompute`` facts belong to the tail: vLLM prefills them, with the separators
+        and text around them, after the injected prefix (the connector loads only a prefix).
+        """
+        facts = [i for i, s in enumerate(segments) if isinstance(s, Span)]
+        last = facts[len(facts) - recompute - 1] if recompute < len(facts) else -1
         head: Sequence[int] = ()
         spans: list[Span] = []
         for i, seg in enumerate(segments[: last + 1]):
@@ -530,7 +496,7 @@ class InferScaleEngine:
                 spans.append(self._static_span(seg, context=head if spans else ()))
                 if i == 0:
                     head = seg
-        tail = [int(t) for seg in segments[last + 1 :] for t in seg]  # type: ignore[union-attr]
+        tail = [int(t) for seg in segments[last + 1 :] for t in (seg.token_ids if isinstance(seg, Span) else seg)]
         return spans, tail
 
     def _stage(self, spans: list[Span]) -> None:
@@ -568,7 +534,7 @@ class _Accumulator:
         self.sent = 0
         self.ttft: float | None = None
 
-    def update(self, out: "RequestOutput", t: float) -> StreamDelta | None:
+    def update(self, out: RequestOutput, t: float) -> StreamDelta | None:
         completion = out.outputs[0]
         if self.ttft is None and completion.token_ids:
             self.ttft = t
@@ -649,7 +615,7 @@ def _configure_vllm_environment(cfg: EngineConfig) -> None:
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
-def _rope_tables(model: "nn.Module") -> dict[str, RopeTable]:
+def _rope_tables(model: nn.Module) -> dict[str, RopeTable]:
     """Runs inside vLLM's worker: the rotary table of every attention layer, from its own module."""
     tables: dict[str, RopeTable] = {}
     by_module: dict[int, RopeTable] = {}

@@ -43,6 +43,29 @@ class KVNotReadyError(InferScaleError, TimeoutError):
     """A fact's KV is still being encoded in the background and was not ready within the timeout."""
 
 
+class KVMissingError(InferScaleError, LookupError):
+    """No usable KV file for this fact version (never written, deleted, or unreadable)."""
+
+
+class ModelNotFoundError(InferScaleError, ValueError):
+    """A model name is neither an existing directory nor an alias."""
+
+
+class ModelPreparationError(InferScaleError, RuntimeError):
+    """A model cannot be prepared (missing source, bad output)."""
+
+
+class MissingUserError(InferScaleError, RuntimeError):
+    """A request carries memory handles but names no user to check them against. A
+    ``RuntimeError``, not a ``ValueError``: LlamaIndex's response synthesizers swallow the latter
+    into an empty answer."""
+
+
+class ConnectorError(InferScaleError, RuntimeError):
+    """The KV connector inside vLLM found its state inconsistent with the request it serves
+    (unstaged KV, a foreign layer count, no engine bridge): a bug or misuse, not bad input."""
+
+
 def check_utf8(text: str, what: str) -> str:
     """``text`` if it is valid Unicode: lone surrogates cannot be tokenized, embedded or stored,
     and tokenizers reject them with an obscure TypeError. ``what`` names it in the error."""

@@ -83,7 +83,7 @@ class FactKV:
         vs: Sequence[torch.Tensor],
         positions: Sequence[int],
         ready: Any = None,
-    ) -> list["FactKV"]:
+    ) -> list[FactKV]:
         """FactKVs for views cut the same way from one K and one V tensor (same shape but for the
         token count, same strides, dtype and device), as a tier hands out a batch of facts.
 
@@ -114,7 +114,7 @@ class FactKV:
         # event (CUDA events do not pickle); a copy's tensors are made after it on its stream.
         return {**self.__dict__, "_layout": None, "ready": None}
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "FactKV":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> FactKV:
         if self.k.device == torch.device(device):
             return self
         return FactKV(
@@ -124,6 +124,6 @@ class FactKV:
             self.ready,
         )
 
-    def rows(self, start: int, stop: int) -> "FactKV":
+    def rows(self, start: int, stop: int) -> FactKV:
         """Tokens ``[start, stop)`` of this span (a view)."""
         return FactKV(self.k[:, start:stop], self.v[:, start:stop], self.position + start, self.ready)

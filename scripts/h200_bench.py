@@ -25,7 +25,7 @@ if __name__ == "__main__":
     out, name = Path(sys.argv[1]), sys.argv[2]
     plan = PLAN[name]
     engine = InferScaleEngine(model=str(out / "models" / name), device="cuda", dtype="bfloat16",
-                              load_format="dummy", skip_tokenizer_init=True, max_model_len=16384)
+                              load_format="dummy", skip_tokenizer_init=True, max_model_len=16384, recompute=0)
     env = common.environment(engine)
     rows = run_case(engine, *random_case(engine, k=8))
     common.write_json(out / f"exactness-{name}.json", "exactness", env, rows)

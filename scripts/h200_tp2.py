@@ -22,7 +22,7 @@ if __name__ == "__main__":
     rank = int(os.environ.get("RANK", "0"))
     engine = InferScaleEngine(
         model=sys.argv[1], device="cuda", dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
-        tensor_parallel_size=2, distributed_executor_backend="external_launcher", max_logprobs=20,
+        tensor_parallel_size=2, distributed_executor_backend="external_launcher", max_logprobs=20, recompute=0,
     )
     heads = engine.vllm_config.model_config.get_num_kv_heads(engine.vllm_config.parallel_config)
     exact = run_case(engine, *random_case(engine, k=8))

@@ -30,7 +30,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inferscale_engine.engine import Span, _fingerprint
+from inferscale_engine.engine import _fingerprint
 from inferscale_engine.errors import (
     ContextOverflowError,
     FactNotFoundError,
@@ -45,6 +45,7 @@ from inferscale_engine.handles import (
     find_handles,
     split_on_handles,
 )
+from inferscale_engine.types import Span
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -69,7 +70,7 @@ def engine(tiny_llama, tmp_path_factory):
     from inferscale_engine import InferScaleEngine
 
     eng = InferScaleEngine(model=tiny_llama, store_path=tmp_path_factory.mktemp("bad-store"),
-                           device="cpu", dtype="float32", max_model_len=CTX)
+                           device="cpu", dtype="float32", max_model_len=CTX, recompute=0)
     yield eng
     print(f"\nbad inputs tried: {sum(TRIED.values())} {TRIED}")
     eng.close()
@@ -222,7 +223,7 @@ def test_bad_prompts_and_handles_are_refused_before_vllm(engine, user_facts):
     submit = engine.loop.submit
     engine.loop.submit = lambda *a, **k: (submitted.append(1), submit(*a, **k))[1]
     try:
-        for name, call, exc in cases:
+        for _name, call, exc in cases:
             with pytest.raises(exc):
                 call()
             assert_nothing_staged(engine)
@@ -448,9 +449,9 @@ def test_http_bad_inputs_are_4xx_json_never_500(engine, user_facts, caplog):
     user, items = user_facts
     client = TestClient(create_app(engine, served_model_name="tiny"))  # re-raises any unhandled error
     h = items[0].handle
-    chat = lambda **kw: ("POST", "/v1/chat/completions", {"json": {"model": "tiny", "max_tokens": 2, **kw}})
+    chat = lambda **kw: ("POST", "/v1/chat/completions", {"json": {"model": "tiny", "max_tokens": 2, **kw}})  # noqa: E731
     msgs = [{"role": "user", "content": "hi"}]
-    raw = lambda path, body: ("POST", path, {"content": body, "headers": {"Content-Type": "application/json"}})
+    raw = lambda path, body: ("POST", path, {"content": body, "headers": {"Content-Type": "application/json"}})  # noqa: E731
     cases: list[tuple[tuple[str, str, dict], int]] = [
         (raw("/v1/memories/", b"{not json"), 400),
         (raw("/v1/memories/", b'{"messages": "\xff\xfe", "user_id": "u"}'), 400),
@@ -483,7 +484,7 @@ def test_http_bad_inputs_are_4xx_json_never_500(engine, user_facts, caplog):
         (("GET", "/v1/memories/", {"params": {"user_id": "a\nb"}}), 400),
         (("GET", "/v1/memories/", {"params": {"user_id": "  "}}), 400),
         (("GET", "/v1/memories/", {}), 400),
-        (("GET", f"/v1/memories/{items[0].id}/", {}), 400),
+        (("GET", f"/v1/memories/{items[0].id}/", {"headers": {"X-User-Id": "someone-else"}}), 404),
         (("GET", f"/v1/memories/{items[0].id}/", {"params": {"user_id": "someone-else"}}), 404),
         (("GET", "/v1/memories/..%2F..%2Fsecret.key/", {"params": {"user_id": user}}), 404),
         (("GET", "/v1/memories/%ED%A0%80/", {"params": {"user_id": user}}), 404),
@@ -491,7 +492,12 @@ def test_http_bad_inputs_are_4xx_json_never_500(engine, user_facts, caplog):
         (("PUT", f"/v1/memories/{items[0].id}/", {"params": {"user_id": user}, "json": {"text": "word " * 600}}), 400),
         (("PUT", f"/v1/memories/{items[0].id}/", {"params": {"user_id": user}, "content": b'{"text": "\\udc00"}',
                                                   "headers": {"Content-Type": "application/json"}}), 400),
-        (("PUT", f"/v1/memories/{items[0].id}/", {"json": {"text": "x"}}), 400),
+        (("PUT", f"/v1/memories/{items[0].id}/", {"json": {"text": "x"}, "headers": {"X-User-Id": "someone-else"}}), 404),
+        (("PUT", f"/v1/memories/{items[0].id}/", {"json": {}}), 400),
+        (("POST", "/v3/memories/search/", {"json": {"query": "x", "filters": {"user_id": user, "created_at": "2024"}}}), 400),
+        (("POST", "/v3/memories/", {"json": {"filters": {"OR": []}}}), 400),
+        (("DELETE", "/v2/entities/planet/earth/", {}), 400),
+        (("DELETE", "/v2/entities/user/nobody-here/", {}), 404),
         (("DELETE", "/v1/memories/ffffffffffffffff/", {"params": {"user_id": user}}), 404),
         (("DELETE", "/v1/memories/", {"params": {"user_id": ""}}), 400),
         (("GET", "/v1/memories/ffffffffffffffff/history/", {"params": {"user_id": user}}), 404),
@@ -520,7 +526,8 @@ def test_http_bad_inputs_are_4xx_json_never_500(engine, user_facts, caplog):
         (raw("/v1/completions", b'{"model": "tiny", "prompt": "\\udc80", "max_tokens": 2}'), 400),
         (("POST", "/v1/completions", {"json": {"model": "tiny", "prompt": [1, 2, 3]}}), 400),
         (("POST", "/v1/completions", {"json": {"model": "tiny", "prompt": ""}}), 400),
-        (("POST", "/v1/completions", {"json": {"model": "tiny", "prompt": ["a", "b"]}}), 400),
+        (("POST", "/v1/completions", {"json": {"model": "tiny", "prompt": ["a", ""]}}), 400),
+        (("POST", "/v1/completions", {"json": {"model": "tiny", "prompt": ["a", "b"], "stream": True}}), 400),
     ]
     before = snapshot(store)
     caplog.set_level(logging.ERROR)
@@ -572,7 +579,7 @@ def test_segmentation_is_the_text_with_handles_replaced_by_fact_tokens(engine, u
             assert list(seg) == engine.tokenize(pieces[j // 2], add_special_tokens=(j == 0 and not is_chat))
     # Decoded, the prompt is its text with each handle replaced by the fact's text (each piece
     # NFC-normalised on its own, as the tokenizer does).
-    nfc = lambda t: unicodedata.normalize("NFC", t)
+    nfc = lambda t: unicodedata.normalize("NFC", t)  # noqa: E731
     expected = "".join(nfc(pieces[j]) + nfc(FACT_TEXTS[i]) for j, (_, i) in enumerate(parts)) + nfc(pieces[-1])
     ids = [t for s in segments for t in (s.token_ids if isinstance(s, Span) else s)]
     assert engine.detokenize(ids) == expected

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from inferscale_engine.cli import main
 from inferscale_engine.bench.locomo import (
     CATEGORIES,
     LocomoBench,
@@ -28,6 +27,7 @@ from inferscale_engine.bench.locomo import (
     ratio_ci95,
     score,
 )
+from inferscale_engine.cli import main
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -151,7 +151,7 @@ def test_locomo_quick(tmp_path, smollm2_path):
     assert all(set(r) - {"inject_over_prompt_ci95"} == keys for r in rows)
     by = {(r["mode"], r["w"], r["k"]): r for r in rows}
     assert set(by) == {("prompt", 0, 5), ("inject", 0, 5), ("prompt", 5, 5), ("inject", 5, 5), ("full", None, None)}
-    for (mode, w, k), r in by.items():
+    for (mode, _w, _k), r in by.items():
         if mode == "full" and r["n_questions"] == 0:
             assert info["full_skipped"]
             continue

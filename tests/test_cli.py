@@ -42,7 +42,8 @@ def test_chat_remembers_across_restarts(smollm2_path, tmp_path):
 
     # A new process: nothing in memory but the store on disk.
     script = "What is my dog's name?\n/memories\n/forget all\n/memories\n"
-    second = run_chat(store, home, script, "--user", "carol", "--max-tokens", "24", "--show-usage")
+    # --recompute 0: the one recalled memory is injected, not prefilled (the default recomputes up to 4).
+    second = run_chat(store, home, script, "--user", "carol", "--max-tokens", "24", "--show-usage", "--recompute", "0")
     assert second.returncode == 0, second.stderr[-3000:]
     out = second.stdout
     reply = out.splitlines()[0]

@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.filterwarn
 REPO = Path(__file__).resolve().parent.parent
 ROUNDS = ("ingest", "ingest", "serve", "ingest", "serve")  # one kill -9 each
 MAX_MODEL_LEN = 512
-ENGINE_ARGS = {"device": "cpu", "dtype": "float32", "max_model_len": MAX_MODEL_LEN}
+ENGINE_ARGS = {"device": "cpu", "dtype": "float32", "max_model_len": MAX_MODEL_LEN, "recompute": 0}
 USERS = ("crash-ann", "crash-ben", "crash-cy")
 INGEST_ACKS = 40  # facts acknowledged before a kill (at least)
 SERVE_ACKS = 16  # memory adds acknowledged over HTTP before a kill (at least)
@@ -347,7 +347,8 @@ def serve_round(zygote: Any, tiny_llama: str, path: Path, out: Path, acked_so_fa
                 round_no: int) -> tuple[list, dict, int]:
     port = free_port()
     argv = ["serve", "--model", tiny_llama, "--store", str(path), "--port", str(port), "--max-model-len",
-            str(MAX_MODEL_LEN), "--dtype", "float32", "--log-level", "warning", "--served-model-name", "tiny"]
+            str(MAX_MODEL_LEN), "--dtype", "float32", "--log-level", "warning", "--served-model-name", "tiny",
+            "--recompute", "0"]
     pid = zygote.fork("serve", out, argv=argv)
     base = f"http://127.0.0.1:{port}"
     wait_healthy(base, pid, out)
@@ -468,7 +469,8 @@ def test_kill_9_during_ingestion_and_serving_then_restart(zygote, engine, embedd
     port = free_port()
     pid = zygote.fork("serve", out, argv=["serve", "--model", tiny_llama, "--store", str(path), "--port", str(port),
                                           "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32",
-                                          "--log-level", "warning", "--served-model-name", "tiny"])
+                                          "--log-level", "warning", "--served-model-name", "tiny",
+            "--recompute", "0"])
     base = f"http://127.0.0.1:{port}"
     wait_healthy(base, pid, out)
     with httpx.Client(base_url=base, timeout=60) as c:

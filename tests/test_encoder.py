@@ -26,7 +26,7 @@ TURNS = [
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama):
-    with InferScaleEngine(model=tiny_llama, device="cpu", dtype="float32", max_model_len=1024) as engine:
+    with InferScaleEngine(model=tiny_llama, device="cpu", dtype="float32", max_model_len=1024, recompute=0) as engine:
         yield engine
 
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(600)
 
 def _engine(path: str, dtype: str = "float32", max_model_len: int = 2048, **kw) -> InferScaleEngine:
     return InferScaleEngine(
-        model=path, device="cpu", dtype=dtype, max_model_len=max_model_len, max_logprobs=1000, **kw
+        model=path, device="cpu", dtype=dtype, max_model_len=max_model_len, max_logprobs=1000, recompute=0, **kw
     )
 
 

@@ -19,7 +19,7 @@ from inferscale_engine import InferScaleEngine, Span
 
 pytestmark = pytest.mark.timeout(300)
 
-OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 256}
+OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 256, "recompute": 0}
 
 
 def _build(model: str, store) -> InferScaleEngine:

@@ -27,7 +27,8 @@ def test_preempted_requests_reload_injected_kv(tiny_llama):
     Scheduler._preempt_request = spy
     try:
         with InferScaleEngine(
-            model=tiny_llama, device="cpu", dtype="float32", max_model_len=1024, num_gpu_blocks_override=12, max_num_seqs=8
+            model=tiny_llama, device="cpu", dtype="float32", max_model_len=1024, num_gpu_blocks_override=12, max_num_seqs=8,
+            recompute=0,
         ) as engine:
             head, facts, tail = text_case(engine)
             spans = encode_spans(engine, head, facts, exact=True, key="pre")

@@ -46,7 +46,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> list[float]:
 def engine(tiny_llama):
     # FlashAttention, vLLM's CUDA backend, has no float32.
     dtype = "float32" if DEVICE == "cpu" else "bfloat16"
-    with InferScaleEngine(model=tiny_llama, device=DEVICE, dtype=dtype, max_model_len=512) as engine:
+    with InferScaleEngine(model=tiny_llama, device=DEVICE, dtype=dtype, max_model_len=512, recompute=0) as engine:
         print(f"\ncudagraph_mode: {engine.vllm_config.compilation_config.cudagraph_mode}")
         yield engine
 

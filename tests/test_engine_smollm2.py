@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def smollm2_engine(smollm2_path):
-    with InferScaleEngine(model=smollm2_path, device="cpu", dtype="bfloat16", max_model_len=2048) as engine:
+    with InferScaleEngine(model=smollm2_path, device="cpu", dtype="bfloat16", max_model_len=2048, recompute=0) as engine:
         yield engine
 
 

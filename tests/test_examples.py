@@ -87,7 +87,7 @@ class Recorder:
 def engine(smollm2_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     # One engine per module, closed at the end: vLLM keeps the first live engine's KV-connector
     # worker in a process global, so an engine left alive would break any engine built after it.
-    eng = get_engine("smollm2", store_path=tmp_path_factory.mktemp("examples-store"))
+    eng = get_engine("smollm2", store_path=tmp_path_factory.mktemp("examples-store"), recompute=0)
     yield eng
     eng.close()
 

@@ -20,7 +20,7 @@ pytestmark = [
 
 
 def test_injection_waits_for_kv_still_being_copied(tiny_llama):
-    with InferScaleEngine(model=tiny_llama, device="cuda", dtype="bfloat16", max_model_len=512) as engine:
+    with InferScaleEngine(model=tiny_llama, device="cuda", dtype="bfloat16", max_model_len=512, recompute=0) as engine:
         fact = engine.tokenize("My dog is called Rex.")
         question = engine.tokenize(" What is my dog called?")
         kv = engine.encode_fact(fact)

@@ -45,7 +45,7 @@ def engine(tiny_llama, tmp_path_factory):
     from inferscale_engine import InferScaleEngine
 
     eng = InferScaleEngine(model=tiny_llama, store_path=tmp_path_factory.mktemp("iso-store"),
-                           device="cpu", dtype="float32", max_model_len=1024)
+                           device="cpu", dtype="float32", max_model_len=1024, recompute=0)
     yield eng
     from inferscale_integrations import _common
 
@@ -374,24 +374,27 @@ def test_llamaindex_classes(engine, people):
 
 def test_http_handles_of_another_user_are_403(engine, people, http):
     b, handle = people["b"], people["a_items"][0].handle
-    body = lambda **kw: {"model": "tiny", "max_tokens": 2, "temperature": 0, **kw}
+    body = lambda **kw: {"model": "tiny", "max_tokens": 2, "temperature": 0, **kw}  # noqa: E731
     sys_msg = {"role": "system", "content": f"Memory: {handle}"}
     cases = [
         ("/v1/chat/completions", body(user=b, messages=[sys_msg, {"role": "user", "content": "code?"}])),
         ("/v1/chat/completions", body(user=b, stream=True, messages=[sys_msg, {"role": "user", "content": "code?"}])),
-        ("/v1/chat/completions", body(messages=[sys_msg, {"role": "user", "content": "code?"}])),  # no user
-        ("/v1/chat/completions", body(user="", messages=[sys_msg, {"role": "user", "content": "code?"}])),
         ("/v1/chat/completions", body(user=b, messages=[{"role": "user", "content": [
             {"type": "text", "text": handle[:20]}, {"type": "text", "text": handle[20:]}]}])),  # split parts
         ("/v1/completions", body(user=b, prompt=f"Memory: {handle}\nThe code is")),
         ("/v1/completions", body(user=b, prompt=f"{handle[:-6]}{'0' * 4}>>")),  # altered MAC
     ]
+    no_user = [("/v1/chat/completions", body(messages=[sys_msg, {"role": "user", "content": "code?"}])),
+               ("/v1/chat/completions", body(user="", messages=[sys_msg, {"role": "user", "content": "code?"}]))]
     with PromptSpy(engine) as spy:
         for path, payload in cases:
             r = http.post(path, json=payload)
             assert r.status_code == 403, (payload, r.text)
             err = r.json()["error"]
             assert err["code"] == "forged_handle" and err["type"] == "permission_error"
+        for path, payload in no_user:  # a handle with no user is refused before it is even checked
+            r = http.post(path, json=payload)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "user_required", (payload, r.text)
         assert spy.submitted == 0 and not spy.prompts
         r = http.post("/v1/chat/completions", json=body(user=b, messages=[{"role": "user", "content": "<<mem:xyz>>"}]))
         assert r.status_code == 400 and r.json()["error"]["code"] == "malformed_handle"

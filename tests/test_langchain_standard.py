@@ -55,7 +55,7 @@ FACTS = [
 def engine(smollm2_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     # One engine per module, closed at the end: vLLM keeps the first live engine's KV-connector
     # worker in a process global, so an engine left alive would break any engine built after it.
-    eng = get_engine("smollm2", store_path=tmp_path_factory.mktemp("lc-std-store"))
+    eng = get_engine("smollm2", store_path=tmp_path_factory.mktemp("lc-std-store"), recompute=0)
     for fact in FACTS:
         eng.memory.add(fact, user_id=USER)
     eng.memory.wait_for_encoding()

@@ -42,7 +42,7 @@ def engine(tiny_llama, tmp_path_factory):
     from inferscale_engine.config import EngineConfig, MemoryConfig
 
     config = EngineConfig(model=tiny_llama, store_path=tmp_path_factory.mktemp("load-store"),
-                          device="cpu", dtype="float32", max_model_len=1024)
+                          device="cpu", dtype="float32", max_model_len=1024, recompute=0)
     # The store the server uses: a device tier of 4 pages (64 tokens), a host tier of 2 pages.
     memory = MemoryConfig.for_engine(config, device_kv_bytes=4 * PAGE_BYTES, host_kv_bytes=2 * PAGE_BYTES,
                                      page_tokens=PAGE_TOKENS)

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from inferscale_engine.encoder import EncodeWindow
-from inferscale_engine.engine import Span
 from inferscale_engine.errors import (
     ContextOverflowError,
     EngineClosedError,
@@ -34,9 +33,10 @@ from inferscale_engine.kv import FactKV
 from inferscale_engine.memory import MemoryItem, MemoryStore
 from inferscale_engine.memory.embedder import Embedder
 from inferscale_engine.memory.encoding import engine_generate
+from inferscale_engine.types import Span
 
 REPO = Path(__file__).resolve().parent.parent
-ENGINE_OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 1024}
+ENGINE_OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 1024, "recompute": 0}
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +165,7 @@ def test_add_messages_get_history_update_delete(make_store, engine):
     hist = store.history(items[0].id)
     assert [h["event"] for h in hist] == ["ADD", "UPDATE"]
     assert hist[1]["old_memory"] == "User: My dog is called Rex." and hist[1]["new_memory"] == "User: My dog is called Max."
-    assert set(hist[0]) == {"id", "memory_id", "event", "old_memory", "new_memory", "created_at"}
+    assert set(hist[0]) == {"id", "memory_id", "user_id", "event", "old_memory", "new_memory", "created_at"}
     hist = store.history(items[1].id)
     assert [(h["event"], h["old_memory"], h["new_memory"]) for h in hist] == [
         ("ADD", None, "Assistant: Rex is a good name."), ("DELETE", "Assistant: Rex is a good name.", None),
@@ -606,7 +606,7 @@ _CHILD = textwrap.dedent(
             def embed(self, texts, *, progress=False):
                 calls.append(list(texts))
                 return super().embed(texts, progress=progress)
-        engine = InferScaleEngine(model=model, device="cpu", dtype="float32", max_model_len=1024)
+        engine = InferScaleEngine(model=model, device="cpu", dtype="float32", max_model_len=1024, recompute=0)
         store = MemoryStore(engine, path, embedder=Counting())
         opened_calls = len(calls)
         result = {"embed_calls_on_open": opened_calls, "items": {}, "history": {}, "kv": {}, "search": {}}

@@ -110,7 +110,7 @@ def test_get_many_promoting_more_than_the_slab_holds(tmp_path):
         tiers.put(k, kv, FP)
         tiers.evict(k, to="host")
     got = tiers.get_many(list(kvs), FP)
-    for (k, kv), g in zip(kvs.items(), got):
+    for (_k, kv), g in zip(kvs.items(), got):
         assert_same(g, kv)
     assert [tiers.where(k) for k in kvs] == ["device", "device", "host"]
     for k, kv in kvs.items():

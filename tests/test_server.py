@@ -67,7 +67,8 @@ def stop_server(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def server(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
-    proc, base, log = start_server(tiny_llama, tmp, "--max-model-len", "1024", "--api-key", API_KEY, name=MODEL)
+    proc, base, log = start_server(tiny_llama, tmp, "--max-model-len", "1024", "--api-key", API_KEY, "--recompute", "0",
+                                   name=MODEL)
     yield base
     stop_server(proc)
     text = log.read_text()
@@ -234,17 +235,36 @@ def test_unsupported_options_are_400(client):
         chat(client, "x", tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         chat(client, "x", logprobs=True)
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="one prompt"):
+        client.completions.create(model=MODEL, prompt=["a", "b"], max_tokens=2, stream=True)
+
+
+def test_completions_with_a_list_of_prompts(client):
+    """What vLLM does, and what ``langchain_openai.OpenAI(...).batch`` sends: one choice per prompt."""
+    one = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0)
+    two = client.completions.create(model=MODEL, prompt="Water is", max_tokens=4, temperature=0)
+    both = client.completions.create(model=MODEL, prompt=["The sky is", "Water is"], max_tokens=4, temperature=0)
+    assert [c.index for c in both.choices] == [0, 1]
+    assert [c.text for c in both.choices] == [one.choices[0].text, two.choices[0].text]
+    assert both.usage.completion_tokens == one.usage.completion_tokens + two.usage.completion_tokens
+    lc = pytest.importorskip("langchain_openai")
+    llm = lc.OpenAI(model=MODEL, base_url=str(client.base_url), api_key=API_KEY, temperature=0, max_tokens=4, max_retries=0)
+    assert llm.batch(["The sky is", "Water is"]) == [one.choices[0].text, two.choices[0].text]
 
 
 def test_max_tokens_too_big(client):
     with pytest.raises(openai.BadRequestError) as exc:
         chat(client, "x", max_tokens=5000)
     assert exc.value.body["code"] == "context_length_exceeded"
+    # OpenAI's and vLLM's wording, which litellm & co. map to their context-window errors
+    assert exc.value.body["message"].startswith("This model's maximum context length is 1024 tokens. However, you requested")
     with pytest.raises(openai.BadRequestError) as exc:
-        chat(client, "word " * 600, max_tokens=1000)  # fits alone, not with the prompt
+        chat(client, "word " * 200, max_tokens=1000)  # fits alone, not with the prompt
     assert exc.value.body["code"] == "context_length_exceeded"
+    assert "This model's maximum context length is 1024 tokens. However, you requested" in exc.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        chat(client, "word " * 600)  # the prompt alone is too long
+    assert "However, your messages resulted in" in exc.value.body["message"]
     with pytest.raises(openai.BadRequestError):
         chat(client, "x", max_tokens=0)
 
@@ -253,7 +273,33 @@ def test_unknown_model_and_route_are_404(client, http):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
     r = http.get("/v1/nothing")
-    assert r.status_code == 404 and "error" in r.json()
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_url"
+    r = http.delete("/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_litellm_context_window_error_and_user(server, http):
+    """litellm maps the overflow to ContextWindowExceededError by its wording; it drops ``user``
+    for OpenAI-compatible providers, so the user goes in extra_body or the X-User-Id header."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no fetch of its price list at import
+    litellm = pytest.importorskip("litellm")
+    kw = dict(model=f"openai/{MODEL}", api_base=server + "/v1", api_key=API_KEY, max_tokens=4, temperature=0)
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.completion(messages=[{"role": "user", "content": "word " * 200}], **{**kw, "max_tokens": 1000})
+    r = http.post("/v1/memories/", json={"messages": "My cat is called Tom.", "user_id": "lite"})
+    msgs = [{"role": "system", "content": "Memory: " + r.json()["results"][0]["handle"]}, {"role": "user", "content": "cat?"}]
+    for extra in ({"extra_body": {"user": "lite"}}, {"extra_headers": {"X-User-Id": "lite"}}):
+        assert litellm.completion(messages=msgs, **kw, **extra).usage.model_extra["injected_tokens"] > 0
+    with pytest.raises(litellm.BadRequestError, match="names no user"):
+        litellm.completion(messages=msgs, user="lite", **kw)  # dropped by litellm: refused, not served as "default"
+    http.delete("/v1/memories/", params={"user_id": "lite"})
+
+
+def test_retrieve_model(client):
+    m = client.models.retrieve(MODEL)
+    assert m.id == MODEL and m.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
 
 
 def test_forged_and_malformed_handles(client):
@@ -299,9 +345,9 @@ def test_memory_lifecycle_and_scoping(http, client):
     assert http.delete(f"/v1/memories/{dog['id']}/", params={"user_id": "bob"}).status_code == 404
     assert http.get(f"/v1/memories/{dog['id']}/history/", params={"user_id": "bob"}).status_code == 404
     assert http.get("/v1/memories/ffffffffffffffff/", params={"user_id": "alice"}).status_code == 404
-    # user_id is required
-    r = http.get(f"/v1/memories/{dog['id']}/")
-    assert r.status_code == 400 and r.json()["error"]["param"] == "user_id"
+    # without a user the API key is the scope (Mem0's per-id calls send none); naming one checks it
+    assert http.get(f"/v1/memories/{dog['id']}/").json()["memory"] == "User: My dog is called Rex."
+    assert http.get(f"/v1/memories/{dog['id']}/", headers={"X-User-Id": "bob"}).status_code == 404
     assert http.post("/v1/memories/", json={"messages": "x"}).status_code == 400
 
     # the handle works in chat for alice (its KV is injected) and is refused for bob
@@ -321,6 +367,23 @@ def test_memory_lifecycle_and_scoping(http, client):
     r = client.chat.completions.create(model=MODEL, user="alice", max_tokens=4, temperature=0, extra_body={"memory_k": 2},
                                        messages=[{"role": "user", "content": "What is my dog's name?"}])
     assert r.usage.model_extra["injected_tokens"] > 0
+    # the user may come from OpenAI's safety_identifier or an X-User-Id header (litellm drops `user`)
+    for kw in ({"extra_body": {"memory_k": 2, "safety_identifier": "alice"}},
+               {"extra_body": {"memory_k": 2}, "extra_headers": {"X-User-Id": "alice"}}):
+        r = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, **kw,
+                                           messages=[{"role": "user", "content": "What is my dog's name?"}])
+        assert r.usage.model_extra["injected_tokens"] > 0
+    # memories without a user are refused, never served as some default user's
+    for kw in ({"extra_body": {"memory_k": 2}}, {}):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model=MODEL, max_tokens=4, **kw,
+                                           messages=[sys_msg, {"role": "user", "content": "What is my dog's name?"}])
+        assert exc.value.body["code"] == "user_required"
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=MODEL, user="alice", max_tokens=4, extra_headers={"X-User-Id": "bob"},
+                                       messages=[sys_msg, {"role": "user", "content": "What is my dog's name?"}])
+    assert exc.value.body["code"] == "conflicting_user"
+    assert chat(client, "No memories here").choices[0].message.content is not None  # no user needed
 
     # update + history
     r = http.put(f"/v1/memories/{dog['id']}/", params={"user_id": "alice"}, json={"text": "My dog is called Max."})

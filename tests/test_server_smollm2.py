@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server(smollm2_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server-smollm2")
-    proc, base, log = start_server("smollm2", tmp)
+    proc, base, log = start_server("smollm2", tmp, "--recompute", "0")
     yield base
     stop_server(proc)
     assert "Traceback" not in log.read_text()

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from inferscale_engine.engine import InferScaleEngine, Span
+    from inferscale_engine.engine import InferScaleEngine
+    from inferscale_engine.types import Span
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -31,7 +32,7 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def environment(engine: "InferScaleEngine | None" = None) -> dict[str, Any]:
+def environment(engine: InferScaleEngine | None = None) -> dict[str, Any]:
     """Versions and hardware, recorded next to every result."""
     import torch
 
@@ -88,7 +89,7 @@ class SyntheticWorkload:
     """
 
     head: list[int]
-    facts: list["Span"]
+    facts: list[Span]
     fact_ids: list[list[int]]
     question_tokens: int
     rng: random.Random
@@ -97,16 +98,16 @@ class SyntheticWorkload:
     @classmethod
     def build(
         cls,
-        engine: "InferScaleEngine",
+        engine: InferScaleEngine,
         *,
         pool: int,
         fact_tokens: int = 28,
         head_tokens: int = 64,
         question_tokens: int = 24,
         seed: int = 0,
-    ) -> "SyntheticWorkload":
+    ) -> SyntheticWorkload:
         from inferscale_engine.encoder import EncodeWindow
-        from inferscale_engine.engine import Span
+        from inferscale_engine.types import Span
 
         rng = random.Random(seed)
         hi = min(engine.vocab_size, 32000) - 1
@@ -153,7 +154,8 @@ class SyntheticRetriever:
         self.device, self.k = device, k
         cfg = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
         # The store's own single-query path (CUDA-graphed on a GPU), over a random-weight MiniLM shape.
-        self.encoder = GraphedQueryEncoder(BertModel(cfg).to(device).eval())
+        # transformers wraps .to() in a decorator whose type loses the bound model.
+        self.encoder = GraphedQueryEncoder(BertModel(cfg).to(device).eval())  # type: ignore[arg-type]
         self.index = ExactIndex(384, device=device)
         vecs = np.random.default_rng(seed).standard_normal((facts, 384)).astype("float32")
         self.index.add(list(range(facts)), vecs / np.linalg.norm(vecs, axis=1, keepdims=True))

@@ -13,14 +13,14 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from inferscale_engine.encoder import EncodeWindow
-from inferscale_engine.engine import GenerationResult, Span
+from inferscale_engine.types import GenerationResult, Span
 
 if TYPE_CHECKING:
     from inferscale_engine.engine import InferScaleEngine
 
 
 def encode_spans(
-    engine: "InferScaleEngine", head: Sequence[int], facts: Sequence[Sequence[int]], *, exact: bool, key: str
+    engine: InferScaleEngine, head: Sequence[int], facts: Sequence[Sequence[int]], *, exact: bool, key: str
 ) -> list[Span]:
     """Facts as spans, each encoded after head + the facts before it (``exact``) or alone."""
     windows, context = [], list(head)
@@ -49,7 +49,7 @@ def compare(reference: GenerationResult, candidate: GenerationResult) -> dict[st
 
 
 def run_case(
-    engine: "InferScaleEngine",
+    engine: InferScaleEngine,
     head: Sequence[int],
     facts: Sequence[Sequence[int]],
     tail: Sequence[int],
@@ -59,7 +59,7 @@ def run_case(
 ) -> list[dict[str, Any]]:
     """Rows ``{mode: exact|w0, arch, dtype, greedy_match, max_logit_diff, ...}`` for one prompt."""
     flat = list(head) + [t for f in facts for t in f] + list(tail)
-    sampling = {"max_tokens": max_tokens, "temperature": 0.0, "first_logprobs": logprobs}
+    sampling: dict[str, Any] = {"max_tokens": max_tokens, "temperature": 0.0, "first_logprobs": logprobs}
     reference = engine.generate_segments([flat], mode="prompt", **sampling)
     hf = engine.vllm_config.model_config.hf_config
     rows = []
@@ -79,7 +79,7 @@ def run_case(
     return rows
 
 
-def random_case(engine: "InferScaleEngine", *, k: int = 8, fact_tokens: int = 28, seed: int = 0) -> tuple[list[int], list[list[int]], list[int]]:
+def random_case(engine: InferScaleEngine, *, k: int = 8, fact_tokens: int = 28, seed: int = 0) -> tuple[list[int], list[list[int]], list[int]]:
     """Head, facts and tail of random tokens (for random-weight models with no tokenizer)."""
     rng = random.Random(seed)
     hi = min(engine.vocab_size, 32000) - 1
@@ -87,7 +87,7 @@ def random_case(engine: "InferScaleEngine", *, k: int = 8, fact_tokens: int = 28
     return draw(64), [draw(fact_tokens) for _ in range(k)], draw(24)
 
 
-def text_case(engine: "InferScaleEngine") -> tuple[list[int], list[list[int]], list[int]]:
+def text_case(engine: InferScaleEngine) -> tuple[list[int], list[list[int]], list[int]]:
     """A small memory chat, for models with a tokenizer and chat template."""
     facts = [
         "Caroline adopted a dog named Rex last spring.",

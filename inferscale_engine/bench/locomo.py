@@ -20,6 +20,11 @@ Setup (see ``docs/benchmarks-locomo.md``):
   and split by who said the turn – the same ranking a per-speaker store would give. The
   retrieved turns are listed in conversation order. Retrieval is computed once per question
   and shared by every mode, ``w`` and ``k``.
+* **Recompute** (``--recompute R,…``, the engine's quality knob): inject rows are answered once per
+  ``R``. The ``R`` retrieved memories most similar to the question move to the end of the list
+  (each group keeps conversation order) and are prefilled as text after the injected rest; at
+  ``R >= 2k`` that is the prompt itself. ``--order conversation`` keeps the list as it is and
+  recomputes its last ``R`` memories instead.
 * **Answers**: greedy, ``max_tokens=32``; categories 1-4 (5, adversarial, is skipped).
 * **Score**: token F1 with the upstream LoCoMo scorer (``snap-research/locomo``
   ``task_eval/evaluation.py``): lower-case, drop punctuation and commas, drop ``a an the and``,
@@ -28,7 +33,7 @@ Setup (see ``docs/benchmarks-locomo.md``):
 * **Agreement** (inject rows): how often the injected answer equals the prompt answer after
   normalisation, and their mean token F1.
 
-Rows: ``{mode, w, k, n_questions, f1, f1_by_category, agreement}``; inject rows add
+Rows: ``{mode, w, k, recompute, n_questions, f1, f1_by_category, agreement, ttft_ms}``; inject rows add
 ``inject_over_prompt_ci95``, a paired-bootstrap 95% interval of their F1 over prompt F1. Answers are cached in
 ``--workdir`` (stores included), so an interrupted run resumes where it stopped.
 """
@@ -66,6 +71,7 @@ CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 SYSTEM = "You answer questions about a conversation from memories.\nMemories:\n"
 INSTRUCTION = "Answer in a few words."
 MODES = ("prompt", "inject", "full")
+ORDERS = ("relevance", "conversation")
 ENV_DATA = "INFERSCALE_LOCOMO"
 
 
@@ -129,7 +135,7 @@ def load_locomo(
     if not path.exists():
         raise FileNotFoundError(f"LoCoMo data not found at {path} (pass --data or set ${ENV_DATA})")
     data = json.loads(path.read_text())
-    out = []
+    out: list[Conversation] = []
     for sample in data[:conversations] if conversations else data:
         conv = sample["conversation"]
         turns: list[Turn] = []
@@ -269,6 +275,7 @@ class _Job:
     k: int | None
     messages: tuple[tuple[str, str], ...]
     key: str
+    recompute: int = 0
     segments: tuple[Any, ...] | None = None  # resolved segments, sent as they are (exact control)
 
 
@@ -305,7 +312,7 @@ class LocomoBench:
 
     def __init__(
         self,
-        engine: "InferScaleEngine",
+        engine: InferScaleEngine,
         conversations: list[Conversation],
         *,
         ks: Sequence[int],
@@ -319,11 +326,19 @@ class LocomoBench:
         full: bool = True,
         exact_control: bool = False,
         after_head: bool = False,
+        recompute: Sequence[int] = (0,),
+        order: str = "relevance",
     ) -> None:
         if encoding not in ("window", "sliding"):
             raise ValueError(f"encoding must be 'window' or 'sliding', got {encoding!r}")
         if not ks or min(ks) < 1 or not ws or min(ws) < 0:
             raise ValueError("need k >= 1 and w >= 0")
+        if not recompute or min(recompute) < 0:
+            raise ValueError("need recompute >= 0")
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+        self.rs = sorted(set(recompute))
+        self.order = order
         self.engine = engine
         self.conversations = conversations
         self.ks, self.ws = sorted(set(ks)), sorted(set(ws))
@@ -338,6 +353,8 @@ class LocomoBench:
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="inferscale-locomo-")).expanduser()
         self.run_dir = self.workdir / f"{engine.fingerprint}-{encoding}{'-after-head' if after_head else ''}"
+        # Answers with recomputed memories depend on the order; the stores and the rest do not.
+        self.order_tag = "" if order == "relevance" else f"-{order}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cache = _AnswerCache(self.run_dir / f"answers-t{max_tokens}.jsonl")
         self.embedder = _cached_embedder(str(engine.config.device))
@@ -359,7 +376,7 @@ class LocomoBench:
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "LocomoBench":
+    def __enter__(self) -> LocomoBench:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -367,7 +384,7 @@ class LocomoBench:
 
     # -------------------------------------------------------------- ingest
 
-    def store(self, w: int) -> "MemoryStore":
+    def store(self, w: int) -> MemoryStore:
         from inferscale_engine.memory import MemoryStore
 
         if w not in self.stores:
@@ -439,6 +456,12 @@ class LocomoBench:
             chosen += [i for i, s in ranked if s == spk][:k]
         return sorted(chosen)
 
+    def arrange(self, turns: list[int], ranked: list[tuple[int, str]], recompute: int) -> list[int]:
+        """``turns`` in the order served with ``recompute`` memories prefilled as text."""
+        if recompute == 0 or self.order == "conversation":
+            return turns
+        return relevance_last(turns, [i for i, _ in ranked], recompute)
+
     # -------------------------------------------------------------- answering
 
     def _handles(self, w: int) -> dict[str, dict[int, str]]:
@@ -474,15 +497,17 @@ class LocomoBench:
 
             async with sem:
                 msgs = [{"role": r, "content": c} for r, c in job.messages]
-                sampling = {"user_id": job.conv.user_id, "max_tokens": self.max_tokens, "temperature": 0.0}
+                sampling: dict[str, Any] = {
+                    "user_id": job.conv.user_id, "max_tokens": self.max_tokens, "temperature": 0.0}
                 try:
                     if job.segments is not None:
                         res = await self.engine.agenerate_segments(list(job.segments), mode="inject", **sampling)
                     else:
                         res = await self.engine.agenerate(
-                            msgs, mode="prompt" if job.mode == "full" else job.mode, **sampling)
+                            msgs, mode="prompt" if job.mode == "full" else job.mode, recompute=job.recompute,
+                            **sampling)
                 except ContextOverflowError as exc:
-                    rec = {"key": job.key, "skipped": str(exc)}
+                    rec: dict[str, Any] = {"key": job.key, "skipped": str(exc)}
                 else:
                     rec = {
                         "key": job.key, "answer": res.text, "prompt_hash": _ids_hash(res.prompt_token_ids),
@@ -498,9 +523,12 @@ class LocomoBench:
 
         asyncio.run(all_jobs())
 
-    def _key(self, conv: Conversation, q: Question, mode: str, w: int | None, k: int | None) -> str:
+    def _key(self, conv: Conversation, q: Question, mode: str, w: int | None, k: int | None, r: int = 0) -> str:
         # The turn count is part of the key: --max-turns changes what retrieval can find.
-        return json.dumps([conv.sample_id, len(conv.turns), q.index, mode, w, k])
+        key: list[Any] = [conv.sample_id, len(conv.turns), q.index, mode, w, k]
+        if r:
+            key.append(f"r{r}{self.order_tag}")
+        return json.dumps(key)
 
     def answer(self) -> None:
         """Generate every answer the rows need (cached ones are reused)."""
@@ -511,17 +539,23 @@ class LocomoBench:
                 jobs = []
                 for conv in self.conversations:
                     for q in conv.questions:
+                        ranked = ranking[(conv.sample_id, q.index)]
                         for k in self.ks:
-                            turns = self.pick(ranking[(conv.sample_id, q.index)], conv.speakers, k)
-                            msgs = self.messages((handles[conv.sample_id][i] for i in turns), q.question)
+                            turns = self.pick(ranked, conv.speakers, k)
                             # The prompt answer does not depend on w (same token ids): once, at the first w.
-                            modes = ("prompt", "inject") if w == self.ws[0] else ("inject",)
-                            for mode in modes:
-                                key_w = None if mode == "prompt" else w
-                                jobs.append(_Job(conv, q, mode, key_w, k, msgs, self._key(conv, q, mode, key_w, k)))
+                            if w == self.ws[0]:
+                                msgs = self.messages((handles[conv.sample_id][i] for i in turns), q.question)
+                                jobs.append(_Job(conv, q, "prompt", None, k, msgs,
+                                                 self._key(conv, q, "prompt", None, k)))
+                            for r in self.rs:
+                                msgs = self.messages(
+                                    (handles[conv.sample_id][i] for i in self.arrange(turns, ranked, r)), q.question)
+                                jobs.append(_Job(conv, q, "inject", w, k, msgs, self._key(conv, q, "inject", w, k, r), r))
                 self._run_jobs([j for j in jobs if j.mode == "prompt"], f"prompt k={','.join(map(str, self.ks))}",
                                "answer_prompt_s")
-                self._run_jobs([j for j in jobs if j.mode == "inject"], f"inject w={w}", f"answer_inject_w{w}_s")
+                for r in self.rs:
+                    self._run_jobs([j for j in jobs if j.mode == "inject" and j.recompute == r],
+                                   f"inject w={w} recompute={r}", f"answer_inject_w{w}_r{r}{self.order_tag}_s")
         if self.exact_control:
             self._answer_exact(ranking)
         if self.full:
@@ -533,7 +567,7 @@ class LocomoBench:
         Injection then computes what the prompt run computes, so its disagreement with the
         prompt answers is the numeric noise floor (bf16, batch shapes), not the approximation."""
         from inferscale_engine.encoder import EncodeWindow
-        from inferscale_engine.engine import Span
+        from inferscale_engine.types import Span
 
         w = self.ws[0]
         with facts_from(self.engine, self.store(w)):
@@ -548,7 +582,8 @@ class LocomoBench:
                         turns = self.pick(ranking[(conv.sample_id, q.index)], conv.speakers, k)
                         msgs = self.messages((handles[conv.sample_id][i] for i in turns), q.question)
                         segs = self.engine.resolve([{"role": r, "content": c} for r, c in msgs], user_id=conv.user_id)
-                        head, parts, tail = list(segs[0]), segs[1:-1], list(segs[-1])
+                        # resolve() puts token ids first and last, spans only between them.
+                        head, parts, tail = list(segs[0]), segs[1:-1], list(segs[-1])  # type: ignore[arg-type]
                         groups: list[list[int]] = []
                         for seg in parts:
                             if isinstance(seg, Span):
@@ -607,49 +642,62 @@ class LocomoBench:
         out = []
         for w in self.ws:
             for k in self.ks:
-                for mode in ("prompt", "inject"):
-                    out.append(self._row(mode, w, k))
+                out.append(self._row("prompt", w, k))
+                out.extend(self._row("inject", w, k, r) for r in self.rs)
         out.append(self._row("full", None, None))
         return out
 
-    def _collect(self, mode: str, w: int | None, k: int | None) -> list[tuple[Conversation, Question, dict[str, Any]]]:
+    def _collect(
+        self, mode: str, w: int | None, k: int | None, r: int = 0
+    ) -> list[tuple[Conversation, Question, dict[str, Any]]]:
         got = []
         for conv in self.conversations:
             for q in conv.questions:
-                rec = self.cache.get(self._key(conv, q, mode, None if mode == "prompt" else w, k))
+                rec = self.cache.get(self._key(conv, q, mode, None if mode == "prompt" else w, k, r))
                 if rec is not None and "answer" in rec:
                     got.append((conv, q, rec))
         return got
 
-    def _row(self, mode: str, w: int | None, k: int | None) -> dict[str, Any]:
-        got = self._collect(mode, w, k)
+    def _row(self, mode: str, w: int | None, k: int | None, r: int = 0) -> dict[str, Any]:
+        got = self._collect(mode, w, k, r)
         by_cat: dict[str, list[float]] = {}
         scores = []
         for _, q, rec in got:
             s = score(rec["answer"], q.answer, q.category)
             scores.append(s)
             by_cat.setdefault(str(q.category), []).append(s)
-        agree, ci = None, None
+        agree, ci, cat_ci = None, None, {}
         if mode == "inject":
             prompt_got = self._collect("prompt", None, k)
             ref = {(c.sample_id, q.index): r["answer"] for c, q, r in prompt_got}
             pairs = [(r["answer"], ref[(c.sample_id, q.index)]) for c, q, r in got if (c.sample_id, q.index) in ref]
             agree = agreement([a for a, _ in pairs], [b for _, b in pairs])
             prompt_scores = {(c.sample_id, q.index): score(r["answer"], q.answer, q.category) for c, q, r in prompt_got}
-            ci = ratio_ci95([(s, prompt_scores[(c.sample_id, q.index)])
-                             for (c, q, _), s in zip(got, scores) if (c.sample_id, q.index) in prompt_scores])
+            paired = [(q.category, s, prompt_scores[(c.sample_id, q.index)])
+                      for (c, q, _), s in zip(got, scores) if (c.sample_id, q.index) in prompt_scores]
+            ci = ratio_ci95([(s, p) for _, s, p in paired])
+            cat_ci = {str(cat): ratio_ci95([(s, p) for c_, s, p in paired if c_ == cat])
+                      for cat in sorted({c_ for c_, _, _ in paired})}
+            # Reordered for recompute, the prompt differs from the pasted one, except where every
+            # memory is recomputed (then the order is the conversation's again).
+            same_prompt = r == 0 or self.order == "conversation" or r >= 2 * (k or 0)
             mismatched = [
-                c.sample_id for c, q, r in got
-                if (c.sample_id, q.index) in ref and r["prompt_hash"] != self._prompt_hash(c, q, k)
+                c.sample_id for c, q, rec in got
+                if (c.sample_id, q.index) in ref and rec["prompt_hash"] != self._prompt_hash(c, q, k)
             ]
-            if mismatched:
+            if same_prompt and mismatched:
                 raise RuntimeError(f"inject and prompt requests differ in token ids ({len(mismatched)} questions)")
+        ttfts = [rec["ttft_s"] for _, _, rec in got if "ttft_s" in rec]
         return {
-            "mode": mode, "w": w, "k": k, "n_questions": len(scores),
+            "mode": mode, "w": w, "k": k, **({"recompute": r} if mode == "inject" else {}),
+            "n_questions": len(scores),
             "f1": float(np.mean(scores)) if scores else None,
             "f1_by_category": {c: float(np.mean(v)) for c, v in sorted(by_cat.items())},
             "agreement": agree,
+            # Under --concurrency requests queue behind each other: a cost indicator, not TTFT.
+            "ttft_ms": float(np.median(ttfts)) * 1e3 if ttfts else None,
             **({"inject_over_prompt_ci95": ci} if ci is not None else {}),
+            **({"category_over_prompt_ci95": cat_ci} if mode == "inject" else {}),
         }
 
     def exact_summary(self) -> dict[str, Any] | None:
@@ -683,10 +731,10 @@ class LocomoBench:
                 rec: dict[str, Any] = {"sample_id": conv.sample_id, "qa_index": q.index, "category": q.category,
                                        "question": q.question, "gold": q.answer, "answers": {}}
                 for key, r in self.cache.data.items():
-                    sid, n_turns, qi, mode, w, k = json.loads(key)
+                    sid, n_turns, qi, mode, w, k, *recompute = json.loads(key)
                     if (sid, n_turns, qi) == (conv.sample_id, len(conv.turns), q.index) and "answer" in r:
                         name = mode if mode == "full" else f"{mode} k={k}" + ("" if w is None else f" w={w}")
-                        rec["answers"][name] = r["answer"]
+                        rec["answers"][name + "".join(f" {x}" for x in recompute)] = r["answer"]
                 out.append(rec)
         return out
 
@@ -701,6 +749,8 @@ class LocomoBench:
             "encoding": self.encoding,
             "context_prefix": self.context_prefix,
             "retrieval": "top-k per speaker (2k memories), listed in conversation order",
+            "recompute": self.rs,
+            "order": self.order,
             "max_tokens": self.max_tokens,
             "concurrency": self.concurrency,
             "stemmer": STEMMER,
@@ -712,7 +762,7 @@ class LocomoBench:
 
 
 def run_locomo(
-    engine: "InferScaleEngine",
+    engine: InferScaleEngine,
     *,
     ks: Sequence[int],
     ws: Sequence[int],
@@ -754,13 +804,20 @@ def ratio_ci95(pairs: Sequence[tuple[float, float]], *, rounds: int = 2000, seed
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (w, k): inject F1 over prompt F1 (with its 95% bootstrap interval), and the agreement."""
-    prompt = {r["k"]: r["f1"] for r in rows if r["mode"] == "prompt"}
+    """Per (w, k, recompute): inject F1 over prompt F1 (with its 95% bootstrap interval), the
+    worst category's ratio, and the agreement."""
+    prompt = {r["k"]: r for r in rows if r["mode"] == "prompt"}
     out = []
     for r in rows:
-        if r["mode"] == "inject" and r["f1"] is not None and prompt.get(r["k"]):
+        base = prompt.get(r["k"])
+        if r["mode"] == "inject" and r["f1"] is not None and base and base["f1"]:
             ci = r.get("inject_over_prompt_ci95") or ["", ""]
-            out.append({"w": r["w"], "k": r["k"], "inject_over_prompt": r["f1"] / prompt[r["k"]],
+            cats = {c: v / base["f1_by_category"][c] for c, v in r["f1_by_category"].items()
+                    if base["f1_by_category"].get(c)}
+            worst = min(cats, key=cats.__getitem__) if cats else None
+            out.append({"w": r["w"], "k": r["k"], "recompute": r.get("recompute", 0),
+                        "inject_over_prompt": r["f1"] / base["f1"],
+                        "worst_category": f"{CATEGORIES[int(worst)]} {cats[worst]:.2f}" if worst else "",
                         "ci95_low": ci[0], "ci95_high": ci[1],
                         "exact_match": (r["agreement"] or {}).get("exact_match"),
                         "agreement_f1": (r["agreement"] or {}).get("f1")})
@@ -779,3 +836,14 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             flat["agree_f1"] = r["agreement"]["f1"]
         out.append(flat)
     return out
+
+
+def relevance_last(items: Sequence[int], ranked: Sequence[int], n: int) -> list[int]:
+    """``items`` with the ``n`` best-ranked of them moved to the end, both groups in their order.
+
+    Served with ``recompute=n``, the memories most likely to answer are the ones prefilled as
+    text, after the injected rest; the rest keep the order they were listed in.
+    """
+    rank = {item: i for i, item in enumerate(ranked)}
+    best = set(sorted(items, key=lambda i: rank.get(i, len(rank)))[:n])
+    return [i for i in items if i not in best] + [i for i in items if i in best]

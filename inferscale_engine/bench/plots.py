@@ -102,14 +102,20 @@ def plot_exactness(rows: Rows, path: str, *, title: str) -> None:
 
 
 def plot_locomo(rows: Rows, path: str, *, title: str) -> None:
-    """F1 vs w per k: inject as lines, prompt as dashed references, full as a dotted one."""
+    """F1 per k: inject against w as lines (one style per recompute value, when several), prompt
+    as dashed references, full as a dotted one."""
     with _figure(path, title) as ax:
         ks = sorted({r["k"] for r in rows if r["k"] is not None})
+        rs = sorted({r.get("recompute", 0) for r in rows if r["mode"] == "inject"})
+        styles = ["o-", "s--", "^-.", "d:", "v-", "x--"]
         for i, k in enumerate(ks):
             color = f"C{i}"
-            pts = sorted((r["w"], r["f1"]) for r in rows if r["mode"] == "inject" and r["k"] == k and r["f1"] is not None)
-            if pts:
-                ax.plot(*zip(*pts), "o-", color=color, label=f"KV injection, k={k}")
+            for j, rc in enumerate(rs):
+                pts = sorted((r["w"], r["f1"]) for r in rows if r["mode"] == "inject" and r["k"] == k
+                             and r.get("recompute", 0) == rc and r["f1"] is not None)
+                if pts:
+                    label = f"KV injection, k={k}" + (f", recompute={rc}" if len(rs) > 1 else "")
+                    ax.plot(*zip(*pts), styles[j % len(styles)], color=color, label=label)
             prompt = [r["f1"] for r in rows if r["mode"] == "prompt" and r["k"] == k and r["f1"] is not None]
             if prompt:
                 ax.axhline(prompt[0], linestyle="--", color=color, alpha=0.7, label=f"prompt (pasted), k={k}")
@@ -118,7 +124,7 @@ def plot_locomo(rows: Rows, path: str, *, title: str) -> None:
             ax.axhline(full[0], linestyle=":", color="grey", label="full conversation")
         ax.set_xlabel("context window w (turns)")
         ax.set_ylabel("LoCoMo token F1 (cat. 1-4)")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
 
 
 PLOTS: dict[str, Callable[..., None]] = {

@@ -9,11 +9,14 @@ from typing import TYPE_CHECKING, Any
 from inferscale_engine.bench.common import SyntheticWorkload, median, percentile
 
 if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
     from inferscale_engine.engine import InferScaleEngine
+    from inferscale_engine.types import GenerationResult
 
 
 def run_throughput(
-    engine: "InferScaleEngine",
+    engine: InferScaleEngine,
     users: list[int],
     *,
     k: int = 50,
@@ -29,7 +32,7 @@ def run_throughput(
     work = SyntheticWorkload.build(engine, pool=max(4 * k, 64), fact_tokens=fact_tokens, seed=seed)
 
     async def wave(n: int, mode: str) -> dict[str, Any]:
-        requests = []
+        requests: list[Coroutine[Any, Any, GenerationResult]] = []
         for _ in range(n):
             picks, q = work.sample(k), work.question()
             segs = work.inject_segments(picks, q) if mode == "inject" else work.prompt_segments(picks, q)

@@ -49,7 +49,7 @@ def _drop_page_cache(path: os.PathLike) -> None:
 
 
 def run_tiers(
-    engine: "InferScaleEngine",
+    engine: InferScaleEngine,
     ks: list[int],
     *,
     repeats: int = 10,
@@ -74,8 +74,8 @@ def run_tiers(
     """
     import torch
 
-    from inferscale_engine.engine import Span
     from inferscale_engine.memory.tiers import KVTiers
+    from inferscale_engine.types import Span
 
     kmax = max(ks)
     # Twice the facts needed: the prompt baseline samples k of them in random order, so vLLM's

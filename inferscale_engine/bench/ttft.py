@@ -1,8 +1,11 @@
 """``bench ttft``: time to first token vs k for no memory, prompt injection, KV injection, and the
-prefix-cache floor (head and facts already in vLLM's cache, only the question computed)."""
+prefix-cache floor (head and facts already in vLLM's cache, only the question computed); with
+``recompute``, also KV injection with its last R facts prefilled as text (mode ``inject-rR``)."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
@@ -16,7 +19,7 @@ MODES = ("none", "prompt", "inject", "floor")
 
 
 def run_ttft(
-    engine: "InferScaleEngine",
+    engine: InferScaleEngine,
     ks: list[int],
     *,
     fact_tokens: int = 28,
@@ -26,6 +29,7 @@ def run_ttft(
     warmup: int = 3,
     retriever: Any = None,
     seed: int = 0,
+    recompute: list[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Rows ``{mode, k, ttft_ms_p50, ttft_ms_p95, retrieval_ms_p50}``; modes interleave per repeat
     so drift hits them alike. ``retriever(question_ids) -> seconds`` adds retrieval to each TTFT.
@@ -36,12 +40,14 @@ def run_ttft(
         question_tokens=question_tokens, seed=seed,
     )
 
-    def ttft(segments: list[Any], mode: str) -> float:
-        return engine.generate_segments(segments, max_tokens=1, mode=mode).ttft_s
+    def ttft(segments: list[Any], mode: str, r: int = 0) -> float:
+        return engine.generate_segments(segments, max_tokens=1, mode=mode, recompute=r).ttft_s
 
+    knob = [r for r in sorted(set(recompute or ())) if r > 0]
+    modes = (*MODES, *(f"inject-r{r}" for r in knob))
     rows = []
     for k in ks:
-        times: dict[str, list[float]] = {m: [] for m in MODES}
+        times: dict[str, list[float]] = {m: [] for m in modes}
         retrieval: list[float] = []
         after_prefill: list[float] = []
         for rep in tqdm(range(warmup + repeats), desc=f"ttft k={k}", leave=False):
@@ -56,25 +62,28 @@ def run_ttft(
             # the floor both follow a short request instead, as in a server serving only them,
             # in alternating order so neither always goes first.
             settle = ttft([work.head + work.question()], "prompt")
-            runs = {
-                "inject": lambda: ttft(work.inject_segments(picks, q), "inject"),
+            inject = work.inject_segments(picks, q)
+            runs: dict[str, Callable[[], float]] = {
+                "inject": functools.partial(ttft, inject, "inject"),
                 # Floor: the prompt call above left head+facts in vLLM's prefix cache; a fresh
                 # question over them is the best any injection can do in this engine.
-                "floor": lambda: ttft(work.prompt_segments(picks, work.question()), "prompt"),
+                "floor": functools.partial(ttft, work.prompt_segments(picks, work.question()), "prompt"),
+                **{f"inject-r{r}": functools.partial(ttft, inject, "inject", r) for r in knob},
             }
-            for m in ("inject", "floor") if rep % 2 == 0 else ("floor", "inject"):
+            order = list(runs)
+            for m in order if rep % 2 == 0 else reversed(order):
                 sample[m] = runs[m]()
             if rep >= warmup:
                 for m, t in sample.items():
                     times[m].append(t)
                 retrieval.append(r)
                 after_prefill.append(settle)
-        for m in MODES:
+        for m in modes:
             if k == 0 and m != "none":
                 continue
             # Memory modes pay for retrieval before the engine sees the request; the floor and
             # no-memory rows are the engine alone.
-            r = retrieval if m in ("prompt", "inject") else [0.0] * len(times[m])
+            r = retrieval if m.startswith(("prompt", "inject")) else [0.0] * len(times[m])
             total = [t + dt for t, dt in zip(times[m], r)]
             rows.append({
                 "mode": m, "k": k,
@@ -101,6 +110,10 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "prompt_over_inject": total[("prompt", k)] / total[("inject", k)],
                 "engine_prompt_over_inject": engine[("prompt", k)] / engine[("inject", k)],
                 "inject_over_floor": engine[("inject", k)] / engine[("floor", k)],
+                **{f"{m}_over_inject": total[(m, k)] / total[("inject", k)]
+                   for m, kk in total if kk == k and m.startswith("inject-r")},
+                **{f"prompt_over_{m}": total[("prompt", k)] / total[(m, k)]
+                   for m, kk in total if kk == k and m.startswith("inject-r")},
             })
     return out
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inferscale_engine.errors import ConnectorError
 from inferscale_engine.kv import FactKV
 from inferscale_engine.rope import RopeTable
 
@@ -26,30 +27,33 @@ class CaptureBuffer:
     v: torch.Tensor | None = None
     filled: torch.Tensor | None = None
 
-    def _allocate(self, num_layers: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.k is None:
+    def _allocate(
+        self, num_layers: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.k is None or self.v is None or self.filled is None:
             self.k = torch.empty((num_layers, self.length, *k.shape[-2:]), dtype=k.dtype, device=k.device)
             self.v = torch.empty((num_layers, self.length, *v.shape[-2:]), dtype=v.dtype, device=v.device)
             self.filled = torch.zeros(num_layers, self.length, dtype=torch.bool, device=k.device)
+        return self.k, self.v, self.filled
 
     def write(self, layer: int, num_layers: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """One layer's ``rows`` (``k``/``v``: ``[rows, heads, head_dim]``)."""
-        self._allocate(num_layers, k, v)
-        self.k[layer, rows] = k
-        self.v[layer, rows] = v
-        self.filled[layer, rows] = True
+        keys, values, filled = self._allocate(num_layers, k, v)
+        keys[layer, rows] = k
+        values[layer, rows] = v
+        filled[layer, rows] = True
 
     def write_layers(self, first_row: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Rows ``[first_row, first_row + n)`` of every layer (``k``/``v``: ``[layers, n, heads, head_dim]``)."""
-        self._allocate(k.shape[0], k, v)
+        keys, values, filled = self._allocate(k.shape[0], k, v)
         rows = slice(first_row, first_row + k.shape[1])
-        self.k[:, rows] = k
-        self.v[:, rows] = v
-        self.filled[:, rows] = True
+        keys[:, rows] = k
+        values[:, rows] = v
+        filled[:, rows] = True
 
     def result(self, position: int) -> FactKV:
-        if self.k is None or not bool(self.filled.all()):
-            raise RuntimeError(
+        if self.k is None or self.v is None or self.filled is None or not bool(self.filled.all()):
+            raise ConnectorError(
                 "capture incomplete: vLLM did not compute every row of the span (with a KV cache "
                 "layout InferScale cannot read back, full CUDA graphs hide vLLM's KV writes: "
                 "use compilation_config={'cudagraph_mode': 'FULL_AND_PIECEWISE'})"
@@ -80,7 +84,7 @@ def get_bridge(bridge_id: str) -> Bridge:
     try:
         return _BRIDGES[bridge_id]
     except KeyError:
-        raise RuntimeError(
+        raise ConnectorError(
             "InferScaleConnector found no engine bridge: it must run in the engine's own process "
             "(VLLM_ENABLE_V1_MULTIPROCESSING=0; InferScaleEngine sets this up)"
         ) from None

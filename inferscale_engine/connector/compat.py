@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
-def attention_layers(forward_context: "ForwardContext") -> list[tuple[str, Any]]:
+def attention_layers(forward_context: ForwardContext) -> list[tuple[str, Any]]:
     """Attention layers that own a KV cache, in model order."""
     layers = []
     for name, layer in forward_context.no_compile_layers.items():
@@ -44,12 +44,29 @@ def attention_layers(forward_context: "ForwardContext") -> list[tuple[str, Any]]
     return layers
 
 
+def wrap_kv_cache_update(
+    layer: Any, after: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+) -> Callable[..., None]:
+    """Make ``layer``'s KV write call ``after(key, value, slot_mapping)`` once vLLM's own write
+    is done; returns vLLM's unwrapped write ``(layer, key, value, kv_cache, slot_mapping)``, for
+    writes nothing should see."""
+    original = layer.impl.do_kv_cache_update
+
+    def write_then_after(layer_: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+        original(layer_, key, value, kv_cache, slot_mapping)
+        after(key, value, slot_mapping)
+
+    layer.impl.do_kv_cache_update = write_then_after
+    return original
+
+
 def layer_index(layer_name: str) -> int:
     m = _LAYER_INDEX.search(layer_name)
     return int(m.group(1)) if m else -1
 
 
-def layer_kv_cache(layer: Any, forward_context: "ForwardContext") -> torch.Tensor:
+def layer_kv_cache(layer: Any, forward_context: ForwardContext) -> torch.Tensor:
     cache = layer.kv_cache
     # Older releases kept one cache per virtual engine (pipeline stage) in a list.
     if isinstance(cache, (list, tuple)):
@@ -57,8 +74,9 @@ def layer_kv_cache(layer: Any, forward_context: "ForwardContext") -> torch.Tenso
     return cache
 
 
-def single_group_block_ids(block_ids: tuple[list[int], ...] | list[int]) -> list[int]:
-    """Block ids of the one KV-cache group InferScale supports."""
+def single_group_block_ids(block_ids: Sequence[Any]) -> list[int]:
+    """Block ids of the one KV-cache group InferScale supports, from a tuple of per-group lists
+    or a flat list."""
     if block_ids and isinstance(block_ids[0], list):
         if len(block_ids) != 1:
             raise NotImplementedError(
@@ -69,15 +87,15 @@ def single_group_block_ids(block_ids: tuple[list[int], ...] | list[int]) -> list
     return list(block_ids)
 
 
-def is_resumed(cached: "CachedRequestData", index: int) -> bool:
+def is_resumed(cached: CachedRequestData, index: int) -> bool:
     """Whether the i-th cached request resumed from preemption (its block ids are then whole)."""
     resumed = getattr(cached, "resumed_req_ids", None)
     if resumed is not None:
         return cached.req_ids[index] in resumed
-    return bool(cached.resumed_from_preemption[index])  # releases before resumed_req_ids
+    return bool(cached.resumed_from_preemption[index])  # type: ignore[attr-defined]  # releases before resumed_req_ids
 
 
-def start_load_before_forward(scheduler_output: "SchedulerOutput") -> None:
+def start_load_before_forward(scheduler_output: SchedulerOutput) -> None:
     """Make the worker call ``start_load_kv`` before this step's forward pass.
 
     vllm 0.32 runs ``start_load_kv`` after the forward unless the step has synchronous loads;
@@ -104,7 +122,7 @@ def paged_kv_views(layer: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, to
     return None
 
 
-def keep_out_of_prefix_cache(llm_engine: Any, chosen: "Callable[[Request], bool]") -> bool:
+def keep_out_of_prefix_cache(llm_engine: Any, chosen: Callable[[Request], bool]) -> bool:
     """Let the requests ``chosen`` picks bypass vLLM's prefix cache: their blocks are neither
     hashed, looked up nor cached. False (and nothing changed) where prefix caching is off or this
     vLLM lacks the hooks.
@@ -119,12 +137,12 @@ def keep_out_of_prefix_cache(llm_engine: Any, chosen: "Callable[[Request], bool]
     ``KVCacheManager.cache_blocks``). A request with no block hashes finds no prefix-cache hit,
     and its freed blocks, carrying no hash, are reused before cached ones.
     """
-    core = getattr(getattr(llm_engine, "engine_core", None), "engine_core", None)
+    core: Any = getattr(getattr(llm_engine, "engine_core", None), "engine_core", None)
     hasher = getattr(core, "request_block_hasher", None)
     if hasher is None and hasattr(core, "request_block_hasher"):
         return False  # prefix caching is off: nothing to keep out of it
     manager = getattr(getattr(core, "scheduler", None), "kv_cache_manager", None)
-    coordinator = getattr(manager, "coordinator", None)
+    coordinator: Any = getattr(manager, "coordinator", None)
     if hasher is None or not callable(getattr(coordinator, "cache_blocks", None)):
         # Still correct (injected prompts are salted), only slower at large k: say so once.
         logger.info("this vLLM lacks the prefix-cache hooks InferScale knows: injected prompts go "
@@ -132,10 +150,10 @@ def keep_out_of_prefix_cache(llm_engine: Any, chosen: "Callable[[Request], bool]
         return False
     cache_blocks = coordinator.cache_blocks
 
-    def block_hashes(request: "Request") -> list[Any]:
+    def block_hashes(request: Request) -> list[Any]:
         return [] if chosen(request) else hasher(request)
 
-    def cache_unless_chosen(request: "Request", *args: Any, **kwargs: Any) -> None:
+    def cache_unless_chosen(request: Request, *args: Any, **kwargs: Any) -> None:
         if not chosen(request):
             cache_blocks(request, *args, **kwargs)
 

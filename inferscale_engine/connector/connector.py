@@ -42,6 +42,7 @@ from inferscale_engine.connector.plan import (
     parse_params,
 )
 from inferscale_engine.connector.table import InjectionTable, SpanColumns
+from inferscale_engine.errors import ConnectorError
 from inferscale_engine.kv import FactKV
 from inferscale_engine.rope import rotate
 
@@ -58,12 +59,15 @@ logger = logging.getLogger(__name__)
 class InferScaleConnector(KVConnectorBase_V1):
     def __init__(
         self,
-        vllm_config: "VllmConfig",
+        vllm_config: VllmConfig,
         role: KVConnectorRole,
-        kv_cache_config: "KVCacheConfig | None" = None,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
-        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        # None from vLLM releases that did not pass it yet.
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        transfer = vllm_config.kv_transfer_config
+        assert transfer is not None  # vLLM builds a connector only from its kv_transfer_config
+        extra = transfer.kv_connector_extra_config or {}
         if "bridge_id" not in extra:
             raise ValueError("InferScaleConnector needs kv_connector_extra_config={'bridge_id': ...}")
         self._bridge_id: str = extra["bridge_id"]
@@ -94,7 +98,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._matches: list[tuple[CaptureBuffer, torch.Tensor, torch.Tensor]] = []
 
     @staticmethod
-    def _find_block_size(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> int:
+    def _find_block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> int:
         if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
             return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
         return int(vllm_config.cache_config.block_size)
@@ -105,7 +109,7 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler half
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         try:
             plan = parse_params(request.kv_transfer_params)
         except (ValueError, TypeError) as exc:  # the engine validates first; never kill the scheduler
@@ -122,12 +126,12 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._claimed[request.request_id] = (num_computed_tokens, count)
         return count, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         start, count = self._claimed.pop(request.request_id, (0, 0))
         if num_external_tokens == 0:
             return
         if num_external_tokens != count:
-            raise RuntimeError(f"vLLM allocated {num_external_tokens} external tokens, connector claimed {count}")
+            raise ConnectorError(f"vLLM allocated {num_external_tokens} external tokens, connector claimed {count}")
         plan = self._plans[request.request_id]
         assert isinstance(plan, InjectionPlan)
         stop = start + count
@@ -136,7 +140,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._loads.append(LoadRequest(block_ids, start, stop, pieces))
         self._injected[request.request_id] = count
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = InferScaleConnectorMetadata(loads=self._loads)
         self._loads = []
 
@@ -160,6 +164,7 @@ class InferScaleConnector(KVConnectorBase_V1):
 
         for req_id, done in scheduled:
             plan = self._plans[req_id]
+            assert isinstance(plan, CapturePlan)  # only captures have blocks kept
             blocks = self._capture_blocks[req_id]
             end = done + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             for r in plan.ranges:
@@ -170,7 +175,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             compat.start_load_before_forward(scheduler_output)
         return meta
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._plans.pop(request.request_id, None)
         self._claimed.pop(request.request_id, None)
         self._capture_blocks.pop(request.request_id, None)
@@ -186,25 +191,24 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._bridge_obj = get_bridge(self._bridge_id)
         return self._bridge_obj
 
-    def _install(self, forward_context: "ForwardContext") -> None:
+    def _install(self, forward_context: ForwardContext) -> None:
         """Wrap every attention layer's KV write once, to see what vLLM writes."""
         self._layers = compat.attention_layers(forward_context)
         for index, (name, layer) in enumerate(self._layers):
-            original = layer.impl.do_kv_cache_update
-            self._writers[name] = original
-
-            def write_and_capture(layer_, key, value, kv_cache, slot_mapping, _index=index, _original=original):
-                _original(layer_, key, value, kv_cache, slot_mapping)
+            # Bound per layer through the default: a closure would see the loop's last index.
+            def after_write(
+                key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, _index: int = index
+            ) -> None:
                 if self._hooked_captures:
                     self._capture(_index, key, value, slot_mapping)
 
-            layer.impl.do_kv_cache_update = write_and_capture
+            self._writers[name] = compat.wrap_kv_cache_update(layer, after_write)
         logger.debug("InferScaleConnector hooked %d attention layers", len(self._layers))
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         pass  # caches are reached through the forward context, in the backend's own layout
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, InferScaleConnectorMetadata)
         if not self._layers:
@@ -231,7 +235,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         super().clear_connector_metadata()
         self._cache_captures, self._hooked_captures = [], []
 
-    def _inject(self, loads: list[LoadRequest], forward_context: "ForwardContext") -> None:
+    def _inject(self, loads: list[LoadRequest], forward_context: ForwardContext) -> None:
         # Hundreds of spans per step at large k: per span a dict lookup and a few attribute reads
         # (FactKV.layout() reads the tensors once per FactKV); the arithmetic is numpy's.
         staged = self._bridge().staged
@@ -244,10 +248,10 @@ class InferScaleConnector(KVConnectorBase_V1):
         for key in keys:
             kv = staged.get(key)
             if kv is None:
-                raise RuntimeError(f"span {key!r} was not staged before its request ran")
+                raise ConnectorError(f"span {key!r} was not staged before its request ran")
             _, _, _, layers = kv.layout()
             if layers != num_layers:
-                raise RuntimeError(f"stored KV has {layers} layers, the model has {num_layers}")
+                raise ConnectorError(f"stored KV has {layers} layers, the model has {num_layers}")
             if kv.ready is not None:
                 ready[id(kv.ready)] = kv.ready
             kvs.append(kv)
@@ -266,7 +270,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         else:
             self._inject_torch(spans, slots, device, forward_context)
 
-    def _paged_views(self, forward_context: "ForwardContext") -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    def _paged_views(self, forward_context: ForwardContext) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Every layer's K/V cache as ``[blocks, block_size, heads, head_dim]`` views, where the
         backend's layout is known; found once, since caches never move once allocated."""
         if self._paged is None:
@@ -274,7 +278,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._paged = views if all(views) else False  # type: ignore[assignment]
         return self._paged or None  # type: ignore[return-value]
 
-    def _fused_ready(self, forward_context: "ForwardContext") -> bool:
+    def _fused_ready(self, forward_context: ForwardContext) -> bool:
         """Whether the Triton writer knows this cache layout (per-layer rope or an unknown layout
         go the torch way)."""
         if self._fused_views is None:
@@ -296,13 +300,13 @@ class InferScaleConnector(KVConnectorBase_V1):
         pass on its stream."""
         from inferscale_engine.rope_triton import inject_rows
 
-        assert self._fused_views
+        assert isinstance(self._fused_views, tuple)
         key_ptrs, value_ptrs, view = self._fused_views
         table = InjectionTable.build_columns(spans, slots, device)
         inject_rows(table, self._bridge().ropes[self._layers[0][0]], key_ptrs, value_ptrs, view)
 
     def _inject_torch(
-        self, spans: SpanColumns, slots: np.ndarray, device: torch.device, forward_context: "ForwardContext"
+        self, spans: SpanColumns, slots: np.ndarray, device: torch.device, forward_context: ForwardContext
     ) -> None:
         """Reference path (CPU, or layouts the Triton writer does not know): gather, rotate,
         write through the backend's own KV write op."""
@@ -318,9 +322,10 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     def _rotate(self, k: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         ropes = self._bridge().ropes
-        tables = [ropes.get(name) for name, _ in self._layers]
-        if any(t is None for t in tables):
-            raise RuntimeError("rotary tables were not registered for every attention layer")
+        try:
+            tables = [ropes[name] for name, _ in self._layers]
+        except KeyError:
+            raise ConnectorError("rotary tables were not registered for every attention layer") from None
         if all(t is tables[0] for t in tables):
             return rotate(k, deltas, tables[0])
         out = torch.empty_like(k)

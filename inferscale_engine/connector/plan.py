@@ -137,7 +137,7 @@ class LoadPiece(NamedTuple):
     key: str
     row: int
     position: int
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count: the field reads better
 
 
 @dataclass(slots=True)

@@ -29,7 +29,7 @@ class SpanRows(NamedTuple):
 
     kv: FactKV
     row: int
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count: the field reads better
     delta: int
 
 
@@ -40,7 +40,7 @@ class SpanColumns(NamedTuple):
 
     kv: Sequence[FactKV]
     row: np.ndarray  # int64, as are count and delta
-    count: np.ndarray
+    count: np.ndarray  # type: ignore[assignment]  # shadows tuple.count, as SpanRows does
     delta: np.ndarray
 
     @classmethod
@@ -66,7 +66,7 @@ class InjectionTable:
     keepalive: list[torch.Tensor]  # sources copied to the device for this launch
 
     @classmethod
-    def build(cls, parts: Sequence[SpanRows], slots: np.ndarray, device: torch.device) -> "InjectionTable":
+    def build(cls, parts: Sequence[SpanRows], slots: np.ndarray, device: torch.device) -> InjectionTable:
         """``parts`` in row order; ``slots`` the cache slot of every row (``sum(count)`` of them).
         Sources must be on ``device`` (others are copied there first, and kept alive here)."""
         return cls.build_columns(SpanColumns.of(parts), slots, device)

@@ -260,14 +260,18 @@ class MetaDB:
         with self.transaction() as c:
             c.execute("UPDATE facts SET kv_version=?, fingerprint=NULL WHERE id=? AND kv_version=?", (new, fact_id, old))
 
+    def set_metadata(self, fact_id: str, metadata: dict[str, Any], now: str) -> None:
+        with self.transaction() as c:
+            c.execute("UPDATE facts SET metadata=?, updated_at=? WHERE id=?", (json.dumps(metadata), now, fact_id))
+
     def history(self, memory_id: str) -> list[dict[str, Any]]:
         with self.lock:
             rows = self.conn.execute(
-                "SELECT id, memory_id, event, old_memory, new_memory, created_at FROM history "
+                "SELECT id, memory_id, user_id, event, old_memory, new_memory, created_at FROM history "
                 "WHERE memory_id=? ORDER BY seq",
                 (memory_id,),
             ).fetchall()
-        keys = ("id", "memory_id", "event", "old_memory", "new_memory", "created_at")
+        keys = ("id", "memory_id", "user_id", "event", "old_memory", "new_memory", "created_at")
         return [dict(zip(keys, r)) for r in rows]
 
 

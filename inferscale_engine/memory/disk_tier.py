@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from inferscale_engine.errors import StaleKVError
+from inferscale_engine.errors import KVMissingError, StaleKVError
 from inferscale_engine.kv import FactKV
 
 logger = logging.getLogger(__name__)
@@ -26,10 +26,6 @@ KVKey = tuple[str, int]  # (fact id, kv version)
 
 FILE_FORMAT = "inferscale-kv/1"
 _FILE_RE = re.compile(r"^([0-9a-f]{16})-(\d+)\.safetensors$")
-
-
-class KVMissingError(LookupError):
-    """No usable KV file for this fact version (never written, deleted, or unreadable)."""
 
 
 class DiskTier:

@@ -272,6 +272,24 @@ class MemoryStore:
         with self._lock:
             return [self._item(f) for f in self.table.of_user(user_id)]
 
+    def user_ids(self) -> list[str]:
+        """Every user that has live facts (what an HTTP ``users`` listing needs)."""
+        self._check_open()
+        with self._lock:
+            return [u for u, ids in self.table.ids_by_user().items() if ids]
+
+    def update_metadata(self, fact_id: str, metadata: dict[str, Any], *, user_id: str | None = None) -> MemoryItem:
+        """Replace a fact's metadata; text, handle and KV stay as they are (Mem0 lets clients edit it alone)."""
+        self._check_open()
+        meta = check_metadata(metadata)
+        now = _now()
+        with self._lock:
+            self._check_open()
+            old = self.table.lookup(fact_id, user_id)
+            self._db.set_metadata(fact_id, meta, now)
+            new = self.table.by_id[fact_id] = dataclasses.replace(old, metadata=meta, updated_at=now)
+            return self._item(new)
+
     def update(self, fact_id: str, text: str, *, user_id: str | None = None) -> MemoryItem:
         """Replace a fact's text: re-tokenized, re-embedded, re-encoded under a new KV version.
 

@@ -1,21 +1,18 @@
-"""The HTTP API: OpenAI-compatible completions plus Mem0-style memory endpoints.
+"""The HTTP API: OpenAI-compatible completions plus the Mem0 platform's memory API.
 
 Routes::
 
     POST /v1/chat/completions     OpenAI chat (SSE streaming or not); handles in messages are
-                                  injected as KV for the request's ``user``
-    POST /v1/completions          OpenAI legacy completions (one prompt)
-    GET  /v1/models               the served model
-    POST /v1/memories/            add {messages, user_id, metadata}
-    POST /v1/memories/search/     search {query, user_id, limit}
-    GET  /v1/memories/?user_id=   list one user's memories
-    DELETE /v1/memories/?user_id= forget all of them
-    GET|PUT|DELETE /v1/memories/{id}/?user_id=   one memory (404 unless it is that user's)
-    GET  /v1/memories/{id}/history/?user_id=
+                                  injected as KV for the request's user (``user``,
+                                  ``safety_identifier`` or ``X-User-Id``)
+    POST /v1/completions          OpenAI legacy completions (a prompt or a list of prompts)
+    GET  /v1/models[/{id}]        the served model
+    /v1/ping/, /v1/memories/..., /v2/..., /v3/..., /v1/entities/
+                                  the Mem0 platform API (server/mem0_api.py)
     GET  /health, GET /metrics    (never behind the API key)
 
 Every error is a JSON body ``{"error": {"message", "type", "param", "code"}}`` as OpenAI sends
-it; bad input is a 4xx, never a 500 with a traceback.
+it (plus Mem0's ``detail`` on memory routes); bad input is a 4xx, never a 500 with a traceback.
 """
 
 from __future__ import annotations
@@ -25,16 +22,18 @@ import hmac
 import json
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from inferscale_engine import __version__
 from inferscale_engine.chat import memory_context, warm_up, with_memories
 from inferscale_engine.errors import (
     ContextOverflowError,
@@ -46,13 +45,12 @@ from inferscale_engine.errors import (
     MalformedHandleError,
     StaleKVError,
 )
+from inferscale_engine.handles import HANDLE_PATTERN
+from inferscale_engine.server import mem0_api
 from inferscale_engine.server.metrics import CONTENT_TYPE_LATEST, Metrics
 from inferscale_engine.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
-    MemoryAddRequest,
-    MemorySearchRequest,
-    MemoryUpdateRequest,
     unsupported,
 )
 
@@ -73,8 +71,19 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+    def response(self, path: str = "") -> JSONResponse:
+        body = self.body()
+        if _is_mem0_path(path):  # the mem0ai clients show a failure's ``detail``; OpenAI clients read ``error``
+            body["detail"] = self.message
+        return JSONResponse(body, status_code=self.status)
+
+
+_OPENAI_PATHS = ("/v1/chat/", "/v1/completions", "/v1/models")
+_VERSIONED = re.compile(r"/v\d+(/|$)")
+
+
+def _is_mem0_path(path: str) -> bool:
+    return path.startswith(("/v1/", "/v2/", "/v3/")) and not path.startswith(_OPENAI_PATHS)
 
 
 def api_error(exc: BaseException) -> APIError:
@@ -142,7 +151,8 @@ def create_app(
     Args:
         served_model_name: the ``model`` id clients send and ``/v1/models`` lists (default:
             the alias or folder name the engine was built from).
-        api_key: when set, ``/v1/*`` needs ``Authorization: Bearer <api_key>`` (401 otherwise).
+        api_key: when set, ``/v1/*``, ``/v2/*`` and ``/v3/*`` need ``Authorization: Bearer <api_key>``
+            or ``Token <api_key>`` (401 otherwise).
         default_max_tokens: the cap for requests that give no ``max_tokens`` (also bounded by
             what is left of the context).
         preload_memory: open the memory store now (loads the embedder) rather than on the
@@ -155,7 +165,7 @@ def create_app(
     metrics = Metrics()
     created = int(time.time())
 
-    app = FastAPI(title="InferScale", version="0.1.0", description="Personalized LLM serving: memory without prefill.")
+    app = FastAPI(title="InferScale", version=__version__, description="Personalized LLM serving: memory without prefill.")
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.model_name = model_name
@@ -171,26 +181,33 @@ def create_app(
     # ------------------------------------------------------------------ plumbing
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         metrics.errors.labels(exc.code or exc.type).inc()
-        return exc.response()
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
         metrics.errors.labels("invalid_request").inc()
-        return APIError(400, message, param=param, code="invalid_request").response()
+        return APIError(400, message, param=param, code="invalid_request").response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-        return APIError(exc.status_code, str(exc.detail), kind).response()
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Clients branch on ``code``; OpenAI's own 404 for an unknown route says "unknown_url".
+        kind, code = {404: ("not_found_error", "unknown_url"), 405: ("invalid_request_error", "method_not_allowed")}.get(
+            exc.status_code, ("invalid_request_error", "invalid_request"))
+        message = str(exc.detail)
+        if exc.status_code == 404:
+            message = f"Unknown request URL: {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"Method {request.method} is not allowed for {request.url.path}"
+        return APIError(exc.status_code, message, kind, None, code).response(request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         err = api_error(exc)
         metrics.errors.labels(err.code or err.type).inc()
-        return err.response()
+        return err.response(request.url.path)
 
     app.add_middleware(_AuthAndCount, api_key=api_key, metrics=metrics)
 
@@ -223,48 +240,72 @@ def create_app(
             s["presence_penalty"] = req.presence_penalty
         if req.frequency_penalty:
             s["frequency_penalty"] = req.frequency_penalty
+        if req.recompute is not None:
+            s["recompute"] = req.recompute
         return s
+
+    def too_long(message: str, param: str) -> APIError:
+        # OpenAI's and vLLM's wording: litellm and others map it to their context-window error types.
+        return APIError(400, f"This model's maximum context length is {max_model_len} tokens. {message}",
+                        param=param, code="context_length_exceeded")
 
     async def prepare(prompt: Any, user: str, requested: int | None, param: str) -> tuple[list[Any], int]:
         """Resolve handles once (4xx for bad ones) and settle ``max_tokens`` against the context."""
         if requested is not None and requested >= max_model_len:
-            raise APIError(
-                400,
-                f"{param}={requested} is too large: the model's context is {max_model_len} tokens (prompt included)",
-                param=param,
-                code="context_length_exceeded",
-            )
+            raise too_long(f"However, you requested {requested} tokens in the completion ({param}), which leaves no "
+                           "room for the messages. Please reduce the length of the completion.", param)
         try:
             segments = await asyncio.to_thread(engine.resolve, prompt, user_id=user)
         except Exception as exc:
             raise api_error(exc) from exc
         n = sum(len(s.token_ids) if hasattr(s, "token_ids") else len(s) for s in segments)
         left = max_model_len - n
+        if left < 1:
+            raise too_long(f"However, your messages resulted in {n} tokens (memories included). "
+                           "Please reduce the length of the messages.", "messages")
         if requested is None:  # as much as the context leaves, capped by the server default
             requested = min(default_max_tokens, left)
-        if left < 1 or requested > left:
-            raise APIError(
-                400,
-                f"this request needs {n} prompt tokens (memories included) + {param}={requested}, "
-                f"more than the model's context of {max_model_len} tokens",
-                param=param if left >= 1 else "messages",
-                code="context_length_exceeded",
-            )
+        if requested > left:
+            raise too_long(f"However, you requested {n + requested} tokens ({n} in the messages, memories included, "
+                           f"{requested} in the completion). Please reduce the length of the messages or completion.", param)
         return segments, requested
+
+    def user_of(req: Any, request: Request, uses_memory: bool) -> str:
+        """The user whose memories a request may use: ``user``, ``safety_identifier`` or ``X-User-Id``.
+
+        A request that uses memories (handles, ``memory_k``) without naming its user is refused:
+        serving it as some default user would silently read or miss the wrong user's facts.
+        """
+        given = {k: v for k, v in (("user", req.user), ("safety_identifier", req.safety_identifier),
+                                   ("X-User-Id", request.headers.get("x-user-id"))) if v}
+        if len(set(given.values())) > 1:
+            raise APIError(400, "the request names different users: " + ", ".join(f"{k}={v!r}" for k, v in given.items()),
+                           param="user", code="conflicting_user")
+        if given:
+            return next(iter(given.values()))
+        if uses_memory:
+            raise APIError(400, "this request uses memories (a memory handle or memory_k) but names no user: send "
+                                "'user' (or 'safety_identifier') in the body, or an X-User-Id header",
+                           param="user", code="user_required")
+        return DEFAULT_USER  # nothing in it is scoped by user
+
+    async def run_one(endpoint: str, segments: list[Any], kwargs: dict[str, Any]) -> Any:
+        metrics.in_flight.inc()
+        try:
+            result = await engine.agenerate_segments(segments, **kwargs)
+        except Exception as exc:
+            raise api_error(exc) from exc
+        finally:
+            metrics.in_flight.dec()
+        metrics.observe_generation(endpoint, result)
+        return result
 
     async def generate(endpoint: str, segments: list[Any], user: str, req: Any, max_tokens: int, sampling: dict[str, Any]) -> Response:
         rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
         kwargs = dict(user_id=user, max_tokens=max_tokens, **sampling)
         if not req.stream:
-            metrics.in_flight.inc()
-            try:
-                result = await engine.agenerate_segments(segments, **kwargs)
-            except Exception as exc:
-                raise api_error(exc) from exc
-            finally:
-                metrics.in_flight.dec()
-            metrics.observe_generation(endpoint, result)
+            result = await run_one(endpoint, segments, kwargs)
             if endpoint == "chat":
                 choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None, "finish_reason": result.finish_reason}
                 obj = "chat.completion"
@@ -350,7 +391,7 @@ def create_app(
         }
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest) -> Response:
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         check_model(req.model)
         sampling = sampling_of(req)
         messages = []
@@ -362,7 +403,7 @@ def create_app(
             except ValueError as exc:
                 raise APIError(400, f"messages[{i}]: {exc}", param=f"messages.{i}.content") from exc
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
-        user = req.user or DEFAULT_USER
+        user = user_of(req, request, bool(req.memory_k) or any(HANDLE_PATTERN.search(m["content"]) for m in messages))
         if req.memory_k:
             query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
             if query:
@@ -377,26 +418,47 @@ def create_app(
         return await generate("chat", segments, user, req, max_tokens, sampling)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Response:
+    async def completions(req: CompletionRequest, request: Request) -> Response:
         check_model(req.model)
         sampling = sampling_of(req)
-        prompt = req.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise APIError(400, "exactly one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
-        if not prompt:
+        prompts = req.prompt if isinstance(req.prompt, list) else [req.prompt]
+        if not prompts:
             raise APIError(400, "prompt is empty", param="prompt")
-        user = req.user or DEFAULT_USER
-        segments, max_tokens = await prepare(prompt, user, req.max_tokens, "max_tokens")
-        return await generate("completion", segments, user, req, max_tokens, sampling)
+        for i, p in enumerate(prompts):
+            if not p:
+                raise APIError(400, "prompt is empty" if len(prompts) == 1 else f"prompt[{i}] is empty", param="prompt")
+        user = user_of(req, request, any(HANDLE_PATTERN.search(p) for p in prompts))
+        if len(prompts) == 1:
+            segments, max_tokens = await prepare(prompts[0], user, req.max_tokens, "max_tokens")
+            return await generate("completion", segments, user, req, max_tokens, sampling)
+        if req.stream:
+            raise APIError(400, "streaming is supported for one prompt per request; send a list of prompts without "
+                                "stream, or one request per prompt", param="stream", code="unsupported_parameter")
+        # Every prompt is checked before any is generated, so a bad one costs no generation.
+        prepared = [await prepare(p, user, req.max_tokens, "max_tokens") for p in prompts]
+        results = await asyncio.gather(*(run_one("completion", seg, dict(user_id=user, max_tokens=mt, **sampling))
+                                         for seg, mt in prepared))
+        usages = [usage_of(r) for r in results]
+        usage = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens", "injected_tokens")}
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)}
+        return JSONResponse({
+            "id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()), "model": model_name,
+            "choices": [{"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason} for i, r in enumerate(results)],
+            "usage": usage, "system_fingerprint": None,
+        })
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": created, "owned_by": "inferscale",
+                "root": str(getattr(engine, "model_path", model_name)), "max_model_len": max_model_len}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "inferscale", "root": str(getattr(engine, "model_path", model_name)), "max_model_len": max_model_len}],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return model_card()
 
     @app.get("/health")
     async def health() -> Response:
@@ -408,17 +470,7 @@ def create_app(
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    # ------------------------------------------------------------------ memories (Mem0 REST shape)
-
-    def route(method: str, path: str) -> Callable:
-        """Register ``path`` with and without its trailing slash (no redirects for POST/PUT)."""
-
-        def deco(fn: Callable) -> Callable:
-            for p in {path, path.rstrip("/")}:
-                app.add_api_route(p, fn, methods=[method], include_in_schema=p == path)
-            return fn
-
-        return deco
+    # ------------------------------------------------------------------ memories (Mem0 platform API)
 
     head_context: list[Any] = []
 
@@ -426,17 +478,6 @@ def create_app(
         if not head_context:
             head_context.append(memory_context(engine))
         return head_context[0]
-
-    def owned(fact_id: str, user_id: str) -> Any:
-        """The memory if it exists and belongs to ``user_id``; 404 otherwise (no existence leak)."""
-        not_found = APIError(404, f"memory {fact_id!r} not found for user {user_id!r}", "not_found_error", None, "memory_not_found")
-        try:
-            item = store().get(fact_id, user_id=user_id)
-        except (LookupError, ValueError, PermissionError):
-            raise not_found from None
-        if item is None or getattr(item, "user_id", user_id) != user_id:
-            raise not_found
-        return item
 
     def call(fn: Callable, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -446,56 +487,7 @@ def create_app(
         except Exception as exc:
             raise api_error(exc) from exc
 
-    @route("POST", "/v1/memories/")
-    def memory_add(req: MemoryAddRequest) -> dict[str, Any]:
-        if isinstance(req.messages, str):
-            messages = [{"role": "user", "content": req.messages}]
-        else:
-            messages = [{"role": m.role, "content": call(m.text)} for m in req.messages]
-        if not messages or not any(m["content"].strip() for m in messages):
-            raise APIError(400, "nothing to remember: messages are empty", param="messages")
-        context = req.context if "context" in req.model_fields_set else default_context()
-        items = call(store().add, messages, user_id=req.user_id, metadata=req.metadata, infer=req.infer, context=context)
-        return {"results": [{**i.to_dict(), "event": "ADD"} for i in items]}
-
-    @route("POST", "/v1/memories/search/")
-    def memory_search(req: MemorySearchRequest) -> dict[str, Any]:
-        items = call(store().search, req.query, user_id=req.user_id, k=req.limit)
-        return {"results": [i.to_dict() for i in items]}
-
-    @route("GET", "/v1/memories/")
-    def memory_list(user_id: str = Query(..., min_length=1)) -> dict[str, Any]:
-        return {"results": [i.to_dict() for i in call(store().get_all, user_id=user_id)]}
-
-    @route("DELETE", "/v1/memories/")
-    def memory_delete_all(user_id: str = Query(..., min_length=1)) -> dict[str, Any]:
-        n = call(store().delete_all, user_id=user_id)
-        return {"message": "Memories deleted successfully!", "deleted": int(n or 0)}
-
-    @route("GET", "/v1/memories/{memory_id}/")
-    def memory_get(memory_id: str, user_id: str = Query(..., min_length=1)) -> dict[str, Any]:
-        return owned(memory_id, user_id).to_dict()
-
-    @route("PUT", "/v1/memories/{memory_id}/")
-    def memory_update(memory_id: str, req: MemoryUpdateRequest, user_id: str | None = Query(None)) -> dict[str, Any]:
-        uid = user_id or req.user_id
-        if not uid:
-            raise APIError(400, "user_id is required (query parameter or body)", param="user_id")
-        owned(memory_id, uid)
-        updated = call(store().update, memory_id, req.text, user_id=uid)
-        item = updated if hasattr(updated, "to_dict") else owned(memory_id, uid)
-        return {"message": "Memory updated successfully!", **item.to_dict()}
-
-    @route("DELETE", "/v1/memories/{memory_id}/")
-    def memory_delete(memory_id: str, user_id: str = Query(..., min_length=1)) -> dict[str, Any]:
-        owned(memory_id, user_id)
-        call(store().delete, memory_id, user_id=user_id)
-        return {"message": "Memory deleted successfully!"}
-
-    @route("GET", "/v1/memories/{memory_id}/history/")
-    def memory_history(memory_id: str, user_id: str = Query(..., min_length=1)) -> list[dict[str, Any]]:
-        owned(memory_id, user_id)
-        return list(call(store().history, memory_id))
+    mem0_api.add_routes(app, engine=engine, store=store, call=call, default_context=default_context, api_error_cls=APIError)
 
     return app
 
@@ -514,17 +506,19 @@ class _AuthAndCount:
             await self.app(scope, receive, send)
             return
         method = scope.get("method", "")
-        if self.api_key and scope.get("path", "").startswith("/v1"):
+        if self.api_key and _VERSIONED.match(scope.get("path", "")):  # the Mem0 API has /v2 and /v3 routes too
             auth = ""
             for k, v in scope.get("headers", []):
                 if k == b"authorization":
                     auth = v.decode("latin-1")
             scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            # "Token" is what the mem0ai clients send; "Bearer" what OpenAI clients send.
+            if scheme.lower() not in ("bearer", "token") or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
                 self.metrics.requests.labels(method, "unauthorized", "401").inc()
                 self.metrics.errors.labels("invalid_api_key").inc()
-                err = APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')", "authentication_error", None, "invalid_api_key")
-                await err.response()(scope, receive, send)
+                err = APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>' or 'Token <key>')",
+                               "authentication_error", None, "invalid_api_key")
+                await err.response(scope.get("path", ""))(scope, receive, send)
                 return
         status = [500]
 

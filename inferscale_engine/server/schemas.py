@@ -1,4 +1,4 @@
-"""Request bodies of the HTTP API (OpenAI chat/completions, Mem0-style memories).
+"""Request bodies of the OpenAI endpoints (the memory endpoints parse theirs in mem0_api.py).
 
 Own pydantic models rather than vLLM's protocol classes: we accept only what the engine can
 honour, and every field we do not know is tolerated (clients such as LangChain send extras),
@@ -57,7 +57,12 @@ class _SamplingRequest(_Lenient):
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     user: StrictStr | None = None
+    #: OpenAI's newer per-user field; taken as the user when ``user`` is absent.
+    safety_identifier: StrictStr | None = None
     logit_bias: dict[str, float] | None = None
+    #: InferScale extension, the quality knob: the last N memories of the prompt are prefilled as
+    #: text after the injected ones (default: the server's ``--recompute``).
+    recompute: StrictInt | None = Field(default=None, ge=0)
 
     def stop_list(self) -> list[str] | None:
         if self.stop is None:
@@ -86,30 +91,6 @@ class CompletionRequest(_SamplingRequest):
     logprobs: StrictInt | None = None
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
-
-
-# ------------------------------------------------------------------------- memories
-
-
-class MemoryAddRequest(_Lenient):
-    messages: StrictStr | list[ChatMessage]
-    user_id: StrictStr = Field(min_length=1)
-    metadata: dict[str, Any] | None = None
-    infer: StrictBool = False
-    #: InferScale extension: texts the new facts' KV is encoded after (default: the system head
-    #: that ``memory_k`` and ``inferscale chat`` put before recalled memories).
-    context: list[StrictStr] | None = None
-
-
-class MemorySearchRequest(_Lenient):
-    query: StrictStr = Field(min_length=1)
-    user_id: StrictStr = Field(min_length=1)
-    limit: StrictInt = Field(default=5, ge=1, le=1000)
-
-
-class MemoryUpdateRequest(_Lenient):
-    text: StrictStr = Field(min_length=1)
-    user_id: StrictStr | None = None
 
 
 def unsupported(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, str] | None:

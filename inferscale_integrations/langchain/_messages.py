@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from langchain_core.messages import (
@@ -72,7 +72,7 @@ def _role_of(message: BaseMessage) -> str:
     raise ValueError(f"unsupported message type {type(message).__name__}")
 
 
-def format_tool_call(call: dict[str, Any]) -> str:
+def format_tool_call(call: Mapping[str, Any]) -> str:
     return "<tool_call>\n" + json.dumps({"name": call["name"], "arguments": call.get("args", {})}) + "\n</tool_call>"
 
 

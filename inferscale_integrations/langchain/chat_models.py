@@ -103,6 +103,10 @@ class ChatInferScale(BaseChatModel):
     """Options for building the engine (``max_model_len``, ``window``...) when this class builds it."""
     user_id: str = "default"
     mode: Literal["inject", "prompt"] = "inject"
+    recompute: int | None = Field(default=None, ge=0)
+    """The quality knob: the last ``recompute`` memories of a prompt are prefilled as text after
+    the injected ones (None: the engine's default). More costs prefill and answers closer to
+    pasted memories; at least the prompt's memory count reproduces them exactly."""
     temperature: float = 0.0
     max_tokens: int | None = Field(default=256, alias="max_completion_tokens")
     """Most tokens to generate (None: 256)."""
@@ -131,6 +135,7 @@ class ChatInferScale(BaseChatModel):
         return {
             "model_name": model_name_of(self.engine, self.model_name),
             "mode": self.mode,
+            "recompute": self.recompute,
             "temperature": self.temperature,
             "max_tokens": self.max_tokens,
             "top_p": self.top_p,
@@ -335,6 +340,8 @@ def sampling_options(model: Any, stop: list[str] | None, kwargs: dict[str, Any])
         "user_id": model.user_id,
         "mode": model.mode,
     }
+    if model.recompute is not None:
+        sampling["recompute"] = model.recompute
     if model.top_p is not None:
         sampling["top_p"] = model.top_p
     if model.seed is not None:

@@ -51,6 +51,10 @@ class InferScaleLLM(LLM):
     engine_options: dict[str, Any] = Field(default_factory=dict)
     user_id: str = "default"
     mode: Literal["inject", "prompt"] = "inject"
+    recompute: int | None = Field(default=None, ge=0)
+    """The quality knob: the last ``recompute`` memories of a prompt are prefilled as text after
+    the injected ones (None: the engine's default). More costs prefill and answers closer to
+    pasted memories; at least the prompt's memory count reproduces them exactly."""
     chat_template: bool = False
     """Send each prompt as a single user message through the model's chat template."""
     temperature: float = 0.0

@@ -13,7 +13,7 @@ Requires the ``langchain`` package (``pip install 'inferscale[langchain]'``).
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from langchain.agents.middleware import (
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 SOURCE = "langchain-agent"
 
 
-def _last_human_index(messages: list[BaseMessage]) -> int:
+def _last_human_index(messages: Sequence[BaseMessage]) -> int:
     for i in range(len(messages) - 1, -1, -1):
         if isinstance(messages[i], HumanMessage):
             return i
@@ -111,14 +111,16 @@ class InferScaleMemoryMiddleware(AgentMiddleware):
         return [message_for(r.item, self.mode) for r in found]
 
     def _rewrite(self, request: ModelRequest) -> ModelRequest:
-        messages = list(request.messages)
+        messages: list[BaseMessage] = list(request.messages)
         i = _last_human_index(messages)
         current = messages[i:] if i >= 0 else messages
         earlier = messages[:i] if i > 0 else []
         query = current[0].text if current and isinstance(current[0], HumanMessage) else None
         recalled = self._recalled(query)
         history = recalled if self.replace_history else recalled + earlier
-        return request.override(messages=history + current)
+        # message_for makes Human/AI messages, members of ModelRequest's AnyMessage union, but is
+        # typed BaseMessage (the chat history's API).
+        return request.override(messages=history + current)  # type: ignore[arg-type]
 
     def wrap_model_call(self, request: ModelRequest, handler: Callable[[ModelRequest], ModelResponse]) -> ModelResponse:
         return handler(self._rewrite(request))

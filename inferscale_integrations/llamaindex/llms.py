@@ -27,7 +27,10 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
+from inferscale_engine.errors import MissingUserError
+from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_integrations._common import model_name_of, resolve_engine
+from inferscale_integrations.llamaindex.retrievers import issued_to
 
 if TYPE_CHECKING:
     from inferscale_engine import GenerationResult, InferScaleEngine
@@ -81,8 +84,17 @@ class InferScaleLLM(CustomLLM):
     """
 
     model_name: str = Field(default="smollm2", description="Model alias or local model folder.")
-    user_id: str = Field(default="default", description="Whose memory handles may be resolved.")
+    user_id: str | None = Field(
+        default=None,
+        description="Whose memory handles may be resolved. None: the user an InferScale retriever or memory of "
+                    "the same engine recalled the prompt's handles for (set it in apps that serve several users).",
+    )
     mode: Literal["inject", "prompt"] = Field(default="inject", description="inject KV, or prefill (baseline).")
+    recompute: int | None = Field(
+        default=None, ge=0,
+        description="The quality knob: the last N memories of a prompt are prefilled as text after the injected "
+                    "ones (None: the engine's default); at least the prompt's memory count equals pasted memories.",
+    )
     temperature: float = Field(default=0.0, ge=0.0)
     max_tokens: int = Field(default=256, gt=0, description="Most tokens generated (metadata.num_output).")
     context_window: int | None = Field(default=None, description="Defaults to the engine's max_model_len.")
@@ -126,13 +138,30 @@ class InferScaleLLM(CustomLLM):
 
     # ------------------------------------------------------------------ requests
 
-    def _sampling(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def _user_for(self, payload: Any) -> str:
+        if self.user_id is not None:
+            return self.user_id
+        texts = [payload] if isinstance(payload, str) else [m["content"] for m in payload]
+        handles = [m.group(0) for t in texts for m in HANDLE_PATTERN.finditer(t)]
+        if not handles:
+            return "default"  # nothing in the prompt is scoped by user
+        users = issued_to(self.engine.memory, handles)
+        if len(users) == 1 and None not in users:
+            return next(iter(users))  # type: ignore[return-value]
+        # Not a ValueError: LlamaIndex's response synthesizers swallow those into "Empty Response".
+        raise MissingUserError(
+            "InferScaleLLM has no user_id, and the memory handles in its prompt were not all recalled for one "
+            "user by an InferScale retriever or memory of this engine: pass InferScaleLLM(user_id=...)"
+        )
+
+    def _sampling(self, kwargs: dict[str, Any], payload: Any) -> dict[str, Any]:
         kwargs = {k: v for k, v in kwargs.items() if k not in ("formatted", "tools", "tool_choice")}
         sampling: dict[str, Any] = {
             "temperature": self.temperature,
             "max_tokens": self.max_tokens,
-            "user_id": self.user_id,
+            "user_id": kwargs["user_id"] if "user_id" in kwargs else self._user_for(payload),
             "mode": self.mode,
+            **({"recompute": self.recompute} if self.recompute is not None else {}),
             **self.sampling_kwargs,
             **kwargs,
         }
@@ -159,12 +188,14 @@ class InferScaleLLM(CustomLLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        result = self.engine.generate(to_engine_messages(messages), **self._sampling(kwargs))
+        payload = to_engine_messages(messages)
+        result = self.engine.generate(payload, **self._sampling(kwargs, payload))
         return self._chat_response(result.text, result)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        engine, payload, sampling = self.engine, to_engine_messages(messages), self._sampling(kwargs)
+        engine, payload = self.engine, to_engine_messages(messages)
+        sampling = self._sampling(kwargs, payload)
 
         def gen() -> ChatResponseGen:
             text = ""
@@ -177,13 +208,15 @@ class InferScaleLLM(CustomLLM):
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         engine = await asyncio.to_thread(lambda: self.engine)
-        result = await engine.agenerate(to_engine_messages(messages), **self._sampling(kwargs))
+        payload = to_engine_messages(messages)
+        result = await engine.agenerate(payload, **self._sampling(kwargs, payload))
         return self._chat_response(result.text, result)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         engine = await asyncio.to_thread(lambda: self.engine)
-        payload, sampling = to_engine_messages(messages), self._sampling(kwargs)
+        payload = to_engine_messages(messages)
+        sampling = self._sampling(kwargs, payload)
 
         async def gen() -> ChatResponseAsyncGen:
             text = ""
@@ -197,12 +230,14 @@ class InferScaleLLM(CustomLLM):
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        result = self.engine.generate(self._completion_payload(prompt, formatted), **self._sampling(kwargs))
+        payload = self._completion_payload(prompt, formatted)
+        result = self.engine.generate(payload, **self._sampling(kwargs, payload))
         return CompletionResponse(text=result.text, raw=_extra(result, self.metadata.model_name), additional_kwargs=_usage(result))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        engine, payload, sampling = self.engine, self._completion_payload(prompt, formatted), self._sampling(kwargs)
+        engine, payload = self.engine, self._completion_payload(prompt, formatted)
+        sampling = self._sampling(kwargs, payload)
 
         def gen() -> CompletionResponseGen:
             text = ""
@@ -220,13 +255,15 @@ class InferScaleLLM(CustomLLM):
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         engine = await asyncio.to_thread(lambda: self.engine)
-        result = await engine.agenerate(self._completion_payload(prompt, formatted), **self._sampling(kwargs))
+        payload = self._completion_payload(prompt, formatted)
+        result = await engine.agenerate(payload, **self._sampling(kwargs, payload))
         return CompletionResponse(text=result.text, raw=_extra(result, self.metadata.model_name), additional_kwargs=_usage(result))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         engine = await asyncio.to_thread(lambda: self.engine)
-        payload, sampling = self._completion_payload(prompt, formatted), self._sampling(kwargs)
+        payload = self._completion_payload(prompt, formatted)
+        sampling = self._sampling(kwargs, payload)
 
         async def gen() -> CompletionResponseAsyncGen:
             text = ""

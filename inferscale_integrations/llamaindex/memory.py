@@ -32,6 +32,7 @@ from inferscale_integrations._common import (
     role_of,
     save_messages,
 )
+from inferscale_integrations.llamaindex.retrievers import remember_issued
 
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
@@ -116,11 +117,16 @@ class InferScaleMemory(BaseMemory):
             session_id=self.session_id,
             min_score=self.min_score,
         )
-        return [chat_message_for(r.item, self.mode) for r in found] + list(self._pending)
+        return self._messages([r.item for r in found]) + list(self._pending)
 
     def get_all(self) -> list[ChatMessage]:
         items = all_items(self.store, user_id=self.user_id, session_id=self.session_id)
-        return [chat_message_for(i, self.mode) for i in items] + list(self._pending)
+        return self._messages(items) + list(self._pending)
+
+    def _messages(self, items: list[MemoryItem]) -> list[ChatMessage]:
+        if self.mode == "handles":  # so an InferScaleLLM without user_id can serve them
+            remember_issued(self.store, {i.handle: self.user_id for i in items})
+        return [chat_message_for(i, self.mode) for i in items]
 
     def put(self, message: ChatMessage) -> None:
         role = message.role
@@ -211,6 +217,8 @@ class InferScaleMemoryBlock(BaseMemoryBlock[list[ChatMessage]]):
         found = recall(
             self.store, user_id=self.user_id, query=users[-1].content, k=self.k, recent_turns=0, min_score=self.min_score
         )
+        if self.mode == "handles":  # so an InferScaleLLM without user_id can serve them
+            remember_issued(self.store, {r.item.handle: self.user_id for r in found})
         return [chat_message_for(r.item, self.mode) for r in found]
 
     async def _aget(self, messages: list[ChatMessage] | None = None, **block_kwargs: Any) -> list[ChatMessage]:

@@ -14,6 +14,10 @@ real length and raises ``ContextOverflowError`` rather than truncating).
 from __future__ import annotations
 
 import asyncio
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -32,6 +36,31 @@ from inferscale_integrations._common import (
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
     from inferscale_engine.memory import MemoryItem, MemoryStore
+
+
+# Handles this process's retrievers handed out, per store: an InferScaleLLM given no user_id
+# serves the handles of the one user they were retrieved for (RetrieverQueryEngine passes the
+# LLM only the prompt text, never the retriever). Bounded: old entries are forgotten first.
+_ISSUED: weakref.WeakKeyDictionary[MemoryStore, OrderedDict[str, str]] = weakref.WeakKeyDictionary()
+_ISSUED_MAX = 100_000
+_ISSUED_LOCK = threading.Lock()
+
+
+def remember_issued(store: MemoryStore, handles: dict[str, str]) -> None:
+    with _ISSUED_LOCK:
+        issued = _ISSUED.setdefault(store, OrderedDict())
+        for handle, user in handles.items():
+            issued[handle] = user
+            issued.move_to_end(handle)
+        while len(issued) > _ISSUED_MAX:
+            issued.popitem(last=False)
+
+
+def issued_to(store: MemoryStore, handles: list[str]) -> set[str | None]:
+    """The users the handles were retrieved for (None for a handle no retriever issued)."""
+    with _ISSUED_LOCK:
+        issued: Mapping[str, str] = _ISSUED.get(store) or {}
+        return {issued.get(h) for h in handles}
 
 
 def node_for(item: MemoryItem, *, user_id: str, mode: str) -> TextNode:
@@ -95,6 +124,8 @@ class InferScaleRetriever(BaseRetriever):
         hits = search(
             self.store, user_id=self.user_id, query=query_bundle.query_str, k=self.similarity_top_k, min_score=self.min_score
         )
+        if self.mode == "handles":
+            remember_issued(self.store, {h.handle: self.user_id for h in hits})
         return [NodeWithScore(node=node_for(h, user_id=self.user_id, mode=self.mode), score=h.score) for h in hits]
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:

@@ -1,0 +1,626 @@
+"""Memory endpoints: the Mem0 platform API that the ``mem0ai`` clients call, on InferScale's store.
+
+Routes (every one with and without its trailing slash)::
+
+    GET    /v1/ping/                          key check; the client's constructor calls it
+    POST   /v1/memories/                      add (1.x client, which sends output_format; without
+                                              it InferScale's own contract: infer=false, "User: ...")
+    POST   /v3/memories/add/                  add (2.x client; Mem0's default: infer=true)
+    POST   /v1/memories/search/               search {query, user_id, limit}
+    POST   /v2/memories/search/  /v3/memories/search/   search {query, filters | entity ids, top_k}
+    GET    /v1/memories/?user_id=             list, by entity ids in the query
+    POST   /v2/memories/  /v3/memories/       list {filters | entity ids}, ?page=&page_size=
+    DELETE /v1/memories/?user_id=|agent_id=|run_id=|app_id=
+    GET|PUT|DELETE /v1/memories/{id}/         one memory
+    GET    /v1/memories/{id}/history/         its ADD / UPDATE / DELETE events, also once deleted
+    GET    /v1/entities/                      users, agents, runs and apps that have memories
+    DELETE /v2/entities/{type}/{name}/        forget one of them
+
+Entities. The store keys facts by one user id: a memory with a ``user_id`` is stored under it
+(so chat requests with ``user`` = that id recall it), one with only an agent, run or app id
+under ``@agent:<id>`` (``@run:``, ``@app:``). The other ids are kept in the fact's metadata
+under ``_entities`` and filtered on here; clients never see that key.
+
+Ownership. Mem0 scopes per-id calls by API key, and its clients send no user with them, so
+without entity ids a per-id call may touch any memory (the key holder owns the store). A
+caller that names itself (``user_id`` / ``agent_id`` / ``run_id`` / ``app_id`` query
+parameter, or ``X-User-Id``) gets 404 for a memory that is not its own.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from inferscale_engine.errors import check_utf8
+from inferscale_engine.memory.extraction import (
+    extract_actions,
+    parse_actions,
+    parse_facts,
+)
+
+ENTITY_KEYS = ("user_id", "agent_id", "run_id", "app_id")
+MAX_USER_ID = 128  # the store's limit
+MAX_ENTITY_ID = MAX_USER_ID - len("@agent:")  # agent/run/app-only memories are stored under "@agent:<id>"
+ENTITY_TYPES = {"user": "user_id", "agent": "agent_id", "run": "run_id", "app": "app_id"}
+META_KEY = "_entities"
+#: Filter keys this server evaluates; anything else is refused rather than ignored, since an
+#: ignored filter would widen a search or a delete.
+_OPS = ("eq", "ne", "in", "nin")
+
+#: Mem0's metadata filter is an equality on each key; we keep it at that.
+_EXTRACTION_MAX_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class Entities:
+    user_id: str | None = None
+    agent_id: str | None = None
+    run_id: str | None = None
+    app_id: str | None = None
+
+    def any(self) -> bool:
+        return any(getattr(self, k) for k in ENTITY_KEYS)
+
+    def store_key(self) -> str:
+        if self.user_id:
+            return self.user_id
+        for k in ("agent_id", "run_id", "app_id"):
+            v = getattr(self, k)
+            if v:
+                return f"@{k[:-3]}:{v}"
+        raise AssertionError("no entity id")
+
+    def extra(self) -> dict[str, str]:
+        return {k: getattr(self, k) for k in ("agent_id", "run_id", "app_id") if getattr(self, k)}
+
+
+def entities_of(item: Any) -> dict[str, str | None]:
+    """The four entity ids of a stored fact (``user_id`` is None for agent/run/app-only ones)."""
+    extra = (item.metadata or {}).get(META_KEY) or {}
+    user = None if item.user_id.startswith("@") else item.user_id
+    return {"user_id": user, "agent_id": extra.get("agent_id"), "run_id": extra.get("run_id"), "app_id": extra.get("app_id")}
+
+
+def memory_dict(item: Any, **more: Any) -> dict[str, Any]:
+    """Mem0's memory object, plus InferScale's ``handle`` (what a chat prompt cites)."""
+    meta = dict(item.metadata or {})
+    meta.pop(META_KEY, None)
+    out: dict[str, Any] = {"id": item.id, "memory": item.memory, **entities_of(item), "hash": item.hash,
+                           "metadata": meta, "categories": [], "created_at": item.created_at,
+                           "updated_at": item.updated_at}
+    if item.score is not None:
+        out["score"] = item.score
+    out["handle"] = item.handle
+    out.update(more)
+    return out
+
+
+# ---------------------------------------------------------------------------- filters
+
+
+Pred = Callable[[dict[str, Any]], bool]
+
+
+def _every(preds: list[Pred]) -> Pred:
+    return lambda e: all(p(e) for p in preds)
+
+
+def _some(preds: list[Pred]) -> Pred:
+    return lambda e: any(p(e) for p in preds)
+
+
+def _none(preds: list[Pred]) -> Pred:
+    return lambda e: not any(p(e) for p in preds)
+
+
+def _metadata_equals(want: dict[str, Any]) -> Pred:
+    return lambda e: all(e["metadata"].get(k) == v for k, v in want.items())
+
+
+def compile_filters(f: Any, error: Callable[[str], Exception]) -> tuple[Pred, set[str] | None]:
+    """A predicate over ``entities_of + {metadata}`` and, when the filter pins ``user_id``,
+    the store users worth searching (None: all of them)."""
+    if not isinstance(f, dict):
+        raise error("filters must be an object")
+    preds: list[Pred] = []
+    users: set[str] | None = None
+
+    def narrow(s: set[str] | None) -> None:
+        nonlocal users
+        if s is not None:
+            users = s if users is None else users & s
+
+    for key, value in f.items():
+        if key in ("AND", "OR", "NOT"):
+            if not isinstance(value, list) or not value:
+                raise error(f"filters.{key} must be a non-empty list")
+            parts = [compile_filters(v, error) for v in value]
+            ps = [p for p, _ in parts]
+            if key == "AND":
+                preds.append(_every(ps))
+                for _, u in parts:
+                    narrow(u)
+            elif key == "OR":
+                preds.append(_some(ps))
+                if all(u is not None for _, u in parts):
+                    narrow(set[str]().union(*(u for _, u in parts if u is not None)))
+            else:
+                preds.append(_none(ps))
+        elif key in ENTITY_KEYS:
+            pred, pinned = _entity_pred(key, value, error)
+            preds.append(pred)
+            if key == "user_id":
+                narrow(pinned)
+        elif key == "metadata":
+            if not isinstance(value, dict):
+                raise error("filters.metadata must be an object of key: value equalities")
+            preds.append(_metadata_equals(value))
+        else:
+            raise error(f"filter {key!r} is not supported by this server (supported: AND, OR, NOT, "
+                        f"{', '.join(ENTITY_KEYS)}, metadata)")
+    return _every(preds), users
+
+
+def _entity_pred(key: str, value: Any, error: Callable[[str], Exception]) -> tuple[Pred, set[str] | None]:
+    if value == "*":  # Mem0's wildcard: any non-null value
+        return (lambda e: e[key] is not None), None
+    if isinstance(value, str):
+        return (lambda e: e[key] == value), {value}
+    if isinstance(value, dict) and len(value) == 1:
+        op, arg = next(iter(value.items()))
+        if op in ("eq", "ne") and isinstance(arg, str):
+            return ((lambda e: e[key] == arg), {arg}) if op == "eq" else ((lambda e: e[key] != arg), None)
+        if op in ("in", "nin") and isinstance(arg, list) and all(isinstance(a, str) for a in arg):
+            if op == "in":
+                return (lambda e: e[key] in arg), set(arg)
+            return (lambda e: e[key] not in arg), None
+    raise error(f"filters.{key} must be a string, '*', or one of {{{', '.join(_OPS)}: ...}}")
+
+
+# ---------------------------------------------------------------------------- routes
+
+
+def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Callable[..., Any],
+               default_context: Callable[[], list[str] | None], api_error_cls: type) -> None:
+    """Register the memory routes on ``app``. ``store()`` raises a 503 when there is no store;
+    ``call(fn, ...)`` maps store exceptions to API errors."""
+    APIError = api_error_cls
+
+    def bad(message: str, param: str | None = None, code: str = "invalid_request") -> Exception:
+        return APIError(400, message, "invalid_request_error", param, code)
+
+    def not_found(what: str) -> Exception:
+        return APIError(404, what, "not_found_error", None, "memory_not_found")
+
+    def route(method: str, *paths: str) -> Callable:
+        def deco(fn: Callable) -> Callable:
+            for path in paths:
+                for p in {path, path.rstrip("/")}:
+                    app.add_api_route(p, fn, methods=[method], include_in_schema=p == path)
+            return fn
+        return deco
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except Exception:  # noqa: BLE001  (any undecodable body is the client's error)
+            raise bad("request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise bad("request body must be a JSON object")
+        return body
+
+    def entity_arg(src: dict[str, Any], key: str) -> str | None:
+        v = src.get(key)
+        if v is None or v == "":
+            return None
+        if not isinstance(v, str):
+            raise bad(f"{key} must be a string", key)
+        # Checked here, not only by the store: a listing over an id the store would refuse must
+        # be a 400, not an empty success.
+        limit = MAX_USER_ID if key == "user_id" else MAX_ENTITY_ID
+        if not v.strip() or len(v) > limit or not v.isprintable():
+            raise bad(f"{key} must be a non-empty string of at most {limit} printable characters", key)
+        if key == "user_id" and v.startswith(("@agent:", "@run:", "@app:")):
+            raise bad(f"user_id {v!r} is reserved for agent, run and app memories", key)
+        return v
+
+    def entities_from(src: dict[str, Any]) -> Entities:
+        return Entities(**{k: entity_arg(src, k) for k in ENTITY_KEYS})
+
+    def caller(request: Request) -> Entities:
+        e = entities_from(dict(request.query_params))
+        header = request.headers.get("x-user-id")
+        if header and not e.user_id:
+            e = Entities(header, e.agent_id, e.run_id, e.app_id)
+        return e
+
+    def view(item: Any) -> dict[str, Any]:
+        meta = dict(item.metadata or {})
+        meta.pop(META_KEY, None)
+        return {**entities_of(item), "metadata": meta}
+
+    def selection(src: dict[str, Any], what: str) -> tuple[Pred, set[str] | None]:
+        """Entity ids given at top level and ``filters``, AND-ed (Mem0 clients send either)."""
+        top = entities_from(src)
+        clauses: list[dict[str, Any]] = [{k: v} for k, v in vars(top).items() if v]
+        filters = src.get("filters")
+        if filters:
+            clauses.append(filters)
+        if not clauses:
+            raise bad(f"{what} needs at least one of {', '.join(ENTITY_KEYS)} (at top level or in filters)", "filters")
+        return compile_filters({"AND": clauses}, bad)
+
+    def owned_by(item: Any, who: Entities) -> bool:
+        if not who.any():
+            return True
+        e = entities_of(item)
+        if who.user_id and item.user_id != who.user_id:
+            return False
+        return all(e[k] == v for k, v in who.extra().items())
+
+    def owned(memory_id: str, who: Entities) -> Any:
+        try:
+            item = store().get(memory_id)
+        except (LookupError, ValueError, TypeError, PermissionError):
+            raise not_found(f"memory {memory_id!r} not found") from None
+        if not owned_by(item, who):
+            raise not_found(f"memory {memory_id!r} not found")
+        return item
+
+    def matching(pred: Pred, users: set[str] | None) -> list[Any]:
+        s = store()
+        keys = sorted(users) if users is not None else call(s.user_ids)
+        out: list[Any] = []
+        for key in keys:
+            out.extend(i for i in call(s.get_all, user_id=key) if pred(view(i)))
+        return out
+
+    # ------------------------------------------------------------------ ping
+
+    @route("GET", "/v1/ping/")
+    def ping() -> dict[str, Any]:
+        # The 1.x client adds org_id / project_id to every later call; we accept and ignore them.
+        return {"status": "ok", "message": "InferScale memory API", "org_id": "inferscale", "project_id": "default",
+                "user_email": None}
+
+    # ------------------------------------------------------------------ add
+
+    def texts_of(messages: Any) -> list[tuple[str, str]]:
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        elif isinstance(messages, dict):
+            messages = [messages]
+        if not isinstance(messages, list) or not messages:
+            raise bad("messages must be a string, a message or a non-empty list of messages", "messages")
+        out = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise bad(f"messages[{i}] must be an object with 'role' and 'content'", f"messages.{i}")
+            content = m.get("content")
+            if isinstance(content, list):  # OpenAI content parts
+                if not all(isinstance(p, dict) and p.get("type") in ("text", "input_text") and isinstance(p.get("text"), str) for p in content):
+                    raise bad(f"messages[{i}]: only text content is supported", f"messages.{i}.content")
+                content = "".join(p["text"] for p in content)
+            if not isinstance(content, str):
+                raise bad(f"messages[{i}].content must be a string", f"messages.{i}.content")
+            if m["role"] not in ("system", "developer", "user", "assistant", "tool", "function"):
+                raise bad(f"messages[{i}]: unknown role {m['role']!r}", f"messages.{i}.role")
+            out.append((m["role"], content))
+        if not any(c.strip() for _, c in out):
+            raise bad("nothing to remember: messages are empty", "messages")
+        return out
+
+    def generate(messages: list[dict[str, str]], user: str) -> str:
+        # Conversation text must not be taken for handles, and is sent as-is (mode="prompt").
+        clean = [{"role": m["role"], "content": m["content"].replace("<<mem:", "<< mem:")} for m in messages]
+        if getattr(engine.tokenizer, "chat_template", None):
+            prompt: Any = clean
+        else:
+            prompt = "\n\n".join(m["content"] for m in clean) + "\n\nReply:\n"
+        return engine.generate(prompt, user_id=user, max_tokens=_EXTRACTION_MAX_TOKENS, temperature=0.0, mode="prompt").text
+
+    def add_inferred(conversation: list[str], who: Entities, meta: dict[str, Any], context: Any) -> list[dict[str, Any]]:
+        """Mem0's two model calls on the co-located engine; a reply we cannot use is a 422, so
+        a client never gets an empty success for messages that were not stored."""
+        s = store()
+        key = who.store_key()
+        replies: list[str] = []
+
+        def gen(messages: list[dict[str, str]]) -> str:
+            replies.append(call(generate, messages, key))
+            return replies[-1]
+
+        scope = {k: v for k, v in vars(who).items() if v}
+
+        def similar(fact: str) -> list[tuple[str, str]]:
+            hits = call(s.search, fact, user_id=key, k=20)
+            return [(h.id, h.memory) for h in hits if all(entities_of(h)[k] == v for k, v in scope.items())][:5]
+
+        ids: dict[str, str] = {}
+        actions = extract_actions(gen, conversation, similar)
+        if parse_facts(replies[0]) is None or (len(replies) > 1 and parse_actions(replies[1], ids) is None):
+            raise APIError(422, "infer=true: the served model did not answer the memory extraction prompt with the "
+                                "JSON asked for, so nothing was stored. Retry, use a stronger model, or send "
+                                f"infer=false to store the messages as they are. Its reply began: {replies[-1][:200]!r}",
+                           "invalid_request_error", "infer", "extraction_failed")
+        out: list[dict[str, Any]] = []
+        for a in actions:
+            if a.event == "ADD":
+                for item in call(s.add, a.text, user_id=key, metadata=meta, context=context):
+                    out.append(memory_dict(item, event="ADD"))
+            elif a.event == "UPDATE":
+                before = owned(str(a.fact_id), who)
+                item = call(s.update, a.fact_id, a.text, user_id=key)
+                out.append(memory_dict(item, event="UPDATE", previous_memory=before.memory))
+            elif a.event == "DELETE":
+                before = owned(str(a.fact_id), who)
+                call(s.delete, a.fact_id, user_id=key)
+                out.append(memory_dict(before, event="DELETE"))
+        return out
+
+    def do_add(body: dict[str, Any], *, infer_default: bool, role_prefix: bool) -> dict[str, Any] | list[Any]:
+        who = entities_from(body)
+        if not who.any():
+            raise bad("add needs at least one of user_id, agent_id, run_id, app_id", "user_id")
+        messages = texts_of(body.get("messages"))
+        meta = body.get("metadata") or {}
+        if not isinstance(meta, dict):
+            raise bad("metadata must be an object", "metadata")
+        if META_KEY in meta:
+            raise bad(f"metadata key {META_KEY!r} is reserved", "metadata")
+        if who.extra():
+            meta = {**meta, META_KEY: who.extra()}
+        infer = body.get("infer", infer_default)
+        if not isinstance(infer, bool):
+            raise bad("infer must be true or false", "infer")
+        s = store()
+        key = who.store_key()
+        # By default every fact is encoded after the system head that memory_k and `inferscale
+        # chat` recall memories under, so the first recalled fact is injected as prefill would be.
+        context = body["context"] if "context" in body else default_context()
+        if infer:
+            results = add_inferred([f"{r.capitalize()}: {c}" for r, c in messages if c.strip()], who, meta, context)
+        elif role_prefix:
+            # InferScale's own contract on /v1/memories/: one fact per message, "User: ..." (speaker kept).
+            msgs = [{"role": r, "content": c} for r, c in messages]
+            if isinstance(body.get("messages"), list):
+                for m, src in zip(msgs, body["messages"]):
+                    if isinstance(src.get("name"), str):
+                        m["name"] = src["name"]
+            items = call(s.add, msgs, user_id=key, metadata=meta, context=context)
+            results = [memory_dict(i, event="ADD") for i in items]
+        else:
+            # Mem0 with infer=false stores each non-system message's content as it is.
+            kept = [(r, c) for r, c in messages if r not in ("system", "developer") and c.strip()]
+            if not kept:
+                raise bad("nothing to remember: infer=false stores user and assistant messages, and there are none",
+                          "messages")
+            results = []
+            for role, content in kept:
+                for i in call(s.add, content, user_id=key, metadata={**meta, "role": role}, context=context):
+                    results.append(memory_dict(i, event="ADD"))
+        if body.get("output_format") == "v1.0":
+            return results
+        return {"results": results}
+
+    @route("POST", "/v1/memories/")
+    async def add_v1(request: Request) -> Any:
+        body = await body_of(request)
+        # ``output_format`` is a Mem0 platform parameter that the mem0ai clients always send: such
+        # a request gets Mem0's semantics (infer defaults to true, contents stored as they are).
+        # Without it, InferScale's original contract: infer=false, one "Speaker: text" fact per message.
+        mem0 = "output_format" in body
+        return await _run(do_add, body, infer_default=mem0, role_prefix=not mem0)
+
+    @route("POST", "/v3/memories/add/")
+    async def add_v3(request: Request) -> Any:
+        body = await body_of(request)
+        return await _run(do_add, body, infer_default=True, role_prefix=False)
+
+    # ------------------------------------------------------------------ search / list
+
+    def do_search(body: dict[str, Any], legacy: bool) -> dict[str, Any]:
+        query = body.get("query")
+        if not isinstance(query, str) or not query.strip():
+            raise bad("query must be a non-empty string", "query")
+        call(check_utf8, query, "query")  # also when no user in scope has facts to search
+        top_k = body.get("top_k", body.get("limit", 5 if legacy else 10))
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 1000:
+            raise bad("top_k must be an integer from 1 to 1000", "top_k")
+        threshold = body.get("threshold")
+        if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
+            raise bad("threshold must be a number", "threshold")
+        pred, users = selection(body, "search")
+        s = store()
+        keys = sorted(users) if users is not None else call(s.user_ids)
+        hits: list[Any] = []
+        for key in keys:
+            n = len(call(s.get_all, user_id=key))
+            if not n:
+                continue
+            # Ask for every fact of the user when other filters apply: a top-k cut before
+            # filtering would drop matches ranked below another run's facts.
+            hits.extend(h for h in call(s.search, query, user_id=key, k=min(n, 1000)) if pred(view(h)))
+        hits.sort(key=lambda h: -(h.score or 0.0))
+        if threshold is not None:
+            hits = [h for h in hits if (h.score or 0.0) >= threshold]
+        return {"results": [memory_dict(h) for h in hits[:top_k]]}
+
+    @route("POST", "/v1/memories/search/")
+    async def search_v1(request: Request) -> Any:
+        return await _run(do_search, await body_of(request), True)
+
+    @route("POST", "/v2/memories/search/", "/v3/memories/search/")
+    async def search_v2(request: Request) -> Any:
+        return await _run(do_search, await body_of(request), False)
+
+    def do_list(src: dict[str, Any], page: Any, page_size: Any, base: str) -> dict[str, Any]:
+        pred, users = selection(src, "listing memories")
+        items = matching(pred, users)
+        if page is None and page_size is None:
+            return {"count": len(items), "next": None, "previous": None, "results": [memory_dict(i) for i in items]}
+        try:
+            page = int(page or 1)
+            page_size = int(page_size or 100)
+        except (TypeError, ValueError):
+            raise bad("page and page_size must be integers", "page") from None
+        if page < 1 or not 1 <= page_size <= 1000:
+            raise bad("page must be >= 1 and page_size from 1 to 1000", "page")
+        pages = max(1, math.ceil(len(items) / page_size))
+        chunk = items[(page - 1) * page_size : page * page_size]
+        return {
+            "count": len(items),
+            "next": f"{base}?page={page + 1}&page_size={page_size}" if page < pages else None,
+            "previous": f"{base}?page={page - 1}&page_size={page_size}" if page > 1 else None,
+            "results": [memory_dict(i) for i in chunk],
+        }
+
+    @route("GET", "/v1/memories/")
+    async def list_v1(request: Request) -> Any:
+        q = dict(request.query_params)
+        return await _run(do_list, q, q.pop("page", None), q.pop("page_size", None), str(request.url.path))
+
+    @route("POST", "/v2/memories/", "/v3/memories/")
+    async def list_v2(request: Request) -> Any:
+        body = await body_of(request)
+        q = request.query_params
+        page, size = q.get("page", body.pop("page", None)), q.get("page_size", body.pop("page_size", None))
+        return await _run(do_list, body, page, size, str(request.url.path))
+
+    def do_delete_all(src: dict[str, Any]) -> dict[str, Any]:
+        pred, users = selection(src, "delete_all")
+        s = store()
+        items = matching(pred, users)
+        for i in items:
+            call(s.delete, i.id)
+        return {"message": "Memories deleted successfully!", "deleted": len(items)}
+
+    @route("DELETE", "/v1/memories/")
+    async def delete_all(request: Request) -> Any:
+        return await _run(do_delete_all, dict(request.query_params))
+
+    # ------------------------------------------------------------------ one memory
+
+    @route("GET", "/v1/memories/{memory_id}/")
+    async def get_one(memory_id: str, request: Request) -> Any:
+        who = caller(request)
+        return await _run(lambda: memory_dict(owned(memory_id, who)))
+
+    def do_update(memory_id: str, body: dict[str, Any], who: Entities) -> dict[str, Any]:
+        if not who.user_id and isinstance(body.get("user_id"), str):  # InferScale's older body field
+            who = Entities(body["user_id"], who.agent_id, who.run_id, who.app_id)
+        item = owned(memory_id, who)
+        text, meta = body.get("text"), body.get("metadata")
+        for k in ("timestamp", "expiration_date"):
+            if body.get(k) is not None:
+                raise bad(f"{k} is not supported by this server", k)
+        if text is None and meta is None:
+            raise bad("update needs text or metadata", "text")
+        if text is not None and (not isinstance(text, str) or not text.strip()):
+            raise bad("text must be a non-empty string", "text")
+        if meta is not None and not isinstance(meta, dict):
+            raise bad("metadata must be an object", "metadata")
+        if meta is not None and META_KEY in meta:
+            raise bad(f"metadata key {META_KEY!r} is reserved", "metadata")
+        s = store()
+        if text is not None:
+            item = call(s.update, memory_id, text, user_id=item.user_id)
+        if meta is not None:
+            kept = (item.metadata or {}).get(META_KEY)
+            item = call(s.update_metadata, memory_id, {**meta, **({META_KEY: kept} if kept else {})}, user_id=item.user_id)
+        return {"message": "Memory updated successfully!", **memory_dict(item)}
+
+    @route("PUT", "/v1/memories/{memory_id}/")
+    async def update_one(memory_id: str, request: Request) -> Any:
+        return await _run(do_update, memory_id, await body_of(request), caller(request))
+
+    def do_delete(memory_id: str, who: Entities) -> dict[str, Any]:
+        item = owned(memory_id, who)
+        call(store().delete, memory_id, user_id=item.user_id)
+        return {"message": "Memory deleted successfully!"}
+
+    @route("DELETE", "/v1/memories/{memory_id}/")
+    async def delete_one(memory_id: str, request: Request) -> Any:
+        return await _run(do_delete, memory_id, caller(request))
+
+    def do_history(memory_id: str, who: Entities) -> list[dict[str, Any]]:
+        s = store()
+        events = call(s.history, memory_id)
+        if not events:
+            raise not_found(f"memory {memory_id!r} not found")
+        try:
+            item = s.get(memory_id)
+        except Exception:  # noqa: BLE001  (deleted: the events still say whose it was)
+            item = None
+        if item is not None:
+            owned(memory_id, who)
+            owner, meta = entities_of(item), memory_dict(item)["metadata"]
+        else:
+            # Deleted: its events keep only the store key, so a caller naming an agent or run of
+            # a user's memory cannot be told apart from a stranger and gets the 404.
+            key = str(events[0].get("user_id"))
+            if who.any() and key != who.store_key():
+                raise not_found(f"memory {memory_id!r} not found")
+            owner = {"user_id": None if key.startswith("@") else key, "agent_id": None, "run_id": None, "app_id": None}
+            meta = {}
+        return [{"id": e["id"], "memory_id": memory_id, "input": [], "old_memory": e["old_memory"],
+                 "new_memory": e["new_memory"], "event": e["event"], **owner, "metadata": meta,
+                 "created_at": e["created_at"], "updated_at": e["created_at"]} for e in events]
+
+    @route("GET", "/v1/memories/{memory_id}/history/")
+    async def history(memory_id: str, request: Request) -> Any:
+        return await _run(do_history, memory_id, caller(request))
+
+    # ------------------------------------------------------------------ entities
+
+    def do_entities() -> dict[str, Any]:
+        s = store()
+        seen: dict[tuple[str, str], dict[str, Any]] = {}
+        for key in call(s.user_ids):
+            for item in call(s.get_all, user_id=key):
+                for kind, field in ENTITY_TYPES.items():
+                    name = entities_of(item)[field]
+                    if not name:
+                        continue
+                    e = seen.setdefault((kind, name), {"id": f"{kind}:{name}", "name": name, "type": kind,
+                                                        "total_memories": 0, "created_at": item.created_at,
+                                                        "updated_at": item.updated_at, "owner": None,
+                                                        "organization": None, "metadata": None})
+                    e["total_memories"] += 1
+                    e["created_at"] = min(e["created_at"], item.created_at)
+                    e["updated_at"] = max(e["updated_at"], item.updated_at)
+        results = list(seen.values())
+        return {"count": len(results), "next": None, "previous": None, "results": results}
+
+    @route("GET", "/v1/entities/")
+    async def entities() -> Any:
+        return await _run(do_entities)
+
+    def do_delete_entity(kind: str, name: str) -> dict[str, Any]:
+        if kind not in ENTITY_TYPES:
+            raise bad(f"entity type must be one of {', '.join(ENTITY_TYPES)}", "type")
+        field = ENTITY_TYPES[kind]
+        pred, users = compile_filters({field: name}, bad)
+        items = matching(pred, users)
+        if not items:
+            raise APIError(404, f"{kind} {name!r} has no memories", "not_found_error", None, "entity_not_found")
+        s = store()
+        for i in items:
+            call(s.delete, i.id)
+        return {"message": "Entity deleted successfully!", "deleted": len(items)}
+
+    @route("DELETE", "/v2/entities/{kind}/{name}/", "/v1/entities/{kind}/{name}/")
+    async def delete_entity(kind: str, name: str) -> Any:
+        return await _run(do_delete_entity, kind, name)
+
+
+async def _run(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Store calls (embedding, SQLite, extraction) block: keep them off the event loop."""
+    import asyncio
+
+    return await asyncio.to_thread(fn, *args, **kwargs)

@@ -1,0 +1,154 @@
+"""Our packages' module-level imports form no cycle.
+
+Read statically (``ast``), so it costs no vLLM or torch import: an edge is an import of one of
+our modules that runs when the importing module is imported. Imports inside functions run later,
+and ``if TYPE_CHECKING:`` blocks never run, so neither counts. A second check counts
+``TYPE_CHECKING`` imports too: a cycle there is no import error, but it is still two layers that
+each know the other.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("inferscale_engine", "inferscale_integrations")
+
+#: Known cycles, as the edges (importer, imported) that close them. Each is a debt: remove the
+#: edge here when the cycle is gone (the test says so), never add one to make the test pass.
+ALLOWED_EDGES: set[tuple[str, str]] = set()
+#: The same, counting imports under ``if TYPE_CHECKING:``.
+ALLOWED_TYPE_EDGES: set[tuple[str, str]] = {
+    # The store names InferScaleEngine (and Span) for its annotations while the engine builds
+    # the store (engine.memory): issue 20 makes the store depend on an encoder protocol instead.
+    ("inferscale_engine.memory.store", "inferscale_engine.engine"),
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _module_level_imports(body: list[ast.stmt], type_checking: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Import statements that run when the module body runs (class bodies included, function
+    bodies not; ``if TYPE_CHECKING:`` blocks only with ``type_checking``)."""
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif isinstance(node, ast.If):
+            if type_checking or not _is_type_checking(node.test):
+                yield from _module_level_imports(node.body, type_checking)
+            yield from _module_level_imports(node.orelse, type_checking)
+        elif isinstance(node, ast.ClassDef):
+            yield from _module_level_imports(node.body, type_checking)
+        elif isinstance(node, (ast.Try, ast.TryStar)):
+            for block in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
+                yield from _module_level_imports(block, type_checking)
+        elif isinstance(node, (ast.With, ast.For, ast.While)):
+            yield from _module_level_imports(node.body, type_checking)
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str]) -> Iterator[str]:
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            if alias.name in known:
+                yield alias.name
+        return
+    base = node.module or ""
+    if node.level:  # relative: resolved against the importing module's package
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        package = package[: len(package) - (node.level - 1)]
+        base = ".".join([*package, base] if base else package)
+    for alias in node.names:
+        # `from package import name` imports the submodule if there is one, else the package.
+        sub = f"{base}.{alias.name}"
+        if sub in known:
+            yield sub
+        elif base in known:
+            yield base
+
+
+def import_graph(*, type_checking: bool = False) -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), str(path))
+        is_package = path.name == "__init__.py"
+        graph[name] = {
+            target
+            for node in _module_level_imports(tree.body, type_checking)
+            for target in _targets(node, name, is_package, known)
+            if target != name
+        }
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle as ``[a, b, ..., a]``, or ``None``."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_graph_is_read() -> None:
+    graph = import_graph()
+    assert "inferscale_engine.engine" in graph
+    assert "inferscale_engine.connector.compat" in graph["inferscale_engine.engine"]
+    assert "inferscale_engine.kv" in graph["inferscale_engine.engine"]
+    # The engine names the store only for type checking, and imports it where it builds it.
+    assert "inferscale_engine.memory" not in graph["inferscale_engine.engine"]
+    assert "inferscale_engine.memory" in import_graph(type_checking=True)["inferscale_engine.engine"]
+
+
+def test_finds_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _check_acyclic(graph: dict[str, set[str]], allowed: set[tuple[str, str]]) -> None:
+    for importer, imported in sorted(allowed):
+        assert imported in graph.get(importer, set()), (
+            f"allowed edge {importer} -> {imported} is gone: remove it from the allow-list")
+        graph[importer].discard(imported)
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_import_cycles() -> None:
+    _check_acyclic(import_graph(), ALLOWED_EDGES)
+
+
+def test_no_import_cycles_counting_type_checking_imports() -> None:
+    _check_acyclic(import_graph(type_checking=True), ALLOWED_TYPE_EDGES)
