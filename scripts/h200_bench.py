@@ -8,11 +8,11 @@ Writes ttft-<model>.json/.png, exactness-<model>.json, throughput-llama-3.1-8b.j
 import sys
 from pathlib import Path
 
-from inferscale_engine.bench import common
-from inferscale_engine.bench.exactness import random_case, run_case
-from inferscale_engine.bench.plots import plot_ttft
-from inferscale_engine.bench.throughput import run_throughput
-from inferscale_engine.bench.ttft import run_ttft, summarize
+from inferscale_apps.bench import common
+from inferscale_apps.bench.exactness import random_case, run_case
+from inferscale_apps.bench.plots import plot_ttft
+from inferscale_apps.bench.throughput import run_throughput
+from inferscale_apps.bench.ttft import run_ttft, summarize
 from inferscale_engine.engine import InferScaleEngine
 
 PLAN = {

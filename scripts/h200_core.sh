@@ -21,27 +21,27 @@ ARGS="--model $M --dummy-weights --dtype bfloat16"
 for step in $STEPS; do
   echo "== $step $(date +%T)"
   case $step in
-    kernel) python3 -m inferscale_engine.bench.kernel --ks 5,50,200 --json "$OUT/kernel.json" 2>&1 | tail -4 ;;
+    kernel) python3 -m inferscale_apps.bench.kernel --ks 5,50,200 --json "$OUT/kernel.json" 2>&1 | tail -4 ;;
     query) python3 scripts/h200_query_encoder.py 2>&1 | tail -4 ;;
-    exactness) python3 -m inferscale_engine.bench exactness $ARGS --max-model-len 4096 \
+    exactness) python3 -m inferscale_apps.bench exactness $ARGS --max-model-len 4096 \
         --json "$OUT/exactness-llama8b.json" > "$OUT/exactness.log" 2>&1; tail -4 "$OUT/exactness.log" ;;
-    ttft) python3 -m inferscale_engine.bench ttft $ARGS --max-model-len 16384 --ks ${KS:-0,5,10,20,50,100,200} \
+    ttft) python3 -m inferscale_apps.bench ttft $ARGS --max-model-len 16384 --ks ${KS:-0,5,10,20,50,100,200} \
         --repeats ${REPEATS:-20} --json "$OUT/ttft-llama-3.1-8b.json" --plot "$OUT/ttft-llama-3.1-8b.png" > "$OUT/ttft.log" 2>&1
       tail -30 "$OUT/ttft.log" | grep -v "it/s" ;;
-    tiers) python3 -m inferscale_engine.bench tiers $ARGS --max-model-len 8192 --k 50 --repeats 30 \
+    tiers) python3 -m inferscale_apps.bench tiers $ARGS --max-model-len 8192 --k 50 --repeats 30 \
         --json "$OUT/tiers-llama-3.1-8b.json" > "$OUT/tiers.log" 2>&1; tail -6 "$OUT/tiers.log" ;;
-    throughput) python3 -m inferscale_engine.bench throughput $ARGS --max-model-len 8192 --users 1,10,50,100 --k 50 \
+    throughput) python3 -m inferscale_apps.bench throughput $ARGS --max-model-len 8192 --users 1,10,50,100 --k 50 \
         --json "$OUT/throughput-llama-3.1-8b.json" > "$OUT/throughput.log" 2>&1; tail -10 "$OUT/throughput.log" ;;
-    knob) python3 -m inferscale_engine.bench ttft $ARGS --max-model-len 16384 --ks ${KS:-10,20,50,60} \
+    knob) python3 -m inferscale_apps.bench ttft $ARGS --max-model-len 16384 --ks ${KS:-10,20,50,60} \
         --repeats ${REPEATS:-20} --recompute ${RECOMPUTE:-2,4,8,16} --json "$OUT/ttft-recompute-llama-3.1-8b.json" \
         > "$OUT/knob.log" 2>&1
       tail -40 "$OUT/knob.log" | grep -v "it/s" ;;
     graphcheck) python3 scripts/h200_graph_check.py "$M" --dummy-weights 2>&1 | grep "^{" | tee "$OUT/graphcheck.jsonl" ;;
-    graphab) python3 -m inferscale_engine.bench ttft $ARGS --max-model-len 16384 --ks 0,50,200 \
+    graphab) python3 -m inferscale_apps.bench ttft $ARGS --max-model-len 16384 --ks 0,50,200 \
         --engine-option 'compilation_config={"cudagraph_mode":"FULL_AND_PIECEWISE"}' \
         --json "$OUT/ttft-llama-3.1-8b-piecewise.json" > "$OUT/graphab.log" 2>&1
       tail -12 "$OUT/graphab.log" | grep -v "it/s" ;;
-    cacheab) python3 -m inferscale_engine.bench ttft $ARGS --max-model-len 16384 --ks ${KS:-0,50,200} \
+    cacheab) python3 -m inferscale_apps.bench ttft $ARGS --max-model-len 16384 --ks ${KS:-0,50,200} \
         --repeats ${REPEATS:-20} --engine-option prefix_cache_injected=true \
         --json "$OUT/ttft-llama-3.1-8b-prefix-cached.json" > "$OUT/cacheab.log" 2>&1
       tail -12 "$OUT/cacheab.log" | grep -v "it/s" ;;

@@ -31,8 +31,8 @@ MODES = {
 def one(model: str, mode: str, out: str, dummy: bool) -> None:
     import torch
 
+    from inferscale_apps.bench.exactness import random_case
     from inferscale_engine import InferScaleEngine
-    from inferscale_engine.bench.exactness import random_case
     from inferscale_engine.encoder import EncodeWindow
 
     extra = {"load_format": "dummy", "skip_tokenizer_init": True} if dummy else {}

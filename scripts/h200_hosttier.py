@@ -69,7 +69,7 @@ def patch():
 
 def main(model: str, k: int) -> None:
     patch()
-    from inferscale_engine.bench.common import SyntheticWorkload, median
+    from inferscale_apps.bench.common import SyntheticWorkload, median
     from inferscale_engine.engine import InferScaleEngine
     from inferscale_engine.types import Span
 

@@ -57,7 +57,7 @@ case $cmd in
     export PYTHONPATH=/tmp/carry-site/site:$PYTHONPATH INFERSCALE_LOCOMO=/tmp/carry-site/data/locomo10.json \
            INFERSCALE_CACHE_DIR=/tmp/inferscale-cache  # the default needs platformdirs, not there
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
-    timeout "${LIMIT:-570}" python3 -m inferscale_engine.bench locomo --model "$MODEL" --device cuda \
+    timeout "${LIMIT:-570}" python3 -m inferscale_apps.bench locomo --model "$MODEL" --device cuda \
       ${GRID:---k 5,10,30 --w 0,5,20 --exact-control} --after-head --concurrency 64 --workdir /tmp/locomo-work ${ARGS:-} \
       --json "$OUT/locomo-$MODEL-full.json" --answers "$OUT/locomo-$MODEL-full-answers.jsonl" \
       --plot "$OUT/locomo-$MODEL-full.png" > "$OUT/locomo.log" 2>&1

@@ -90,7 +90,7 @@ def trace(eng, work, k, out_dir):
 
 if __name__ == "__main__":
     patch()
-    from inferscale_engine.bench.common import SyntheticWorkload, median
+    from inferscale_apps.bench.common import SyntheticWorkload, median
     from inferscale_engine.config import engine_option
     from inferscale_engine.engine import InferScaleEngine
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from inferscale_engine.bench.common import SyntheticRetriever, median
+from inferscale_apps.bench.common import SyntheticRetriever, median
 
 
 def timed(fn, reps=50):

@@ -11,8 +11,8 @@ import time
 
 import torch
 
+from inferscale_apps.bench.common import SyntheticRetriever, SyntheticWorkload, median
 from inferscale_engine import InferScaleEngine
-from inferscale_engine.bench.common import SyntheticRetriever, SyntheticWorkload, median
 
 engine = InferScaleEngine(model=sys.argv[1], device="cuda", dtype="bfloat16", max_model_len=16384,
                           load_format="dummy", skip_tokenizer_init=True, recompute=0)

@@ -13,9 +13,9 @@ import sys
 
 import torch.distributed as dist
 
-from inferscale_engine.bench.common import environment
-from inferscale_engine.bench.exactness import random_case, run_case
-from inferscale_engine.bench.ttft import run_ttft
+from inferscale_apps.bench.common import environment
+from inferscale_apps.bench.exactness import random_case, run_case
+from inferscale_apps.bench.ttft import run_ttft
 from inferscale_engine.engine import InferScaleEngine
 
 if __name__ == "__main__":

@@ -7,9 +7,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 scripts/make_configs.py /tmp/models > /dev/null
 M=/tmp/models/llama-3.1-8b
 COMMON="--model $M --dummy-weights --dtype bfloat16 --max-model-len 16384"
-CUDA_VISIBLE_DEVICES=0 python3 -m inferscale_engine.bench tiers $COMMON --k 5,50 --repeats 10 \
+CUDA_VISIBLE_DEVICES=0 python3 -m inferscale_apps.bench tiers $COMMON --k 5,50 --repeats 10 \
     --json "$OUT/tiers-llama-3.1-8b.json" > "$OUT/tiers.log" 2>&1 &
-CUDA_VISIBLE_DEVICES=1 python3 -m inferscale_engine.bench ttft $COMMON --ks 0,5,10,20,50,100,200 \
+CUDA_VISIBLE_DEVICES=1 python3 -m inferscale_apps.bench ttft $COMMON --ks 0,5,10,20,50,100,200 \
     --json "$OUT/ttft-llama-3.1-8b.json" --plot "$OUT/ttft-llama-3.1-8b.png" > "$OUT/ttft.log" 2>&1 &
 wait
 grep -E "^(tier|device|host|disk|prompt) " "$OUT/tiers.log"

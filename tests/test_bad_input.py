@@ -306,7 +306,7 @@ def test_stale_kv_is_refused_and_reencoded_never_served(engine, user_facts, tmp_
     KV version, transparently, and the answer equals the one before."""
     from fastapi.testclient import TestClient
 
-    from inferscale_engine.server import create_app
+    from inferscale_apps.server import create_app
 
     store = engine.memory
     user, items = user_facts
@@ -443,7 +443,7 @@ def _contains(haystack: list[int], needle: list[int]) -> bool:
 def test_http_bad_inputs_are_4xx_json_never_500(engine, user_facts, caplog):
     from fastapi.testclient import TestClient
 
-    from inferscale_engine.server import create_app
+    from inferscale_apps.server import create_app
 
     store = engine.memory
     user, items = user_facts

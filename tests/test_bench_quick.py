@@ -1,5 +1,5 @@
 """The benchmarks' quick variants, as CI runs them: every subcommand end to end through
-``inferscale bench`` (``inferscale_engine.cli.main``), checking the JSON shape and that values are sane.
+``inferscale bench`` (``inferscale_apps.cli.main``), checking the JSON shape and that values are sane.
 
 Nothing here asserts timings. Tiny random-weight models for the timing benches, SmolLM2 for
 LoCoMo (the first 30 turns of one conversation, 2 questions per category).
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from inferscale_engine.bench.locomo import (
+from inferscale_apps.bench.locomo import (
     CATEGORIES,
     LocomoBench,
     _AnswerCache,
@@ -27,7 +27,7 @@ from inferscale_engine.bench.locomo import (
     ratio_ci95,
     score,
 )
-from inferscale_engine.cli import main
+from inferscale_apps.cli import main
 
 pytestmark = pytest.mark.timeout(600)
 

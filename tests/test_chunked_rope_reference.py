@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from inferscale_apps.bench.exactness import encode_spans, text_case
 from inferscale_engine import InferScaleEngine
-from inferscale_engine.bench.exactness import encode_spans, text_case
 
 
 def _block_mask(head: int, facts: list[int], tail: int) -> torch.Tensor:

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from inferscale_engine.cli import main
+from inferscale_apps.cli import main
 
 
 def run_chat(store: Path, home: Path, script: str, *args: str, timeout: float = 400) -> subprocess.CompletedProcess:
     env = {**os.environ, "INFERSCALE_HOME": str(home)}
     return subprocess.run(
-        [sys.executable, "-m", "inferscale_engine.cli", "chat", "--store", str(store), *args],
+        [sys.executable, "-m", "inferscale_apps.cli", "chat", "--store", str(store), *args],
         input=script, capture_output=True, text=True, env=env, timeout=timeout, check=False,
     )
 

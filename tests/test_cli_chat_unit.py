@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from inferscale_engine.chat import (
+from inferscale_apps.chat import (
     MEMORY_HEADER,
     ChatSession,
     memory_system_message,
@@ -199,7 +199,7 @@ def test_repl_quit_stops_reading_and_no_stream_mode():
 
 
 def test_cli_help_teaches(capsys):
-    from inferscale_engine.cli import build_parser, main
+    from inferscale_apps.cli import build_parser, main
 
     for argv in (["--help"], ["chat", "--help"], ["serve", "--help"], ["memory", "--help"], ["models", "--help"]):
         with pytest.raises(SystemExit) as exc:
@@ -211,14 +211,14 @@ def test_cli_help_teaches(capsys):
 
 
 def test_cli_models_list(capsys):
-    from inferscale_engine.cli import main
+    from inferscale_apps.cli import main
 
     assert main(["models", "list"]) == 0
     assert "smollm2" in capsys.readouterr().out
 
 
 def test_cli_bad_model_is_a_clean_error(capsys, tmp_path):
-    from inferscale_engine.cli import main
+    from inferscale_apps.cli import main
 
     assert main(["chat", "--model", str(tmp_path / "nope"), "--store", str(tmp_path / "s")]) == 1
     err = capsys.readouterr().err
@@ -228,7 +228,7 @@ def test_cli_bad_model_is_a_clean_error(capsys, tmp_path):
 def test_locomo_parsing():
     from pathlib import Path
 
-    from inferscale_engine.cli import locomo_conversations, locomo_fact, locomo_user
+    from inferscale_apps.cli import locomo_conversations, locomo_fact, locomo_user
 
     path = Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo" / "locomo10.json"
     if not path.exists():

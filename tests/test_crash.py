@@ -59,8 +59,8 @@ ZYGOTE = textwrap.dedent(
 
     import vllm, vllm.engine.arg_utils, vllm.v1.engine.llm_engine  # noqa: F401  (the slow part)
     import uvicorn, fastapi  # noqa: F401
-    import inferscale_engine.engine, inferscale_engine.memory, inferscale_engine.server.app  # noqa: F401
-    import inferscale_engine.cli
+    import inferscale_engine.engine, inferscale_engine.memory, inferscale_apps.server.app  # noqa: F401
+    import inferscale_apps.cli
     from inferscale_engine.memory import embedder as _embedder  # noqa: F401
 
 
@@ -98,7 +98,7 @@ ZYGOTE = textwrap.dedent(
 
 
     def serve(argv):
-        return inferscale_engine.cli.main(argv)
+        return inferscale_apps.cli.main(argv)
 
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel

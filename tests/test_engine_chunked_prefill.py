@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from inferscale_apps.bench.exactness import run_case, text_case
 from inferscale_engine import InferScaleEngine
-from inferscale_engine.bench.exactness import run_case, text_case
 
 pytestmark = pytest.mark.timeout(600)
 

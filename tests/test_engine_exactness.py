@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from inferscale_apps.bench.exactness import compare, encode_spans, run_case, text_case
 from inferscale_engine import InferScaleEngine, Span
-from inferscale_engine.bench.exactness import compare, encode_spans, run_case, text_case
 from inferscale_engine.kv import FactKV
 
 TOL_FP32 = 1e-4

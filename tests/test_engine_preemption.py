@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from inferscale_apps.bench.exactness import encode_spans, text_case
 from inferscale_engine import InferScaleEngine
-from inferscale_engine.bench.exactness import encode_spans, text_case
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from inferscale_apps.bench.exactness import encode_spans, run_case, text_case
 from inferscale_engine import InferScaleEngine
-from inferscale_engine.bench.exactness import encode_spans, run_case, text_case
 
 TOL_BF16 = 0.1
 pytestmark = pytest.mark.timeout(600)

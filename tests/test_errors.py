@@ -20,7 +20,7 @@ _BUILTIN_ERRORS = {
 ALLOWED = {
     # The server's HTTP response carrier (status + OpenAI error body), raised and caught inside
     # the app, never seen by library callers; app.py is being reworked separately (issue 20).
-    ("inferscale_engine/server/app.py", "APIError"),
+    ("inferscale_apps/server/app.py", "APIError"),
 }
 
 

@@ -1,4 +1,4 @@
-"""Our packages' module-level imports form no cycle.
+"""Our packages' module-level imports form no cycle, and the library never imports the apps.
 
 Read statically (``ast``), so it costs no vLLM or torch import: an edge is an import of one of
 our modules that runs when the importing module is imported. Imports inside functions run later,
@@ -14,7 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("inferscale_engine", "inferscale_integrations")
+LIBRARY = ("inferscale_engine", "inferscale_integrations")
+APPS = "inferscale_apps"
+PACKAGES = (*LIBRARY, APPS)
 
 #: Known cycles, as the edges (importer, imported) that close them. Each is a debt: remove the
 #: edge here when the cycle is gone (the test says so), never add one to make the test pass.
@@ -152,3 +154,18 @@ def test_no_import_cycles() -> None:
 
 def test_no_import_cycles_counting_type_checking_imports() -> None:
     _check_acyclic(import_graph(type_checking=True), ALLOWED_TYPE_EDGES)
+
+
+def test_the_library_never_imports_the_applications() -> None:
+    """The CLI, chatbot, server and benchmarks sit on the library, never inside it: no import of
+    ``inferscale_apps`` anywhere in the library, at module level or inside a function."""
+    found = []
+    for name, path in _modules().items():
+        if name.split(".")[0] not in LIBRARY:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found += [(name, a.name) for a in node.names if a.name.split(".")[0] == APPS]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == APPS:
+                found.append((name, node.module))
+    assert not found, f"library modules importing applications: {found}"

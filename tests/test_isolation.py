@@ -67,8 +67,8 @@ def people(engine):
 
 @pytest.fixture(scope="module")
 def server(engine, people):
-    from inferscale_engine.bench.load import serve_app
-    from inferscale_engine.server import create_app
+    from inferscale_apps.bench.load import serve_app
+    from inferscale_apps.server import create_app
 
     app = create_app(engine, served_model_name="tiny", api_key=API_KEY)
     with serve_app(app) as url:

@@ -3,7 +3,7 @@
 CI's short mode: the server (uvicorn on a loopback port, in this process) serves a tiny Llama
 whose memory store has a device tier of 4 pages and a host tier of 2 (facts are evicted to
 host and disk all the time); the load generator runs as its own process
-(``python -m inferscale_engine.bench.load``): ``LOAD_USERS`` users for ``LOAD_SECONDS`` seconds,
+(``python -m inferscale_apps.bench.load``): ``LOAD_USERS`` users for ``LOAD_SECONDS`` seconds,
 each alternating memory adds and questions that inject its memories. Zero errors are required;
 p50/p95 are printed. Then the answers with the exhausted tiers are compared, token for token,
 with the same requests served from ample tiers.
@@ -11,7 +11,7 @@ with the same requests served from ample tiers.
 The long run is a documented command (docs/reliability.md)::
 
     inferscale serve --model smollm2 --port 8000 &
-    python -m inferscale_engine.bench.load --url http://127.0.0.1:8000 --users 100 --duration 60
+    python -m inferscale_apps.bench.load --url http://127.0.0.1:8000 --users 100 --duration 60
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ def engine(tiny_llama, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def report(engine, tmp_path_factory) -> dict[str, Any]:
-    from inferscale_engine.bench.load import serve_app
-    from inferscale_engine.server import create_app
+    from inferscale_apps.bench.load import serve_app
+    from inferscale_apps.server import create_app
 
     out = tmp_path_factory.mktemp("load") / "report.json"
     app = create_app(engine, served_model_name="tiny", api_key=API_KEY)

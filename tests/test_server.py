@@ -31,11 +31,11 @@ def _free_port() -> int:
 
 
 def start_server(model: str, tmp: Path, *extra: str, name: str | None = None, timeout: float = 300) -> tuple[subprocess.Popen, str, Path]:
-    """Run ``python -m inferscale_engine.cli serve`` on a free port; wait for /health."""
+    """Run ``python -m inferscale_apps.cli serve`` on a free port; wait for /health."""
     port = _free_port()
     log = tmp / "server.log"
     env = {**os.environ, "INFERSCALE_HOME": str(tmp / "home")}
-    cmd = [sys.executable, "-m", "inferscale_engine.cli", "serve", "--model", model, "--port", str(port),
+    cmd = [sys.executable, "-m", "inferscale_apps.cli", "serve", "--model", model, "--port", str(port),
            "--store", str(tmp / "store"), "--log-level", "warning", *extra]
     if name:
         cmd += ["--served-model-name", name]

@@ -1,4 +1,4 @@
-"""``inferscale bench`` (also ``python -m inferscale_engine.bench``): InferScale's benchmarks."""
+"""``inferscale bench`` (also ``python -m inferscale_apps.bench``): InferScale's benchmarks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from inferscale_engine.bench import common
+from inferscale_apps.bench import common
 from inferscale_engine.config import engine_option
 
 
@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             raise SystemExit("--plot needs matplotlib: pip install 'inferscale[bench]'") from None
     if args.bench == "exactness":
-        from inferscale_engine.bench.exactness import random_case, run_case, text_case
+        from inferscale_apps.bench.exactness import random_case, run_case, text_case
 
         with engine_from(args, max_logprobs=20) as engine:
             case = text_case(engine) if engine.tokenizer is not None else random_case(engine, k=args.k)
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         common.print_table(rows, ["mode", "arch", "dtype", "greedy_match", "max_logit_diff", "first_divergence"])
         title = f"KV injection vs prompt injection — {rows[0]['arch']}, {rows[0]['dtype']}"
     elif args.bench == "ttft":
-        from inferscale_engine.bench.ttft import run_ttft, summarize
+        from inferscale_apps.bench.ttft import run_ttft, summarize
 
         with engine_from(args) as engine:
             retriever = None if args.no_retrieval else common.SyntheticRetriever(engine.config.device, k=max(args.ks))
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
                                              *knob])
         title = f"TTFT vs k — {_hardware(env)}, {args.model}"
     elif args.bench == "throughput":
-        from inferscale_engine.bench.throughput import run_throughput
+        from inferscale_apps.bench.throughput import run_throughput
 
         with engine_from(args) as engine:
             rows = run_throughput(engine, args.users, k=args.k, output_tokens=args.output_tokens)
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     elif args.bench == "locomo":
         if args.dummy_weights:
             raise SystemExit("bench locomo needs real weights and a tokenizer (no --dummy-weights)")
-        from inferscale_engine.bench.locomo import run_locomo, summarize, table_rows
+        from inferscale_apps.bench.locomo import run_locomo, summarize, table_rows
 
         with engine_from(args) as engine:
             rows, info = run_locomo(
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
                 ["k", "n_questions", "f1", "agree_exact", "agree_f1"])
         title = f"LoCoMo F1 — {args.model}, {info['questions']} questions"
     elif args.bench == "tiers":
-        from inferscale_engine.bench.tiers import run_tiers
+        from inferscale_apps.bench.tiers import run_tiers
 
         with engine_from(args) as engine:
             rows = run_tiers(engine, args.k, repeats=args.repeats, fact_tokens=args.fact_tokens,
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         raise AssertionError(args.bench)
     common.write_json(args.json, args.bench, env, rows)
     if args.plot:
-        from inferscale_engine.bench.plots import plot
+        from inferscale_apps.bench.plots import plot
 
         plot(args.bench, rows, args.plot, title=title)
     return 0

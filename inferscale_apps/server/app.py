@@ -33,8 +33,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from inferscale_apps.chat import memory_context, warm_up, with_memories
+from inferscale_apps.server import mem0_api
+from inferscale_apps.server.metrics import CONTENT_TYPE_LATEST, Metrics
+from inferscale_apps.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    unsupported,
+)
 from inferscale_engine import __version__
-from inferscale_engine.chat import memory_context, warm_up, with_memories
 from inferscale_engine.errors import (
     ContextOverflowError,
     EngineClosedError,
@@ -46,13 +53,6 @@ from inferscale_engine.errors import (
     StaleKVError,
 )
 from inferscale_engine.handles import HANDLE_PATTERN
-from inferscale_engine.server import mem0_api
-from inferscale_engine.server.metrics import CONTENT_TYPE_LATEST, Metrics
-from inferscale_engine.server.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    unsupported,
-)
 
 logger = logging.getLogger(__name__)
 

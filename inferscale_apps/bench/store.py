@@ -1,6 +1,6 @@
 """Memory-store numbers: encode throughput, search latency, tier promotion, chat under writes.
 
-    python -m inferscale_engine.memory.bench --model smollm2
+    python -m inferscale_apps.bench.store --model smollm2
 
 Prints (and with ``--json PATH`` writes) figures for:
 
@@ -91,7 +91,7 @@ def bench_encode(engine: Any, embedder: Any, turns: list[tuple[str, str]], windo
     for first in range(0, len(ids), group):
         prev = texts[max(0, first - window) : first]
         seq = list(engine.tokenize("\n".join(prev) + "\n")) if prev else []
-        ranges = []
+        ranges: list[tuple[int, int]] = []
         for f in ids[first : first + group]:
             if ranges:
                 seq += nl
@@ -141,6 +141,7 @@ def bench_tiers(engine: Any, embedder: Any, turns: list[tuple[str, str]], root: 
     items = store.import_conversation(turns[:n], user_id="bench", progress=False)
     keys = [(i.id, 1) for i in items]
     fp = store.fingerprint
+    assert fp is not None  # a store with an encoder has one
     tiers = store.tiers
     res: dict[str, Any] = {"facts": len(keys)}
     kvs = [tiers.get(k, fp) for k in keys]
@@ -192,6 +193,7 @@ def bench_search(minilm: Any, root: Path, sizes: tuple[int, ...], repeats: int =
             store.import_conversation([("", f"fact number {i}") for i in range(n)], user_id="u", progress=False)
             store.embedder = minilm  # queries go through the real model
             index = store.table.index("u")
+            assert index is not None  # the import just filled it
             store.search(queries[0], user_id="u", k=10)
             e2e, idx = [], []
             for q in queries:

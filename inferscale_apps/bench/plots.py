@@ -142,11 +142,11 @@ def plot(bench: str, rows: Rows, path: str, *, title: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m inferscale_engine.bench.plots RESULT.json OUT.png``: the plot of a ``--json`` file."""
+    """``python -m inferscale_apps.bench.plots RESULT.json OUT.png``: the plot of a ``--json`` file."""
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(prog="python -m inferscale_engine.bench.plots", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m inferscale_apps.bench.plots", description=main.__doc__)
     parser.add_argument("json", help="a file `inferscale bench ... --json` wrote")
     parser.add_argument("png")
     parser.add_argument("--title", help="default: the benchmark, GPU and model recorded in the file")

@@ -6,7 +6,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
-from inferscale_engine.bench.common import SyntheticWorkload, median, percentile
+from inferscale_apps.bench.common import SyntheticWorkload, median, percentile
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine

@@ -18,11 +18,11 @@ still running ``grace`` seconds after the deadline is cancelled (and counted as 
 Command line (against a running server)::
 
     inferscale serve --port 8000 &
-    python -m inferscale_engine.bench.load --url http://127.0.0.1:8000 --users 100 --duration 60
+    python -m inferscale_apps.bench.load --url http://127.0.0.1:8000 --users 100 --duration 60
 
 Library::
 
-    from inferscale_engine.bench.load import run_load, serve_app
+    from inferscale_apps.bench.load import run_load, serve_app
     with serve_app(create_app(engine)) as url:        # uvicorn in a thread, loopback port
         report = run_load(url, users=20, duration=15)
     assert report.errors == 0; print(report.summary())
@@ -389,7 +389,7 @@ def serve_app(app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str =
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m inferscale_engine.bench.load", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m inferscale_apps.bench.load", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default %(default)s)")
     p.add_argument("--users", type=int, default=100, help="concurrent simulated users (default %(default)s)")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from inferscale_engine.bench.common import SyntheticWorkload, median, percentile
+from inferscale_apps.bench.common import SyntheticWorkload, median, percentile
 
 if TYPE_CHECKING:
     from inferscale_engine.engine import InferScaleEngine

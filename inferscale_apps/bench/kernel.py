@@ -1,4 +1,4 @@
-"""``python -m inferscale_engine.bench.kernel``: the fused injection kernel against the GPU's
+"""``python -m inferscale_apps.bench.kernel``: the fused injection kernel against the GPU's
 memory bandwidth and against the unfused path (gather, torch rotation, scatter copy).
 
 Checks correctness first (every path == the torch reference, bit for bit after the cast), then

@@ -155,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=lambda args: _subhelp(p))
 
     # bench
-    from inferscale_engine.bench import cli as bench_cli  # argparse and the standard library only
+    from inferscale_apps.bench import cli as bench_cli  # argparse and the standard library only
 
     p = sub.add_parser("bench", help="benchmarks: TTFT, throughput, KV tiers, exactness, LoCoMo",
                        description="InferScale's benchmarks; --json FILE writes {bench, env, results}.", formatter_class=fmt)
@@ -329,7 +329,7 @@ def _open_store(args: argparse.Namespace) -> Any:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from inferscale_engine.chat import (
+    from inferscale_apps.chat import (
         DEFAULT_SYSTEM_PROMPT,
         ChatSession,
         run_repl,
@@ -379,7 +379,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from inferscale_engine.server import serve
+    from inferscale_apps.server import serve
 
     if not (0 < args.port < 65536):
         raise ValueError(f"--port must be 1-65535, got {args.port}")

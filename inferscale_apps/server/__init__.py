@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server with Mem0-style memory endpoints (``inferscale serve``).
 
     from inferscale_engine import InferScaleEngine
-    from inferscale_engine.server import create_app
+    from inferscale_apps.server import create_app
     app = create_app(InferScaleEngine("smollm2"), api_key="secret")   # any ASGI server runs it
 
 or :func:`serve` to build the engine and run uvicorn in one call.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from inferscale_engine.server.app import APIError, api_error, create_app
+from inferscale_apps.server.app import APIError, api_error, create_app
 
 __all__ = ["APIError", "api_error", "create_app", "serve"]
 
