@@ -227,6 +227,22 @@ def test_completion_llm(engine: Any) -> None:
     assert len(asyncio.run(llm.abatch(["a", "b"]))) == 2
 
 
+def test_the_quality_knob_reaches_the_engine(engine: Any) -> None:
+    """``recompute`` on the class and per call: at 1 the prompt's only memory is prefilled."""
+    user = uid()
+    (item,) = engine.memory.add("My dog is called Rex.", user_id=user)
+    prompt = [HumanMessage(f"Memory: {item.handle}\nQuestion: dog?")]
+    injected = ChatInferScale(engine=engine, user_id=user, max_tokens=2)
+    recomputed = ChatInferScale(engine=engine, user_id=user, max_tokens=2, recompute=1)
+    assert injected.invoke(prompt).usage_metadata["input_token_details"]["injected"] > 0
+    assert recomputed.invoke(prompt).usage_metadata["input_token_details"]["injected"] == 0
+    assert injected.invoke(prompt, recompute=1).usage_metadata["input_token_details"]["injected"] == 0
+    completion = InferScaleLLM(engine=engine, user_id=user, max_tokens=2, recompute=1).generate([prompt[0].content])
+    assert completion.generations[0][0].generation_info["injected_tokens"] == 0
+    with pytest.raises(ValueError):
+        ChatInferScale(engine=engine, recompute=-1)
+
+
 def test_engine_is_shared_per_model(engine: Any, smollm2_path: str) -> None:
     assert ChatInferScale(model="smollm2").get_engine() is engine
     assert InferScaleMemory(model="SmolLM2").get_engine() is engine

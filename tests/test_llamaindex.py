@@ -139,6 +139,11 @@ def test_retriever_query_engine_unchanged(engine: Any) -> None:
         assert "".join(streaming.response_gen) is not None
     assert len(response.source_nodes) == 2 and str(response)
     assert HANDLE_PATTERN.search(spy.prompts[0]) and spy.results[0].usage.injected_tokens > 0
+    # The quality knob: with every retrieved memory recomputed, nothing is injected.
+    knob = InferScaleLLM(engine=engine, user_id=user, max_tokens=4, recompute=2, sampling_kwargs={"min_tokens": 1})
+    with Spy(engine) as spy:
+        RetrieverQueryEngine.from_args(retriever, llm=knob).query("What is my dog called?")
+    assert HANDLE_PATTERN.search(spy.prompts[0]) and spy.results[0].usage.injected_tokens == 0
 
 
 def test_memory_with_simple_chat_engine(engine: Any) -> None:

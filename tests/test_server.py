@@ -360,6 +360,15 @@ def test_memory_lifecycle_and_scoping(http, client):
                                             messages=[sys_msg, {"role": "user", "content": "What is my dog's name?"}]))
     assert "".join(c.choices[0].delta.content or "" for c in s if c.choices) == r.choices[0].message.content
     assert s[-1].usage.model_extra["injected_tokens"] == r.usage.model_extra["injected_tokens"]
+    # the quality knob per request: the one memory prefilled, nothing injected; a bad value is a 400
+    knob = client.chat.completions.create(model=MODEL, user="alice", max_tokens=4, temperature=0,
+                                          extra_body={"recompute": 1},
+                                          messages=[sys_msg, {"role": "user", "content": "What is my dog's name?"}])
+    assert knob.usage.model_extra["injected_tokens"] == 0
+    assert knob.usage.prompt_tokens == r.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, user="alice", max_tokens=4, extra_body={"recompute": -1},
+                                       messages=[sys_msg, {"role": "user", "content": "What is my dog's name?"}])
     with pytest.raises(openai.PermissionDeniedError):
         client.chat.completions.create(model=MODEL, user="bob", max_tokens=4,
                                        messages=[sys_msg, {"role": "user", "content": "What is my dog's name?"}])
