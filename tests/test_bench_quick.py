@@ -139,7 +139,7 @@ def test_locomo_quick(tmp_path, smollm2_path):
     workdir, answers, plot = tmp_path / "work", tmp_path / "answers.jsonl", tmp_path / "locomo.png"
     data = _run(tmp_path, "locomo", [
         "--model", smollm2_path, "--device", "cpu", "--data", str(LOCOMO), "--conversations", "1", "--questions-per-category", "2",
-        "--max-turns", "30", "--k", "5", "--w", "0,5", "--concurrency", "4", "--exact-control",
+        "--max-turns", "30", "--k", "5", "--w", "0,5", "--concurrency", "4", "--exact-control", "--recompute", "0,10",
         "--workdir", str(workdir), "--answers", str(answers), "--plot", str(plot),
     ])
     rows = data["results"]
@@ -147,11 +147,13 @@ def test_locomo_quick(tmp_path, smollm2_path):
     n = info["questions"]
     assert n == sum(info["questions_by_category"].values()) and set(info["questions_by_category"]) <= {"1", "2", "3", "4"}
     assert n >= 4
-    keys = {"mode", "w", "k", "n_questions", "f1", "f1_by_category", "agreement"}
-    assert all(set(r) - {"inject_over_prompt_ci95"} == keys for r in rows)
-    by = {(r["mode"], r["w"], r["k"]): r for r in rows}
-    assert set(by) == {("prompt", 0, 5), ("inject", 0, 5), ("prompt", 5, 5), ("inject", 5, 5), ("full", None, None)}
-    for (mode, _w, _k), r in by.items():
+    keys = {"mode", "w", "k", "n_questions", "f1", "f1_by_category", "agreement", "ttft_ms"}
+    inject_keys = keys | {"recompute", "category_over_prompt_ci95"}
+    assert all(set(r) - {"inject_over_prompt_ci95"} == (inject_keys if r["mode"] == "inject" else keys) for r in rows)
+    by = {(r["mode"], r["w"], r["k"], r.get("recompute")): r for r in rows}
+    assert set(by) == {("prompt", 0, 5, None), ("inject", 0, 5, 0), ("inject", 0, 5, 10), ("prompt", 5, 5, None),
+                       ("inject", 5, 5, 0), ("inject", 5, 5, 10), ("full", None, None, None)}
+    for (mode, _w, _k, _r), r in by.items():
         if mode == "full" and r["n_questions"] == 0:
             assert info["full_skipped"]
             continue
@@ -166,22 +168,26 @@ def test_locomo_quick(tmp_path, smollm2_path):
         else:
             assert r["agreement"] is None
     # The prompt answer does not depend on w: the same tokens, computed once.
-    assert by[("prompt", 0, 5)]["f1"] == by[("prompt", 5, 5)]["f1"]
+    assert by[("prompt", 0, 5, None)]["f1"] == by[("prompt", 5, 5, None)]["f1"]
     # The 30 turns fit SmolLM2's 8k context, so the full-conversation mode ran.
-    assert by[("full", None, None)]["n_questions"] == n
+    assert by[("full", None, None, None)]["n_questions"] == n
+    # The quality knob at its maximum (all 2k = 10 memories recomputed) is the prompt itself,
+    # answered in other batches: it agrees with the prompt answers far better than w=0 does.
+    w0 = by[("inject", 0, 5, 0)]["agreement"]["f1"]
+    assert by[("inject", 0, 5, 10)]["agreement"]["f1"] > w0 + 0.3
     lines = [json.loads(line) for line in answers.read_text().splitlines()]
-    assert len(lines) == n and all({"prompt k=5", "inject k=5 w=0", "inject k=5 w=5", "full"} <= set(a["answers"])
-                                   for a in lines)
+    assert len(lines) == n and all({"prompt k=5", "inject k=5 w=0", "inject k=5 w=5", "inject k=5 w=0 r10", "full"}
+                                   <= set(a["answers"]) for a in lines)
     assert _is_png(plot)
     # The exact-context control (encoded and answered 4 prompts at a time here) serves the prompt
     # run's very token ids, and, computing what the prompt prefill computes, agrees with its
     # answers far better than memories encoded alone (w=0).
     control = info["exact_control"]["5"]
     assert control["n_questions"] == n
-    assert control["agreement"]["f1"] > by[("inject", 0, 5)]["agreement"]["f1"] + 0.3
+    assert control["agreement"]["f1"] > w0 + 0.3
     # Every answer is cached in the workdir: a rerun resumes instead of recomputing.
     cache = next(workdir.glob("*/answers-t32.jsonl"))
-    assert len(cache.read_text().splitlines()) == 5 * n
+    assert len(cache.read_text().splitlines()) == 7 * n
 
 
 # ---------------------------------------------------------------------- LoCoMo pieces (no model)
