@@ -333,8 +333,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         DEFAULT_SYSTEM_PROMPT,
         ChatSession,
         run_repl,
-        warm_up,
     )
+    from inferscale_engine.runtime import warm_up
 
     if args.k < 0 or args.history < 0 or args.max_tokens < 1:
         raise ValueError("--k and --history must be >= 0 and --max-tokens >= 1")

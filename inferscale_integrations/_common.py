@@ -25,6 +25,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from inferscale_engine.prompting import EncodeStyle, encode_context
+
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
     from inferscale_engine.memory import MemoryItem, MemoryStore
@@ -185,60 +187,6 @@ def role_of(item: MemoryItem) -> str:
 def content_of(item: MemoryItem, mode: str) -> str:
     """What goes into the prompt for ``item``: its handle, or its text."""
     return item.handle if mode == "handles" else item.memory
-
-
-#: How a fact will sit in prompts, which decides the context it is encoded after:
-#: ``"chat"`` as a chat message's content, ``"buffer"`` as a ``"Human: ..."`` line of a transcript.
-EncodeStyle = Literal["chat", "buffer"]
-_SENTINEL = "\u2063INFERSCALE-FACT\u2063"
-
-
-def _chat_prefix(engine: InferScaleEngine, messages: list[dict[str, str]]) -> str | None:
-    """Chat-template text of ``messages`` up to where the last message's content starts."""
-    tokenizer = getattr(engine, "tokenizer", None)
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        return None
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    except Exception:  # a template that rejects the role order: fall back to the store's window
-        return None
-    if not isinstance(text, str) or _SENTINEL not in text:
-        return None
-    return text[: text.index(_SENTINEL)]
-
-
-def encode_context(
-    engine: InferScaleEngine,
-    previous: Sequence[tuple[str, str]],
-    role: str,
-    *,
-    style: EncodeStyle = "chat",
-    prefixes: tuple[str, str] = ("Human", "AI"),
-) -> list[str] | None:
-    """The text a new fact is encoded after (the store's explicit ``context``), or None.
-
-    A fact encoded alone starts at position 0, where a model's first token becomes an attention
-    sink: injected in the middle of a prompt, such KV derails small models. So facts are encoded
-    where they will be used: after the chat template's opening (system prompt included) and the
-    ``previous`` turns in the same layout as prompts show them (chat messages, or transcript
-    lines), ending where the fact's own text starts. The store joins context and fact with a
-    newline, which ChatML-style templates have there too.
-    """
-    if style == "chat":
-        messages = [{"role": r, "content": c} for r, c in previous] + [{"role": role, "content": _SENTINEL}]
-        prefix = _chat_prefix(engine, messages)
-    else:
-        human, ai = prefixes
-        lines = [f"{human if r == 'user' else ai if r == 'assistant' else r.capitalize()}: {c}" for r, c in previous]
-        lead = human if role == "user" else ai if role == "assistant" else role.capitalize()
-        head = _chat_prefix(engine, [{"role": "user", "content": _SENTINEL}])
-        if head is None:
-            return None
-        prefix = head + "".join(line + "\n" for line in lines) + f"{lead}: "
-    if not prefix:
-        return None
-    # The store appends "\n" after the context; a prefix already ending in one keeps it exact.
-    return [prefix.removesuffix("\n")]
 
 
 def save_messages(

@@ -14,14 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from inferscale_engine.chat import (
-    MEMORY_HEADER,
-    ChatSession,
-    memory_system_message,
-    run_repl,
-    with_memories,
-)
+from inferscale_engine.chat import ChatSession, run_repl
 from inferscale_engine.errors import ContextOverflowError
+from inferscale_engine.prompting import MEMORY_HEADER, memory_system_message, with_memories
 
 
 @dataclass

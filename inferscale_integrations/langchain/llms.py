@@ -20,6 +20,7 @@ from langchain_core.language_models.llms import LLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import ConfigDict, Field
 
+from inferscale_engine.prompting import total_usage, usage_dict
 from inferscale_integrations._common import model_name_of
 from inferscale_integrations.langchain.chat_models import (
     PROVIDER,
@@ -129,13 +130,7 @@ class InferScaleLLM(LLM):
     def _llm_output(self, results: list[GenerationResult]) -> dict[str, Any]:
         return {
             "model_name": model_name_of(self.engine, self.model_name),
-            "token_usage": {
-                "prompt_tokens": sum(r.usage.prompt_tokens for r in results),
-                "completion_tokens": sum(r.usage.completion_tokens for r in results),
-                "total_tokens": sum(r.usage.total_tokens for r in results),
-                "injected_tokens": sum(r.usage.injected_tokens for r in results),
-                "cached_tokens": sum(r.usage.cached_tokens for r in results),
-            },
+            "token_usage": usage_dict(total_usage(r.usage for r in results)),
         }
 
     def _call(

@@ -29,6 +29,7 @@ from llama_index.core.llms.custom import CustomLLM
 
 from inferscale_engine.errors import MissingUserError
 from inferscale_engine.handles import HANDLE_PATTERN
+from inferscale_engine.prompting import engine_role, usage_dict
 from inferscale_integrations._common import model_name_of, resolve_engine
 from inferscale_integrations.llamaindex.retrievers import issued_to
 
@@ -36,22 +37,11 @@ if TYPE_CHECKING:
     from inferscale_engine import GenerationResult, InferScaleEngine
 
 
-def _usage(result: GenerationResult) -> dict[str, Any]:
-    u = result.usage
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "injected_tokens": u.injected_tokens,
-        "cached_tokens": u.cached_tokens,
-    }
-
-
 def _extra(result: GenerationResult, model_name: str) -> dict[str, Any]:
     return {
         "model_name": model_name,
         "finish_reason": result.finish_reason,
-        "usage": _usage(result),
+        "usage": usage_dict(result.usage),
         "ttft_s": result.ttft_s,
         "latency_s": result.latency_s,
     }
@@ -61,13 +51,7 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     out = []
     for m in messages:
         role = m.role.value if isinstance(m.role, MessageRole) else str(m.role)
-        if role in ("chatbot", "model"):
-            role = "assistant"
-        elif role in ("function", "tool"):
-            role = "tool"
-        elif role == "developer":
-            role = "system"
-        out.append({"role": role, "content": m.content or ""})
+        out.append({"role": engine_role(role), "content": m.content or ""})
     return out
 
 
@@ -183,7 +167,7 @@ class InferScaleLLM(CustomLLM):
             message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
             delta=delta,
             raw=_extra(result, self.metadata.model_name) if result else None,
-            additional_kwargs=_usage(result) if result else {},
+            additional_kwargs=usage_dict(result.usage) if result else {},
         )
 
     @llm_chat_callback()
@@ -232,7 +216,7 @@ class InferScaleLLM(CustomLLM):
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         payload = self._completion_payload(prompt, formatted)
         result = self.engine.generate(payload, **self._sampling(kwargs, payload))
-        return CompletionResponse(text=result.text, raw=_extra(result, self.metadata.model_name), additional_kwargs=_usage(result))
+        return CompletionResponse(text=result.text, raw=_extra(result, self.metadata.model_name), additional_kwargs=usage_dict(result.usage))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
@@ -247,7 +231,7 @@ class InferScaleLLM(CustomLLM):
                     text=text,
                     delta=delta.text,
                     raw=_extra(delta.result, self.metadata.model_name) if delta.result else None,
-                    additional_kwargs=_usage(delta.result) if delta.result else {},
+                    additional_kwargs=usage_dict(delta.result.usage) if delta.result else {},
                 )
 
         return gen()
@@ -257,7 +241,7 @@ class InferScaleLLM(CustomLLM):
         engine = await asyncio.to_thread(lambda: self.engine)
         payload = self._completion_payload(prompt, formatted)
         result = await engine.agenerate(payload, **self._sampling(kwargs, payload))
-        return CompletionResponse(text=result.text, raw=_extra(result, self.metadata.model_name), additional_kwargs=_usage(result))
+        return CompletionResponse(text=result.text, raw=_extra(result, self.metadata.model_name), additional_kwargs=usage_dict(result.usage))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
@@ -273,7 +257,7 @@ class InferScaleLLM(CustomLLM):
                     text=text,
                     delta=delta.text,
                     raw=_extra(delta.result, self.metadata.model_name) if delta.result else None,
-                    additional_kwargs=_usage(delta.result) if delta.result else {},
+                    additional_kwargs=usage_dict(delta.result.usage) if delta.result else {},
                 )
 
         return gen()
