@@ -23,7 +23,7 @@ import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 from inferscale_engine.prompting import EncodeStyle, encode_context
 
@@ -76,7 +76,7 @@ def get_engine(model: str = "smollm2", **options: Any) -> InferScaleEngine:
     with _ENGINES_LOCK:
         for key in keys:
             engine = _ENGINES.get(key)
-            if engine is not None and not getattr(engine, "_closed", False):
+            if engine is not None and not getattr(engine, "closed", False):
                 if options:
                     logger.debug("engine for %r already built; ignoring options %s", model, sorted(options))
                 return engine
@@ -123,7 +123,7 @@ def _register_locked(engine: InferScaleEngine, extra_keys: Iterable[str] = ()) -
         keys.add(engine.model_path)
     for key in keys:
         current = _ENGINES.get(key)
-        if current is None or current is engine or getattr(current, "_closed", False):
+        if current is None or current is engine or getattr(current, "closed", False):
             _ENGINES[key] = engine
 
 
@@ -133,21 +133,49 @@ def forget_engines() -> None:
         _ENGINES.clear()
 
 
-def resolve_engine(engine: InferScaleEngine | None, model: str | None, options: dict[str, Any] | None = None) -> InferScaleEngine:
-    """``engine`` if given (and registered for sharing), else the shared engine of ``model``."""
-    if engine is not None:
-        register_engine(engine)
-        return engine
-    return get_engine(model or "smollm2", **(options or {}))
+class EngineRef:
+    """How every integration class holds its engine, in a private ``_engine`` set once when the
+    class is built (as ``langchain_ollama``'s ChatOllama keeps ``_client``): the engine passed as
+    ``engine=`` (registered at once, so later ``model=`` look-ups share it), else the shared
+    engine of ``model``, looked up on first use (building one takes seconds to minutes, which a
+    constructor should not cost) and kept from then on."""
+
+    __slots__ = ("_engine", "model", "options")
+
+    def __init__(self, engine: InferScaleEngine | None, model: str | None, options: dict[str, Any] | None = None) -> None:
+        self._engine = register_engine(engine) if engine is not None else None
+        self.model = model
+        self.options = dict(options or {})
+
+    def get(self, model: str | None = None) -> InferScaleEngine:
+        """The engine; ``model`` (another than the held one's) asks for that model's shared engine."""
+        if model is not None and model != self.model:
+            return get_engine(model, **self.options)
+        if self._engine is None:
+            self._engine = get_engine(self.model or "smollm2", **self.options)
+        return self._engine
+
+    @property
+    def model_name(self) -> str:
+        return model_name_of(self._engine, self.model)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> EngineRef:
+        return self  # an engine is shared, never copied (pydantic deep-copies private attributes)
 
 
-def own_engine(owner: Any, model: str | None) -> InferScaleEngine:
-    """``owner.engine``, built (or shared) from ``model`` on first use, registered for sharing."""
-    if owner.engine is None:
-        owner.engine = resolve_engine(None, model, owner.engine_options)
-    else:
-        resolve_engine(owner.engine, None)
-    return owner.engine
+class EngineConstructors:
+    """``from_engine`` / ``from_model``, as llama-index-memory-mem0 offers ``from_client`` /
+    ``from_config``: the two ways to say which engine a class uses."""
+
+    @classmethod
+    def from_engine(cls, engine: InferScaleEngine, **kwargs: Any) -> Self:
+        """On ``engine`` (shared from then on with every class that names its model)."""
+        return cls(engine=engine, **kwargs)  # type: ignore[call-arg]
+
+    @classmethod
+    def from_model(cls, model: str = "smollm2", engine_options: dict[str, Any] | None = None, **kwargs: Any) -> Self:
+        """On the shared engine of ``model``, built with ``engine_options`` if this is the first use."""
+        return cls(model=model, engine_options=engine_options or {}, **kwargs)  # type: ignore[call-arg]
 
 
 def model_name_of(engine: InferScaleEngine | None, model: str | None) -> str:

@@ -457,7 +457,7 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if getattr(engine, "_closed", False):
+        if getattr(engine, "closed", False):
             return JSONResponse({"status": "closed"}, status_code=503)
         return JSONResponse({"status": "ok", "model": model_name})
 
