@@ -26,13 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from inferscale_engine.errors import ContextOverflowError, HandleError
+from inferscale_engine.prompting import (
+    DEFAULT_SYSTEM_PROMPT,
+    memory_context,
+    memory_system_message,
+)
 
 logger = logging.getLogger(__name__)
-
-#: Chosen by measurement on SmolLM2-135M (docs/cli.md): with this sentence the model answers
-#: from a single recalled first-person fact 5/5 times, against 3/5 with the bare first one.
-DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Use what you remember when you answer."
-MEMORY_HEADER = "Things you remember about the user:"
 
 HELP_TEXT = """\
 Type a message and press Enter to chat. Everything you say is remembered across sessions.
@@ -44,55 +44,6 @@ Commands:
   /clear               clear the recent-turn history (memories stay)
   /help                this help
   /quit                leave (Ctrl-D works too)"""
-
-
-def memory_system_message(handles: Sequence[str], system_prompt: str | None = DEFAULT_SYSTEM_PROMPT) -> str:
-    """The system message that carries memories as handles (one per line, after a header).
-
-    Everything before the first handle is static text, so its KV is encoded once and reused
-    by every user and turn (see :mod:`inferscale_engine.engine`).
-    """
-    parts = [system_prompt.rstrip()] if system_prompt else []
-    if handles:
-        parts.append(MEMORY_HEADER)
-        parts.extend(handles)
-    return "\n".join(parts)
-
-
-def with_memories(
-    messages: Sequence[dict[str, str]], handles: Sequence[str], system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
-) -> list[dict[str, str]]:
-    """``messages`` with the memory handles added to their system message (created if absent)."""
-    out = [dict(m) for m in messages]
-    if not handles:
-        return out
-    if out and out[0].get("role") in ("system", "developer"):
-        out[0] = {"role": "system", "content": memory_system_message(handles, out[0].get("content") or None)}
-    else:
-        out.insert(0, {"role": "system", "content": memory_system_message(handles, system_prompt)})
-    return out
-
-
-def memory_context(engine: Any, system_prompt: str | None = DEFAULT_SYSTEM_PROMPT) -> list[str] | None:
-    """``context`` for ``store.add``: the rendered system message up to the first memory handle.
-
-    That is exactly what precedes a recalled memory in the prompt (the only or first one), so
-    a memory encoded after it is injected with the very KV a prefill would compute. ``None``
-    when the engine has no chat template (the store then encodes after previous memories).
-    """
-    render = getattr(engine, "render", None)
-    if render is None:
-        return None
-    marker = "\u2063INFERSCALE-HANDLE\u2063"
-    try:
-        text, _ = render([{"role": "system", "content": memory_system_message([marker], system_prompt)},
-                          {"role": "user", "content": "."}])
-    except (ValueError, TypeError):
-        logger.debug("no chat template: new memories are encoded after the previous ones")
-        return None
-    head = text[: text.index(marker)]
-    # The store encodes after "\n".join(context) + "\n": give it the head without that "\n".
-    return [head[:-1]] if head.endswith("\n") else None
 
 
 @dataclass
@@ -320,13 +271,6 @@ class ChatSession:
         wait = getattr(self.store, "wait_for_encoding", None)
         if wait is not None:
             wait()
-
-
-def warm_up(store: Any) -> None:
-    """Load the store's embedder now (it loads lazily, with a progress bar, on first use)."""
-    embedder = getattr(store, "embedder", None)
-    if embedder is not None and hasattr(embedder, "embed"):
-        embedder.embed(["warm-up"])
 
 
 def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:

@@ -333,8 +333,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
         DEFAULT_SYSTEM_PROMPT,
         ChatSession,
         run_repl,
-        warm_up,
     )
+    from inferscale_engine.runtime import warm_up
 
     if args.k < 0 or args.history < 0 or args.max_tokens < 1:
         raise ValueError("--k and --history must be >= 0 and --max-tokens >= 1")
@@ -472,66 +472,27 @@ def cmd_memory_delete(args: argparse.Namespace) -> int:
     return 0
 
 
-def locomo_conversations(path: str, limit: int | None = None) -> list[dict[str, Any]]:
-    """LoCoMo samples as ``{sample_id, speakers: [a, b], turns: [{speaker, text, dia_id, session, date}]}``.
-
-    Image turns get their caption appended (``[shares a photo: ...]``), as LoCoMo's own
-    baselines do.
-    """
-    with open(path) as f:
-        data = json.load(f)
-    if not isinstance(data, list):
-        raise ValueError(f"{path}: expected a JSON list of LoCoMo samples")  # noqa: TRY004  (bad file, not a bad call)
-    out = []
-    for i, sample in enumerate(data[: limit if limit is not None else len(data)]):
-        conv = sample.get("conversation") if isinstance(sample, dict) else None
-        if not isinstance(conv, dict) or "speaker_a" not in conv:
-            raise ValueError(f"{path}: sample {i} has no 'conversation' with speakers")
-        sessions = sorted(
-            (int(k.split("_")[1]), k) for k in conv if k.startswith("session_") and k.count("_") == 1 and isinstance(conv[k], list)
-        )
-        turns = []
-        for num, key in sessions:
-            date = str(conv.get(f"{key}_date_time", ""))
-            for t in conv[key]:
-                text = str(t.get("text", "")).strip()
-                if t.get("blip_caption"):
-                    text = f"{text} [shares a photo: {t['blip_caption']}]".strip()
-                if text:
-                    turns.append({"speaker": str(t["speaker"]), "text": text, "dia_id": str(t.get("dia_id", "")), "session": num, "date": date})
-        out.append({"sample_id": str(sample.get("sample_id", i)), "speakers": [conv["speaker_a"], conv["speaker_b"]], "turns": turns})
-    return out
-
-
-def locomo_fact(turn: dict[str, Any]) -> str:
-    """A turn as the fact text of the reference setup: session date first, then who said what."""
-    body = f"{turn['speaker']}: {turn['text']}"
-    return f"[{turn['date']}] {body}" if turn.get("date") else body
-
-
-def locomo_user(prefix: str, sample_id: str, speaker: str) -> str:
-    return f"{prefix}-{sample_id}-{speaker}".replace(" ", "_") if prefix else f"{sample_id}-{speaker}".replace(" ", "_")
-
-
 def cmd_memory_import_locomo(args: argparse.Namespace) -> int:
-    conversations = locomo_conversations(args.path, args.conversations)
-    total = sum(len(c["turns"]) for c in conversations)
+    from inferscale_apps.bench.locomo_data import load_locomo, speaker_user
+
+    conversations = load_locomo(args.path, conversations=args.conversations)
+    total = sum(len(c.turns) for c in conversations)
     _progress(f"{len(conversations)} conversation(s), {total} turns from {args.path}")
     summary = []
     with _make_engine(args) as engine:
         store = engine.memory
         for conv in conversations:
-            for speaker in conv["speakers"]:
-                user = locomo_user(args.user_prefix, conv["sample_id"], speaker)
-                own = [t for t in conv["turns"] if t["speaker"] == speaker]
+            for speaker in conv.speakers:
+                user = speaker_user(args.user_prefix, conv.sample_id, speaker)
+                own = [t for t in conv.turns if t.speaker == speaker]
                 if args.replace:
                     store.delete_all(user_id=user)
                 _progress(f"{user}: {len(own)} turns")
                 # Speaker "" keeps the text as given: the date goes before the speaker's name.
                 items = store.import_conversation(
-                    [("", locomo_fact(t)) for t in own],
+                    [("", t.memory) for t in own],
                     user_id=user,
-                    metadata_per_turn=[{"source": "locomo", "dia_id": t["dia_id"], "session": t["session"], "date": t["date"]} for t in own],
+                    metadata_per_turn=[{"source": "locomo", "dia_id": t.dia_id, "session": t.session, "date": t.date} for t in own],
                     sliding_group=args.sliding_group,
                     progress=True,
                 )

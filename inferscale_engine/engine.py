@@ -216,6 +216,11 @@ class InferScaleEngine:
         compat.release_worker_connector()
         del self._vllm
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (a closed engine serves nothing)."""
+        return self._closed
+
     def close(self) -> None:
         """Stop the engine loop and free vLLM. Safe to call twice."""
         if self._closed:

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from inferscale_engine.config import EngineConfig, MemoryConfig
 
@@ -33,6 +33,14 @@ def build_memory(engine: InferScaleEngine, config: MemoryConfig | None = None) -
     config = config or MemoryConfig.for_engine(engine.config)
     generate = engine_generate(engine, max_tokens=config.extraction_max_tokens)
     return MemoryStore.from_config(engine, config, generate=generate)
+
+
+def warm_up(store: Any) -> None:
+    """Load the store's embedder now: it loads lazily, with a progress bar, on first use, where
+    it would hold up the first turn (or requests racing for it)."""
+    embedder = getattr(store, "embedder", None)
+    if embedder is not None and hasattr(embedder, "embed"):
+        embedder.embed(["warm-up"])
 
 
 @dataclass

@@ -23,7 +23,9 @@ import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Self
+
+from inferscale_engine.prompting import EncodeStyle, encode_context
 
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
@@ -74,7 +76,7 @@ def get_engine(model: str = "smollm2", **options: Any) -> InferScaleEngine:
     with _ENGINES_LOCK:
         for key in keys:
             engine = _ENGINES.get(key)
-            if engine is not None and not getattr(engine, "_closed", False):
+            if engine is not None and not getattr(engine, "closed", False):
                 if options:
                     logger.debug("engine for %r already built; ignoring options %s", model, sorted(options))
                 return engine
@@ -121,7 +123,7 @@ def _register_locked(engine: InferScaleEngine, extra_keys: Iterable[str] = ()) -
         keys.add(engine.model_path)
     for key in keys:
         current = _ENGINES.get(key)
-        if current is None or current is engine or getattr(current, "_closed", False):
+        if current is None or current is engine or getattr(current, "closed", False):
             _ENGINES[key] = engine
 
 
@@ -131,21 +133,49 @@ def forget_engines() -> None:
         _ENGINES.clear()
 
 
-def resolve_engine(engine: InferScaleEngine | None, model: str | None, options: dict[str, Any] | None = None) -> InferScaleEngine:
-    """``engine`` if given (and registered for sharing), else the shared engine of ``model``."""
-    if engine is not None:
-        register_engine(engine)
-        return engine
-    return get_engine(model or "smollm2", **(options or {}))
+class EngineRef:
+    """How every integration class holds its engine, in a private ``_engine`` set once when the
+    class is built (as ``langchain_ollama``'s ChatOllama keeps ``_client``): the engine passed as
+    ``engine=`` (registered at once, so later ``model=`` look-ups share it), else the shared
+    engine of ``model``, looked up on first use (building one takes seconds to minutes, which a
+    constructor should not cost) and kept from then on."""
+
+    __slots__ = ("_engine", "model", "options")
+
+    def __init__(self, engine: InferScaleEngine | None, model: str | None, options: dict[str, Any] | None = None) -> None:
+        self._engine = register_engine(engine) if engine is not None else None
+        self.model = model
+        self.options = dict(options or {})
+
+    def get(self, model: str | None = None) -> InferScaleEngine:
+        """The engine; ``model`` (another than the held one's) asks for that model's shared engine."""
+        if model is not None and model != self.model:
+            return get_engine(model, **self.options)
+        if self._engine is None:
+            self._engine = get_engine(self.model or "smollm2", **self.options)
+        return self._engine
+
+    @property
+    def model_name(self) -> str:
+        return model_name_of(self._engine, self.model)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> EngineRef:
+        return self  # an engine is shared, never copied (pydantic deep-copies private attributes)
 
 
-def own_engine(owner: Any, model: str | None) -> InferScaleEngine:
-    """``owner.engine``, built (or shared) from ``model`` on first use, registered for sharing."""
-    if owner.engine is None:
-        owner.engine = resolve_engine(None, model, owner.engine_options)
-    else:
-        resolve_engine(owner.engine, None)
-    return owner.engine
+class EngineConstructors:
+    """``from_engine`` / ``from_model``, as llama-index-memory-mem0 offers ``from_client`` /
+    ``from_config``: the two ways to say which engine a class uses."""
+
+    @classmethod
+    def from_engine(cls, engine: InferScaleEngine, **kwargs: Any) -> Self:
+        """On ``engine`` (shared from then on with every class that names its model)."""
+        return cls(engine=engine, **kwargs)  # type: ignore[call-arg]
+
+    @classmethod
+    def from_model(cls, model: str = "smollm2", engine_options: dict[str, Any] | None = None, **kwargs: Any) -> Self:
+        """On the shared engine of ``model``, built with ``engine_options`` if this is the first use."""
+        return cls(model=model, engine_options=engine_options or {}, **kwargs)  # type: ignore[call-arg]
 
 
 def model_name_of(engine: InferScaleEngine | None, model: str | None) -> str:
@@ -185,60 +215,6 @@ def role_of(item: MemoryItem) -> str:
 def content_of(item: MemoryItem, mode: str) -> str:
     """What goes into the prompt for ``item``: its handle, or its text."""
     return item.handle if mode == "handles" else item.memory
-
-
-#: How a fact will sit in prompts, which decides the context it is encoded after:
-#: ``"chat"`` as a chat message's content, ``"buffer"`` as a ``"Human: ..."`` line of a transcript.
-EncodeStyle = Literal["chat", "buffer"]
-_SENTINEL = "\u2063INFERSCALE-FACT\u2063"
-
-
-def _chat_prefix(engine: InferScaleEngine, messages: list[dict[str, str]]) -> str | None:
-    """Chat-template text of ``messages`` up to where the last message's content starts."""
-    tokenizer = getattr(engine, "tokenizer", None)
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        return None
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    except Exception:  # a template that rejects the role order: fall back to the store's window
-        return None
-    if not isinstance(text, str) or _SENTINEL not in text:
-        return None
-    return text[: text.index(_SENTINEL)]
-
-
-def encode_context(
-    engine: InferScaleEngine,
-    previous: Sequence[tuple[str, str]],
-    role: str,
-    *,
-    style: EncodeStyle = "chat",
-    prefixes: tuple[str, str] = ("Human", "AI"),
-) -> list[str] | None:
-    """The text a new fact is encoded after (the store's explicit ``context``), or None.
-
-    A fact encoded alone starts at position 0, where a model's first token becomes an attention
-    sink: injected in the middle of a prompt, such KV derails small models. So facts are encoded
-    where they will be used: after the chat template's opening (system prompt included) and the
-    ``previous`` turns in the same layout as prompts show them (chat messages, or transcript
-    lines), ending where the fact's own text starts. The store joins context and fact with a
-    newline, which ChatML-style templates have there too.
-    """
-    if style == "chat":
-        messages = [{"role": r, "content": c} for r, c in previous] + [{"role": role, "content": _SENTINEL}]
-        prefix = _chat_prefix(engine, messages)
-    else:
-        human, ai = prefixes
-        lines = [f"{human if r == 'user' else ai if r == 'assistant' else r.capitalize()}: {c}" for r, c in previous]
-        lead = human if role == "user" else ai if role == "assistant" else role.capitalize()
-        head = _chat_prefix(engine, [{"role": "user", "content": _SENTINEL}])
-        if head is None:
-            return None
-        prefix = head + "".join(line + "\n" for line in lines) + f"{lead}: "
-    if not prefix:
-        return None
-    # The store appends "\n" after the context; a prefix already ending in one keeps it exact.
-    return [prefix.removesuffix("\n")]
 
 
 def save_messages(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from inferscale_apps.bench.locomo_data import load_locomo
 from inferscale_apps.cli import main
 
 
@@ -112,10 +113,14 @@ def test_import_locomo(tiny_llama, tmp_path, capsys):
         "[1:56 pm on 8 May, 2023] Ann: I adopted a dog called Rex.",
         "[2:00 pm on 9 May, 2023] Ann: Rex loves the park.",
     ]
+    # What the CLI stores is exactly the benchmark's text of the same turns.
+    (conv,) = load_locomo(path, conversations=1)
+    assert [i["memory"] for i in items] == [t.memory for t in conv.turns if t.speaker == "Ann"]
     assert items[0]["metadata"] == {"source": "locomo", "dia_id": "D1:1", "session": 1, "date": "1:56 pm on 8 May, 2023"}
     # re-import with --replace does not duplicate
     assert main(["memory", "import-locomo", str(path), "--conversations", "1", "--replace", *common]) == 0
     capsys.readouterr()
     assert main(["memory", "list", "--user", "locomo-conv-x-Bo", "--json", *store]) == 0
     out = capsys.readouterr().out
-    assert [i["memory"] for i in json.loads(out)] == ["[1:56 pm on 8 May, 2023] Bo: Nice! I got a cat. [shares a photo: a grey cat]"]
+    assert [i["memory"] for i in json.loads(out)] == ["[1:56 pm on 8 May, 2023] Bo: Nice! I got a cat. [shares a grey cat]"]
+    assert [i["memory"] for i in json.loads(out)] == [t.memory for t in conv.turns if t.speaker == "Bo"]

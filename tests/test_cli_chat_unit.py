@@ -14,14 +14,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from inferscale_apps.chat import (
-    MEMORY_HEADER,
-    ChatSession,
-    memory_system_message,
-    run_repl,
-    with_memories,
-)
+from inferscale_apps.chat import ChatSession, run_repl
 from inferscale_engine.errors import ContextOverflowError
+from inferscale_engine.prompting import MEMORY_HEADER, memory_system_message, with_memories
 
 
 @dataclass
@@ -223,23 +218,3 @@ def test_cli_bad_model_is_a_clean_error(capsys, tmp_path):
     assert main(["chat", "--model", str(tmp_path / "nope"), "--store", str(tmp_path / "s")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("inferscale: error: Unknown model") and "Traceback" not in err
-
-
-def test_locomo_parsing():
-    from pathlib import Path
-
-    from inferscale_apps.cli import locomo_conversations, locomo_fact, locomo_user
-
-    path = Path(__file__).resolve().parents[2] / "shared" / "data" / "locomo" / "locomo10.json"
-    if not path.exists():
-        path = Path(__file__).parent / "data" / "locomo_excerpt.json"
-    convs = locomo_conversations(str(path), 1)
-    assert len(convs) == 1
-    c = convs[0]
-    assert c["speakers"] == ["Caroline", "Melanie"]
-    first = c["turns"][0]
-    assert (first["speaker"], first["dia_id"], first["session"]) == ("Caroline", "D1:1", 1)
-    assert locomo_fact(first) == "[1:56 pm on 8 May, 2023] Caroline: Hey Mel! Good to see you! How have you been?"
-    assert {t["speaker"] for t in c["turns"]} == {"Caroline", "Melanie"}
-    assert any("[shares a photo:" in t["text"] for t in c["turns"])
-    assert locomo_user("locomo", c["sample_id"], "Caroline") == f"locomo-{c['sample_id']}-Caroline"

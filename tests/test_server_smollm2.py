@@ -8,7 +8,7 @@ import httpx
 import pytest
 from test_server import start_server, stop_server
 
-from inferscale_apps.chat import memory_system_message
+from inferscale_engine.prompting import memory_system_message
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow

@@ -52,13 +52,20 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm.auto import tqdm
 
+from inferscale_apps.bench.locomo_data import (
+    CATEGORIES,
+    Conversation,
+    Question,
+    default_data_path,
+    load_locomo,
+)
 from inferscale_engine.runtime import facts_from
 
 if TYPE_CHECKING:
@@ -67,108 +74,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 SYSTEM = "You answer questions about a conversation from memories.\nMemories:\n"
 INSTRUCTION = "Answer in a few words."
 MODES = ("prompt", "inject", "full")
 ORDERS = ("relevance", "conversation")
-ENV_DATA = "INFERSCALE_LOCOMO"
-
-
-def default_data_path() -> Path:
-    """``$INFERSCALE_LOCOMO``, else ``shared/data/locomo/locomo10.json`` next to the repository."""
-    env = os.environ.get(ENV_DATA)
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[3] / "shared" / "data" / "locomo" / "locomo10.json"
-
-
-# ====================================================================== data
-
-
-@dataclass(frozen=True)
-class Turn:
-    index: int  # position in the conversation (0-based)
-    dia_id: str  # "D<session>:<turn>"
-    speaker: str
-    date: str
-    text: str  # the raw turn text, photo caption appended
-
-    @property
-    def memory(self) -> str:
-        """What is stored: ``"[date] speaker: text"``."""
-        return f"[{self.date}] {self.speaker}: {self.text}"
-
-
-@dataclass(frozen=True)
-class Question:
-    index: int  # position in the conversation's ``qa`` list (stable across subsets)
-    question: str
-    answer: str
-    category: int
-    evidence: tuple[str, ...]
-
-
-@dataclass
-class Conversation:
-    sample_id: str
-    speakers: tuple[str, str]
-    turns: list[Turn]
-    questions: list[Question] = field(default_factory=list)
-
-    @property
-    def user_id(self) -> str:
-        return f"locomo-{self.sample_id}"
-
-
-def load_locomo(
-    path: str | os.PathLike | None = None,
-    *,
-    conversations: int | None = None,
-    questions_per_category: int | None = None,
-    max_turns: int | None = None,
-) -> list[Conversation]:
-    """LoCoMo conversations with their category 1-4 questions (first ``questions_per_category``
-    of each category, in dataset order). ``max_turns`` keeps the first turns only, and only
-    the questions whose evidence lies in them (small CI runs)."""
-    path = Path(path) if path else default_data_path()
-    if not path.exists():
-        raise FileNotFoundError(f"LoCoMo data not found at {path} (pass --data or set ${ENV_DATA})")
-    data = json.loads(path.read_text())
-    out: list[Conversation] = []
-    for sample in data[:conversations] if conversations else data:
-        conv = sample["conversation"]
-        turns: list[Turn] = []
-        n = 1
-        while f"session_{n}" in conv:
-            date = str(conv.get(f"session_{n}_date_time", "")).strip()
-            for t in conv[f"session_{n}"]:
-                text = str(t["text"]).strip()
-                caption = t.get("blip_caption")
-                if caption:
-                    text = f"{text} [shares {str(caption).strip()}]"
-                if text:
-                    turns.append(Turn(len(turns), t["dia_id"], str(t["speaker"]).strip(), date, text))
-            n += 1
-        if max_turns is not None:
-            turns = turns[:max_turns]
-        kept_ids = {t.dia_id for t in turns}
-        per_cat: Counter[int] = Counter()
-        questions = []
-        for i, qa in enumerate(sample["qa"]):
-            cat = int(qa.get("category", 0))
-            if cat not in CATEGORIES or "answer" not in qa:
-                continue
-            evidence = tuple(str(e) for e in qa.get("evidence") or ())
-            if max_turns is not None and (not evidence or not all(e in kept_ids for e in evidence)):
-                continue
-            if questions_per_category is not None and per_cat[cat] >= questions_per_category:
-                continue
-            per_cat[cat] += 1
-            questions.append(Question(i, str(qa["question"]), str(qa["answer"]), cat, evidence))
-        out.append(Conversation(str(sample.get("sample_id", len(out))), (conv["speaker_a"], conv["speaker_b"]),
-                                turns, questions))
-    return out
 
 
 # ====================================================================== scoring (upstream LoCoMo)

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-DEFAULT_LOCOMO = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "locomo" / "locomo10.json"
+from inferscale_apps.bench.locomo_data import default_data_path, load_locomo
 
 
 def _p50(xs: list[float]) -> float:
@@ -40,12 +40,8 @@ def _p50(xs: list[float]) -> float:
 def _turns(path: Path, n: int) -> list[tuple[str, str]]:
     turns: list[tuple[str, str]] = []
     if path.exists():
-        for sample in json.loads(path.read_text()):
-            conv = sample["conversation"]
-            s = 1
-            while f"session_{s}" in conv:
-                turns += [(t["speaker"], t["text"]) for t in conv[f"session_{s}"]]
-                s += 1
+        for conv in load_locomo(path):
+            turns += [(t.speaker, t.text) for t in conv.turns]
             if len(turns) >= n:
                 break
     i = 0
@@ -257,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=5)
     parser.add_argument("--group", type=int, default=8, help="turns per sliding-chunk prefill")
     parser.add_argument("--search-sizes", default="1000,10000")
-    parser.add_argument("--locomo", type=Path, default=DEFAULT_LOCOMO)
+    parser.add_argument("--locomo", type=Path, default=default_data_path())
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--encode-batch-tokens", default="256,4096",
                         help="comma list of background batch budgets to try in the chat section")

@@ -33,7 +33,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inferscale_apps.chat import memory_context, warm_up, with_memories
 from inferscale_apps.server import mem0_api
 from inferscale_apps.server.metrics import CONTENT_TYPE_LATEST, Metrics
 from inferscale_apps.server.schemas import (
@@ -53,6 +52,14 @@ from inferscale_engine.errors import (
     StaleKVError,
 )
 from inferscale_engine.handles import HANDLE_PATTERN
+from inferscale_engine.prompting import (
+    engine_role,
+    memory_context,
+    openai_usage,
+    total_usage,
+    with_memories,
+)
+from inferscale_engine.runtime import warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -313,7 +320,7 @@ def create_app(
                 choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
                 obj = "text_completion"
             return JSONResponse(
-                {"id": rid, "object": obj, "created": now, "model": model_name, "choices": [choice], "usage": usage_of(result), "system_fingerprint": None}
+                {"id": rid, "object": obj, "created": now, "model": model_name, "choices": [choice], "usage": openai_usage(result.usage), "system_fingerprint": None}
             )
 
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -370,7 +377,7 @@ def create_app(
                 metrics.observe_generation(endpoint, result)
                 yield chunk(None if endpoint == "chat" else "", finish=result.finish_reason)
                 if include_usage:
-                    yield "data: " + json.dumps({"id": rid, "object": obj, "created": now, "model": model_name, "choices": [], "usage": usage_of(result)}) + "\n\n"
+                    yield "data: " + json.dumps({"id": rid, "object": obj, "created": now, "model": model_name, "choices": [], "usage": openai_usage(result.usage)}) + "\n\n"
             yield "data: [DONE]\n\n"
         except Exception as exc:  # noqa: BLE001  (after the 200 went out: report in-band, as OpenAI does)
             err = api_error(exc)
@@ -379,16 +386,6 @@ def create_app(
         finally:
             metrics.in_flight.dec()
             await agen.aclose()  # aborts the vLLM request when the client went away
-
-    def usage_of(result: Any) -> dict[str, Any]:
-        u = result.usage
-        return {
-            "prompt_tokens": u.prompt_tokens,
-            "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-            "injected_tokens": u.injected_tokens,
-        }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
@@ -402,7 +399,7 @@ def create_app(
                 content = m.text()
             except ValueError as exc:
                 raise APIError(400, f"messages[{i}]: {exc}", param=f"messages.{i}.content") from exc
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+            messages.append({"role": engine_role(m.role), "content": content})
         user = user_of(req, request, bool(req.memory_k) or any(HANDLE_PATTERN.search(m["content"]) for m in messages))
         if req.memory_k:
             query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
@@ -438,9 +435,7 @@ def create_app(
         prepared = [await prepare(p, user, req.max_tokens, "max_tokens") for p in prompts]
         results = await asyncio.gather(*(run_one("completion", seg, dict(user_id=user, max_tokens=mt, **sampling))
                                          for seg, mt in prepared))
-        usages = [usage_of(r) for r in results]
-        usage = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens", "injected_tokens")}
-        usage["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)}
+        usage = openai_usage(total_usage(r.usage for r in results))
         return JSONResponse({
             "id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()), "model": model_name,
             "choices": [{"index": i, "text": r.text, "logprobs": None, "finish_reason": r.finish_reason} for i, r in enumerate(results)],
@@ -462,7 +457,7 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if getattr(engine, "_closed", False):
+        if getattr(engine, "closed", False):
             return JSONResponse({"status": "closed"}, status_code=503)
         return JSONResponse({"status": "ok", "model": model_name})
 

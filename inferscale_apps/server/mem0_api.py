@@ -37,6 +37,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 
 from inferscale_engine.errors import check_utf8
+from inferscale_engine.memory.encoding import engine_generate
 from inferscale_engine.memory.extraction import (
     extract_actions,
     parse_actions,
@@ -315,14 +316,7 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
             raise bad("nothing to remember: messages are empty", "messages")
         return out
 
-    def generate(messages: list[dict[str, str]], user: str) -> str:
-        # Conversation text must not be taken for handles, and is sent as-is (mode="prompt").
-        clean = [{"role": m["role"], "content": m["content"].replace("<<mem:", "<< mem:")} for m in messages]
-        if getattr(engine.tokenizer, "chat_template", None):
-            prompt: Any = clean
-        else:
-            prompt = "\n\n".join(m["content"] for m in clean) + "\n\nReply:\n"
-        return engine.generate(prompt, user_id=user, max_tokens=_EXTRACTION_MAX_TOKENS, temperature=0.0, mode="prompt").text
+    generate = engine_generate(engine, max_tokens=_EXTRACTION_MAX_TOKENS)
 
     def add_inferred(conversation: list[str], who: Entities, meta: dict[str, Any], context: Any) -> list[dict[str, Any]]:
         """Mem0's two model calls on the co-located engine; a reply we cannot use is a 422, so

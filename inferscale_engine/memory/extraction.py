@@ -13,14 +13,13 @@ import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from inferscale_engine.errors import FactNotFoundError
 
 if TYPE_CHECKING:
     from inferscale_engine.memory.encoding import ChatGenerate
     from inferscale_engine.memory.item import MemoryItem
-    from inferscale_engine.memory.store import MemoryStore
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +147,19 @@ def extract_actions(
     return actions
 
 
-def infer_facts(store: MemoryStore, generate: ChatGenerate, conversation: Sequence[str], *, user_id: str,
+class _Store(Protocol):
+    """The store API extraction acts through (a protocol: the store calls extraction)."""
+
+    def search(self, query: str, *, user_id: str, k: int = ...) -> list[MemoryItem]: ...
+
+    def add(self, messages: Any, *, user_id: str, metadata: dict[str, Any] | None = ...) -> list[MemoryItem]: ...
+
+    def update(self, fact_id: str, text: str, *, user_id: str | None = ...) -> MemoryItem: ...
+
+    def delete(self, fact_id: str, *, user_id: str | None = ...) -> None: ...
+
+
+def infer_facts(store: _Store, generate: ChatGenerate, conversation: Sequence[str], *, user_id: str,
                 metadata: dict[str, Any]) -> list[MemoryItem]:
     """``store.add(..., infer=True)``: extract, then apply each action through the store's own
     API; an action the store refuses (its fact was deleted meanwhile, bad text) is skipped."""

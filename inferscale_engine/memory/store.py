@@ -42,7 +42,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -76,6 +76,7 @@ from inferscale_engine.memory.item import MemoryItem
 from inferscale_engine.memory.kv_keeper import KVKeeper
 from inferscale_engine.memory.load import reconcile_kv, refresh
 from inferscale_engine.memory.tiers import KVTiers
+from inferscale_engine.types import Span
 from inferscale_engine.memory.validation import (
     check_context,
     check_k,
@@ -88,8 +89,6 @@ from inferscale_engine.memory.validation import (
     turn_texts,
 )
 
-if TYPE_CHECKING:
-    from inferscale_engine.engine import Span
 
 logger = logging.getLogger(__name__)
 
@@ -360,7 +359,7 @@ class MemoryStore:
             self.table.lookup(fact_id, user_id)
         return self._codec.make(user_id, fact_id)
 
-    def resolve(self, handle: Handle | str, user_id: str) -> "Span":
+    def resolve(self, handle: Handle | str, user_id: str) -> Span:
         """The engine's ``FactSource``: the span a handle in a request of ``user_id`` stands for.
 
         Checks the MAC (:class:`ForgedHandleError`, also for another user's handle), existence
@@ -370,10 +369,8 @@ class MemoryStore:
         """
         return self.resolve_many([handle], user_id)[0]
 
-    def resolve_many(self, handles: Sequence[Handle | str], user_id: str) -> list["Span"]:
+    def resolve_many(self, handles: Sequence[Handle | str], user_id: str) -> list[Span]:
         """:meth:`resolve` for every handle of one request, reading their KV in one batch."""
-        from inferscale_engine.engine import Span  # at call time: engine.py is not imported by memory
-
         self._check_open()
         user_id = check_user(user_id)
         fact_ids = [self._codec.verify(h, user_id) for h in handles]

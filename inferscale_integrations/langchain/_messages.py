@@ -26,6 +26,8 @@ from langchain_core.messages import (
 )
 from langchain_core.messages.tool import ToolCall, tool_call
 
+from inferscale_engine.prompting import engine_role
+
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 TOOLS_HEADER = (
@@ -68,7 +70,7 @@ def _role_of(message: BaseMessage) -> str:
     if isinstance(message, (ToolMessage, FunctionMessage)):
         return "tool"
     if isinstance(message, ChatMessage):
-        return {"human": "user", "ai": "assistant"}.get(message.role, message.role)
+        return engine_role(message.role)
     raise ValueError(f"unsupported message type {type(message).__name__}")
 
 

@@ -25,12 +25,12 @@ from langchain_core.messages import (
 
 from inferscale_integrations._common import (
     EncodeStyle,
+    EngineRef,
     RecallMode,
     all_items,
     check_mode,
     content_of,
     new_turn_id,
-    resolve_engine,
     role_of,
     save_messages,
 )
@@ -116,22 +116,16 @@ class InferScaleChatMessageHistory(BaseChatMessageHistory):
         self.session_id = session_id
         self.mode = check_mode(mode)
         self.recent_turns = recent_turns
-        self._engine = engine
-        self._model = model
-        self._engine_options = engine_options or {}
+        self._engine = EngineRef(engine, model, engine_options)
         self._turn_id: str | None = None
 
-    @property
-    def engine(self) -> InferScaleEngine:
-        if self._engine is None:
-            self._engine = resolve_engine(None, self._model, self._engine_options)
-        else:
-            resolve_engine(self._engine, None)
-        return self._engine
+    def get_engine(self) -> InferScaleEngine:
+        """The engine whose memory store keeps the facts (built or shared on first use)."""
+        return self._engine.get()
 
     @property
     def store(self) -> MemoryStore:
-        return self.engine.memory
+        return self.get_engine().memory
 
     def items(self) -> list[MemoryItem]:
         """The session's facts, oldest first."""

@@ -17,17 +17,22 @@ from langchain_core.callbacks import (
     CallbackManagerForLLMRun,
 )
 from langchain_core.language_models import LanguageModelInput
-from langchain_core.language_models.chat_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models.chat_models import (
+    BaseChatModel,
+    LangSmithParams,
+    agenerate_from_stream,
+    generate_from_stream,
+)
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.messages.tool import tool_call_chunk
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import ConfigDict, Field, SecretStr
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
-from inferscale_integrations._common import model_name_of, own_engine, resolve_engine
+from inferscale_integrations._common import EngineRef
 from inferscale_integrations.langchain._messages import (
     parse_tool_calls,
     to_engine_messages,
@@ -97,8 +102,6 @@ class ChatInferScale(BaseChatModel):
 
     model_name: str = Field(default="smollm2", alias="model")
     """Model alias (``"smollm2"``) or local model folder."""
-    engine: Any = Field(default=None, exclude=True)
-    """An ``InferScaleEngine`` to use instead of the shared engine of ``model``."""
     engine_options: dict[str, Any] = Field(default_factory=dict)
     """Options for building the engine (``max_model_len``, ``window``...) when this class builds it."""
     user_id: str = "default"
@@ -116,13 +119,21 @@ class ChatInferScale(BaseChatModel):
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra vLLM ``SamplingParams`` (``min_tokens``, ``repetition_penalty``...)."""
     streaming: bool = False
-    """Generate through ``_stream`` even in ``invoke`` (callbacks then see every token)."""
+    """Accepted for ChatOpenAI compatibility: every answer is generated through ``_stream``
+    (callbacks see every token)."""
     timeout: float | None = None
     """Accepted for ChatOpenAI compatibility; a co-located engine has no network timeout."""
     max_retries: int = 0
     """Accepted for ChatOpenAI compatibility; local generation is not retried."""
     api_key: SecretStr | None = None
     """Accepted for ChatOpenAI compatibility and ignored (there is no API)."""
+
+    _engine: EngineRef = PrivateAttr()
+
+    def __init__(self, *, engine: InferScaleEngine | None = None, **kwargs: Any) -> None:
+        """``engine``: an ``InferScaleEngine`` to use instead of the shared engine of ``model``."""
+        super().__init__(**kwargs)
+        self._engine = EngineRef(engine, self.model_name, self.engine_options)
 
     # ------------------------------------------------------------------ LangChain plumbing
 
@@ -133,7 +144,7 @@ class ChatInferScale(BaseChatModel):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {
-            "model_name": model_name_of(self.engine, self.model_name),
+            "model_name": self._engine.model_name,
             "mode": self.mode,
             "recompute": self.recompute,
             "temperature": self.temperature,
@@ -147,7 +158,7 @@ class ChatInferScale(BaseChatModel):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(
             ls_provider=PROVIDER,
-            ls_model_name=kwargs.get("model") or model_name_of(self.engine, self.model_name),
+            ls_model_name=kwargs.get("model") or self._engine.model_name,
             ls_model_type="chat",
             ls_temperature=kwargs.get("temperature", self.temperature),
         )
@@ -160,8 +171,9 @@ class ChatInferScale(BaseChatModel):
         return params
 
     def get_engine(self, model: str | None = None) -> InferScaleEngine:
-        """The engine this model generates with (built or shared on first use)."""
-        return engine_for(self, model)
+        """The engine this model generates with (built or shared on first use); ``model``: the
+        shared engine of another model (a per-call ``model=``)."""
+        return self._engine.get(model)
 
     # ------------------------------------------------------------------ requests
 
@@ -178,16 +190,7 @@ class ChatInferScale(BaseChatModel):
         sampling = sampling_options(self, stop, kwargs)
         engine_messages = to_engine_messages(messages, tools=tools, tool_choice=tool_choice)
         tool_names = [(t.get("function") or t).get("name") for t in tools]
-        return engine, engine_messages, sampling, tool_names, model or model_name_of(self.engine, self.model_name)
-
-    def _message(self, result: GenerationResult, tool_names: list[str], model_name: str) -> AIMessage:
-        text, calls = parse_tool_calls(result.text, tool_names) if tool_names else (result.text, [])
-        return AIMessage(
-            content=text,
-            tool_calls=calls,
-            usage_metadata=usage_metadata(result),
-            response_metadata=response_metadata(result, model_name),
-        )
+        return engine, engine_messages, sampling, tool_names, model or self._engine.model_name
 
     def _generate(
         self,
@@ -196,17 +199,7 @@ class ChatInferScale(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        if self.streaming:
-            from langchain_core.language_models.chat_models import generate_from_stream
-
-            return generate_from_stream(self._stream(messages, stop=stop, run_manager=run_manager, **kwargs))
-        engine, msgs, sampling, tool_names, model_name = self._request(messages, stop, kwargs)
-        result = engine.generate(msgs, **sampling)
-        message = self._message(result, tool_names, model_name)
-        return ChatResult(
-            generations=[ChatGeneration(message=message, generation_info={"finish_reason": result.finish_reason})],
-            llm_output={"model_name": model_name, "token_usage": message.usage_metadata},
-        )
+        return _with_llm_output(generate_from_stream(self._stream(messages, stop=stop, run_manager=run_manager, **kwargs)))
 
     async def _agenerate(
         self,
@@ -215,17 +208,8 @@ class ChatInferScale(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> ChatResult:
-        if self.streaming:
-            from langchain_core.language_models.chat_models import agenerate_from_stream
-
-            return await agenerate_from_stream(self._astream(messages, stop=stop, run_manager=run_manager, **kwargs))
-        engine, msgs, sampling, tool_names, model_name = await asyncio.to_thread(self._request, messages, stop, kwargs)
-        result = await engine.agenerate(msgs, **sampling)
-        message = self._message(result, tool_names, model_name)
-        return ChatResult(
-            generations=[ChatGeneration(message=message, generation_info={"finish_reason": result.finish_reason})],
-            llm_output={"model_name": model_name, "token_usage": message.usage_metadata},
-        )
+        stream = self._astream(messages, stop=stop, run_manager=run_manager, **kwargs)
+        return _with_llm_output(await agenerate_from_stream(stream))
 
     def _final_chunk(self, text: str, result: GenerationResult, tool_names: list[str], model_name: str) -> ChatGenerationChunk:
         chunk = AIMessageChunk(
@@ -324,11 +308,14 @@ class ChatInferScale(BaseChatModel):
         return super().bind(tools=formatted, **kwargs)
 
 
-def engine_for(model: Any, override: str | None = None) -> InferScaleEngine:
-    """The engine of a LangChain InferScale model: its own, or a shared one for ``override``."""
-    if override is not None and override != model.model_name:
-        return resolve_engine(None, override, model.engine_options)
-    return own_engine(model, model.model_name)
+def _with_llm_output(result: ChatResult) -> ChatResult:
+    """``llm_output`` as ``ChatOpenAI`` gives it, from the message the stream added up to."""
+    message = result.generations[0].message
+    result.llm_output = {
+        "model_name": message.response_metadata.get("model_name"),
+        "token_usage": getattr(message, "usage_metadata", None),
+    }
+    return result
 
 
 def sampling_options(model: Any, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:

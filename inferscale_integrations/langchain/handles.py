@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 from langchain_core.messages import BaseMessage
 from langchain_core.prompt_values import ChatPromptValue, PromptValue, StringPromptValue
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, PrivateAttr
 
-from inferscale_integrations._common import expand_handles, resolve_engine
+from inferscale_integrations._common import EngineRef, expand_handles
 
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
@@ -31,16 +31,22 @@ class HandleExpander(RunnableSerializable[Any, Any]):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    engine: Any = Field(default=None, exclude=True)
     model: str | None = None
     user_id: str = "default"
 
-    def _engine(self) -> InferScaleEngine:
-        self.engine = resolve_engine(self.engine, self.model)
-        return self.engine
+    _engine: EngineRef = PrivateAttr()
+
+    def __init__(self, *, engine: InferScaleEngine | None = None, **kwargs: Any) -> None:
+        """``engine``: the ``InferScaleEngine`` whose store holds the facts (else the shared one of ``model``)."""
+        super().__init__(**kwargs)
+        self._engine = EngineRef(engine, self.model)
+
+    def get_engine(self) -> InferScaleEngine:
+        """The engine whose memory store keeps the facts (built or shared on first use)."""
+        return self._engine.get()
 
     def expand(self, text: str) -> str:
-        return expand_handles(text, store=self._engine().memory, user_id=self.user_id)
+        return expand_handles(text, store=self.get_engine().memory, user_id=self.user_id)
 
     def _message(self, message: BaseMessage) -> BaseMessage:
         if isinstance(message.content, str):

@@ -18,18 +18,18 @@ from langchain_core.callbacks import (
 )
 from langchain_core.language_models.llms import LLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, PrivateAttr
 
-from inferscale_integrations._common import model_name_of
+from inferscale_engine.prompting import usage_dict
+from inferscale_integrations._common import EngineRef
 from inferscale_integrations.langchain.chat_models import (
     PROVIDER,
-    engine_for,
     sampling_options,
     usage_metadata,
 )
 
 if TYPE_CHECKING:
-    from inferscale_engine import GenerationResult, InferScaleEngine, StreamDelta
+    from inferscale_engine import InferScaleEngine, StreamDelta
 
 
 class InferScaleLLM(LLM):
@@ -47,7 +47,6 @@ class InferScaleLLM(LLM):
     model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
 
     model_name: str = Field(default="smollm2", alias="model")
-    engine: Any = Field(default=None, exclude=True)
     engine_options: dict[str, Any] = Field(default_factory=dict)
     user_id: str = "default"
     mode: Literal["inject", "prompt"] = "inject"
@@ -66,6 +65,13 @@ class InferScaleLLM(LLM):
     """Extra vLLM ``SamplingParams``."""
     streaming: bool = False
 
+    _engine: EngineRef = PrivateAttr()
+
+    def __init__(self, *, engine: InferScaleEngine | None = None, **kwargs: Any) -> None:
+        """``engine``: an ``InferScaleEngine`` to use instead of the shared engine of ``model``."""
+        super().__init__(**kwargs)
+        self._engine = EngineRef(engine, self.model_name, self.engine_options)
+
     @property
     def _llm_type(self) -> str:
         return "inferscale"
@@ -73,7 +79,7 @@ class InferScaleLLM(LLM):
     @property
     def _identifying_params(self) -> dict[str, Any]:
         return {
-            "model_name": model_name_of(self.engine, self.model_name),
+            "model_name": self._engine.model_name,
             "mode": self.mode,
             "chat_template": self.chat_template,
             "temperature": self.temperature,
@@ -87,7 +93,7 @@ class InferScaleLLM(LLM):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(
             ls_provider=PROVIDER,
-            ls_model_name=kwargs.get("model") or model_name_of(self.engine, self.model_name),
+            ls_model_name=kwargs.get("model") or self._engine.model_name,
             ls_model_type="llm",
             ls_temperature=kwargs.get("temperature", self.temperature),
             ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
@@ -99,7 +105,7 @@ class InferScaleLLM(LLM):
 
     def get_engine(self, model: str | None = None) -> InferScaleEngine:
         """The engine this model generates with (built or shared on first use)."""
-        return engine_for(self, model)
+        return self._engine.get(model)
 
     def _request(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         kwargs = dict(kwargs)
@@ -108,34 +114,29 @@ class InferScaleLLM(LLM):
         payload: Any = [{"role": "user", "content": prompt}] if self.chat_template else prompt
         return engine, payload, sampling
 
-    def _generation(self, result: GenerationResult) -> Generation:
-        return Generation(
-            text=result.text,
+    def _chunk(self, delta: StreamDelta) -> GenerationChunk | None:
+        """A streamed piece; the last one carries the generation info, empty pieces are skipped."""
+        result = delta.result
+        if result is None:
+            return GenerationChunk(text=delta.text) if delta.text else None
+        return GenerationChunk(
+            text=delta.text,
             generation_info={
                 "finish_reason": result.finish_reason,
                 "usage_metadata": usage_metadata(result),
                 "injected_tokens": result.usage.injected_tokens,
                 "ttft_s": result.ttft_s,
                 "latency_s": result.latency_s,
+                "token_usage": usage_dict(result.usage),
             },
         )
 
-    def _chunk(self, delta: StreamDelta) -> GenerationChunk | None:
-        """A streamed piece; the last one carries the generation info, empty pieces are skipped."""
-        if delta.result is not None:
-            return GenerationChunk(text=delta.text, generation_info=self._generation(delta.result).generation_info)
-        return GenerationChunk(text=delta.text) if delta.text else None
-
-    def _llm_output(self, results: list[GenerationResult]) -> dict[str, Any]:
+    def _llm_output(self, generations: list[Generation]) -> dict[str, Any]:
+        usages = [(g.generation_info or {}).get("token_usage") or {} for g in generations]
+        keys = ("prompt_tokens", "completion_tokens", "total_tokens", "injected_tokens", "cached_tokens")
         return {
-            "model_name": model_name_of(self.engine, self.model_name),
-            "token_usage": {
-                "prompt_tokens": sum(r.usage.prompt_tokens for r in results),
-                "completion_tokens": sum(r.usage.completion_tokens for r in results),
-                "total_tokens": sum(r.usage.total_tokens for r in results),
-                "injected_tokens": sum(r.usage.injected_tokens for r in results),
-                "cached_tokens": sum(r.usage.cached_tokens for r in results),
-            },
+            "model_name": self._engine.model_name,
+            "token_usage": {k: sum(int(u.get(k, 0)) for u in usages) for k in keys},
         }
 
     def _call(
@@ -145,8 +146,7 @@ class InferScaleLLM(LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> str:
-        engine, payload, sampling = self._request(prompt, stop, kwargs)
-        return engine.generate(payload, **sampling).text
+        return _added_up(self._stream(prompt, stop=stop, run_manager=run_manager, **kwargs)).text
 
     def _generate(
         self,
@@ -155,20 +155,16 @@ class InferScaleLLM(LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        if self.streaming:
-            return super()._generate(prompts, stop=stop, run_manager=run_manager, **kwargs)
-
-        def one(prompt: str) -> GenerationResult:
-            engine, payload, sampling = self._request(prompt, stop, kwargs)
-            return engine.generate(payload, **sampling)
+        def one(prompt: str) -> Generation:
+            return _added_up(self._stream(prompt, stop=stop, run_manager=run_manager, **kwargs))
 
         # Submitting every prompt at once lets vLLM batch them in one engine loop.
         if len(prompts) == 1:
-            results = [one(prompts[0])]
+            generations = [one(prompts[0])]
         else:
             with ThreadPoolExecutor(max_workers=min(len(prompts), 32)) as pool:
-                results = list(pool.map(one, prompts))
-        return LLMResult(generations=[[self._generation(r)] for r in results], llm_output=self._llm_output(results))
+                generations = list(pool.map(one, prompts))
+        return LLMResult(generations=[[g] for g in generations], llm_output=self._llm_output(generations))
 
     async def _agenerate(
         self,
@@ -177,15 +173,12 @@ class InferScaleLLM(LLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> LLMResult:
-        if self.streaming:
-            return await super()._agenerate(prompts, stop=stop, run_manager=run_manager, **kwargs)
+        async def one(prompt: str) -> Generation:
+            chunks = [c async for c in self._astream(prompt, stop=stop, run_manager=run_manager, **kwargs)]
+            return _added_up(iter(chunks))
 
-        async def one(prompt: str) -> GenerationResult:
-            engine, payload, sampling = await asyncio.to_thread(self._request, prompt, stop, kwargs)
-            return await engine.agenerate(payload, **sampling)
-
-        results = list(await asyncio.gather(*(one(p) for p in prompts)))
-        return LLMResult(generations=[[self._generation(r)] for r in results], llm_output=self._llm_output(results))
+        generations = list(await asyncio.gather(*(one(p) for p in prompts)))
+        return LLMResult(generations=[[g] for g in generations], llm_output=self._llm_output(generations))
 
     def _stream(
         self,
@@ -218,3 +211,13 @@ class InferScaleLLM(LLM):
             if run_manager:
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
+
+
+def _added_up(chunks: Iterator[GenerationChunk]) -> Generation:
+    """One generation from its streamed pieces (the last carries the generation info)."""
+    final: GenerationChunk | None = None
+    for chunk in chunks:
+        final = chunk if final is None else final + chunk
+    if final is None:
+        return Generation(text="")
+    return Generation(text=final.text, generation_info=final.generation_info)

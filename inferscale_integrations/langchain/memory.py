@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 from langchain_classic.memory.chat_memory import BaseChatMemory
 from langchain_classic.memory.utils import get_prompt_input_key
 from langchain_core.messages import BaseMessage, get_buffer_string
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr
 
 from inferscale_integrations._common import (
+    EngineRef,
     RecallMode,
     check_mode,
-    own_engine,
     recall,
 )
 from inferscale_integrations.langchain.chat_history import (
@@ -69,8 +69,6 @@ class InferScaleMemory(BaseChatMemory):
     chat_memory: Any = Field(default=None, exclude=True)
     """An :class:`InferScaleChatMessageHistory` of ``user_id``/``session_id`` (built when omitted)."""
 
-    engine: Any = Field(default=None, exclude=True)
-    """The ``InferScaleEngine`` whose memory store keeps the facts (else the shared one of ``model``)."""
     model: str | None = None
     engine_options: dict[str, Any] = Field(default_factory=dict)
     user_id: str = "default"
@@ -84,26 +82,30 @@ class InferScaleMemory(BaseChatMemory):
     min_score: float | None = None
     """Drop search hits scoring below this."""
 
-    @model_validator(mode="after")
-    def _wire_history(self) -> InferScaleMemory:
+    _engine: EngineRef = PrivateAttr()
+
+    def __init__(self, *, engine: InferScaleEngine | None = None, **kwargs: Any) -> None:
+        """``engine``: the ``InferScaleEngine`` whose store keeps the facts (else the shared one of ``model``)."""
+        super().__init__(**kwargs)
         check_mode(self.mode)
+        self._engine = EngineRef(engine, self.model, self.engine_options)
         if not isinstance(self.chat_memory, InferScaleChatMessageHistory):
             self.chat_memory = InferScaleChatMessageHistory(
                 user_id=self.user_id,
                 session_id=self.session_id,
-                engine=self.engine,
+                engine=engine,
                 model=self.model,
                 mode=self.mode,
                 engine_options=self.engine_options,
                 encode_style="chat" if self.return_messages else "buffer",
                 prefixes=(self.human_prefix, self.ai_prefix),
             )
-        return self
 
     # ------------------------------------------------------------------ store
 
     def get_engine(self) -> InferScaleEngine:
-        return own_engine(self, self.model)
+        """The engine whose memory store keeps the facts (built or shared on first use)."""
+        return self._engine.get()
 
     @property
     def store(self) -> MemoryStore:

@@ -25,10 +25,10 @@ from langchain.agents.middleware import (
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 
 from inferscale_integrations._common import (
+    EngineRef,
     RecallMode,
     check_mode,
     recall,
-    resolve_engine,
     save_messages,
 )
 from inferscale_integrations.langchain.chat_history import message_for
@@ -90,14 +90,15 @@ class InferScaleMemoryMiddleware(AgentMiddleware):
         self.k = k
         self.recent_turns = recent_turns
         self.replace_history = replace_history
-        self._engine = engine
-        self._model = model
-        self._engine_options = engine_options or {}
+        self._engine = EngineRef(engine, model, engine_options)
+
+    def get_engine(self) -> InferScaleEngine:
+        """The engine whose memory store keeps the facts (built or shared on first use)."""
+        return self._engine.get()
 
     @property
     def store(self) -> MemoryStore:
-        self._engine = resolve_engine(self._engine, self._model, self._engine_options)
-        return self._engine.memory
+        return self.get_engine().memory
 
     def _recalled(self, query: str | None) -> list[BaseMessage]:
         found = recall(

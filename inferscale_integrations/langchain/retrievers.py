@@ -18,14 +18,14 @@ from langchain_core.callbacks import (
 )
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from inferscale_integrations._common import (
+    EngineRef,
     RecallMode,
     check_mode,
     content_of,
     item_metadata,
-    own_engine,
     search,
 )
 
@@ -48,7 +48,6 @@ class InferScaleRetriever(BaseRetriever):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    engine: Any = Field(default=None, exclude=True)
     model: str | None = None
     engine_options: dict[str, Any] = Field(default_factory=dict)
     user_id: str = "default"
@@ -56,13 +55,21 @@ class InferScaleRetriever(BaseRetriever):
     mode: RecallMode = "handles"
     min_score: float | None = None
 
+    _engine: EngineRef = PrivateAttr()
+
+    def __init__(self, *, engine: InferScaleEngine | None = None, **kwargs: Any) -> None:
+        """``engine``: the ``InferScaleEngine`` whose store keeps the facts (else the shared one of ``model``)."""
+        super().__init__(**kwargs)
+        self._engine = EngineRef(engine, self.model, self.engine_options)
+
     @field_validator("mode")
     @classmethod
     def _mode(cls, value: str) -> str:
         return check_mode(value)
 
     def get_engine(self) -> InferScaleEngine:
-        return own_engine(self, self.model)
+        """The engine whose memory store keeps the facts (built or shared on first use)."""
+        return self._engine.get()
 
     @property
     def store(self) -> MemoryStore:

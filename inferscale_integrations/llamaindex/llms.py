@@ -29,29 +29,19 @@ from llama_index.core.llms.custom import CustomLLM
 
 from inferscale_engine.errors import MissingUserError
 from inferscale_engine.handles import HANDLE_PATTERN
-from inferscale_integrations._common import model_name_of, resolve_engine
+from inferscale_engine.prompting import engine_role, usage_dict
+from inferscale_integrations._common import EngineConstructors, EngineRef, model_name_of
 from inferscale_integrations.llamaindex.retrievers import issued_to
 
 if TYPE_CHECKING:
     from inferscale_engine import GenerationResult, InferScaleEngine
 
 
-def _usage(result: GenerationResult) -> dict[str, Any]:
-    u = result.usage
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "injected_tokens": u.injected_tokens,
-        "cached_tokens": u.cached_tokens,
-    }
-
-
 def _extra(result: GenerationResult, model_name: str) -> dict[str, Any]:
     return {
         "model_name": model_name,
         "finish_reason": result.finish_reason,
-        "usage": _usage(result),
+        "usage": usage_dict(result.usage),
         "ttft_s": result.ttft_s,
         "latency_s": result.latency_s,
     }
@@ -61,17 +51,11 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     out = []
     for m in messages:
         role = m.role.value if isinstance(m.role, MessageRole) else str(m.role)
-        if role in ("chatbot", "model"):
-            role = "assistant"
-        elif role in ("function", "tool"):
-            role = "tool"
-        elif role == "developer":
-            role = "system"
-        out.append({"role": role, "content": m.content or ""})
+        out.append({"role": engine_role(role), "content": m.content or ""})
     return out
 
 
-class InferScaleLLM(CustomLLM):
+class InferScaleLLM(EngineConstructors, CustomLLM):
     """LlamaIndex LLM on a co-located InferScale engine.
 
     Example:
@@ -103,7 +87,7 @@ class InferScaleLLM(CustomLLM):
     sampling_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra vLLM SamplingParams.")
     engine_options: dict[str, Any] = Field(default_factory=dict)
 
-    _engine: Any = PrivateAttr(default=None)
+    _engine: EngineRef = PrivateAttr()
 
     def __init__(self, *, engine: InferScaleEngine | None = None, model: str | None = None, **kwargs: Any) -> None:
         if model is not None:
@@ -111,28 +95,27 @@ class InferScaleLLM(CustomLLM):
         elif engine is not None and "model_name" not in kwargs:
             kwargs["model_name"] = model_name_of(engine, None)
         super().__init__(**kwargs)
-        self._engine = engine
+        self._engine = EngineRef(engine, self.model_name, self.engine_options)
 
     @classmethod
     def class_name(cls) -> str:
         return "InferScaleLLM"
 
-    @property
-    def engine(self) -> InferScaleEngine:
-        self._engine = resolve_engine(self._engine, self.model_name, self.engine_options)
-        return self._engine
+    def get_engine(self) -> InferScaleEngine:
+        """The engine this LLM generates with (built or shared on first use)."""
+        return self._engine.get()
 
     @property
     def metadata(self) -> LLMMetadata:
         window = self.context_window
         if window is None:
-            window = int(self.engine_options.get("max_model_len") or 0) or int(self.engine.max_model_len)
+            window = int(self.engine_options.get("max_model_len") or 0) or int(self.get_engine().max_model_len)
         return LLMMetadata(
             context_window=window,
             num_output=self.max_tokens,
             is_chat_model=True,
             is_function_calling_model=False,
-            model_name=model_name_of(self._engine, self.model_name),
+            model_name=self._engine.model_name,
             system_role=MessageRole.SYSTEM,
         )
 
@@ -145,7 +128,7 @@ class InferScaleLLM(CustomLLM):
         handles = [m.group(0) for t in texts for m in HANDLE_PATTERN.finditer(t)]
         if not handles:
             return "default"  # nothing in the prompt is scoped by user
-        users = issued_to(self.engine.memory, handles)
+        users = issued_to(self.get_engine().memory, handles)
         if len(users) == 1 and None not in users:
             return next(iter(users))  # type: ignore[return-value]
         # Not a ValueError: LlamaIndex's response synthesizers swallow those into "Empty Response".
@@ -183,18 +166,18 @@ class InferScaleLLM(CustomLLM):
             message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
             delta=delta,
             raw=_extra(result, self.metadata.model_name) if result else None,
-            additional_kwargs=_usage(result) if result else {},
+            additional_kwargs=usage_dict(result.usage) if result else {},
         )
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         payload = to_engine_messages(messages)
-        result = self.engine.generate(payload, **self._sampling(kwargs, payload))
+        result = self.get_engine().generate(payload, **self._sampling(kwargs, payload))
         return self._chat_response(result.text, result)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        engine, payload = self.engine, to_engine_messages(messages)
+        engine, payload = self.get_engine(), to_engine_messages(messages)
         sampling = self._sampling(kwargs, payload)
 
         def gen() -> ChatResponseGen:
@@ -207,14 +190,14 @@ class InferScaleLLM(CustomLLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        engine = await asyncio.to_thread(lambda: self.engine)
+        engine = await asyncio.to_thread(self.get_engine)
         payload = to_engine_messages(messages)
         result = await engine.agenerate(payload, **self._sampling(kwargs, payload))
         return self._chat_response(result.text, result)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        engine = await asyncio.to_thread(lambda: self.engine)
+        engine = await asyncio.to_thread(self.get_engine)
         payload = to_engine_messages(messages)
         sampling = self._sampling(kwargs, payload)
 
@@ -231,12 +214,12 @@ class InferScaleLLM(CustomLLM):
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         payload = self._completion_payload(prompt, formatted)
-        result = self.engine.generate(payload, **self._sampling(kwargs, payload))
-        return CompletionResponse(text=result.text, raw=_extra(result, self.metadata.model_name), additional_kwargs=_usage(result))
+        result = self.get_engine().generate(payload, **self._sampling(kwargs, payload))
+        return CompletionResponse(text=result.text, raw=_extra(result, self.metadata.model_name), additional_kwargs=usage_dict(result.usage))
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        engine, payload = self.engine, self._completion_payload(prompt, formatted)
+        engine, payload = self.get_engine(), self._completion_payload(prompt, formatted)
         sampling = self._sampling(kwargs, payload)
 
         def gen() -> CompletionResponseGen:
@@ -247,21 +230,21 @@ class InferScaleLLM(CustomLLM):
                     text=text,
                     delta=delta.text,
                     raw=_extra(delta.result, self.metadata.model_name) if delta.result else None,
-                    additional_kwargs=_usage(delta.result) if delta.result else {},
+                    additional_kwargs=usage_dict(delta.result.usage) if delta.result else {},
                 )
 
         return gen()
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        engine = await asyncio.to_thread(lambda: self.engine)
+        engine = await asyncio.to_thread(self.get_engine)
         payload = self._completion_payload(prompt, formatted)
         result = await engine.agenerate(payload, **self._sampling(kwargs, payload))
-        return CompletionResponse(text=result.text, raw=_extra(result, self.metadata.model_name), additional_kwargs=_usage(result))
+        return CompletionResponse(text=result.text, raw=_extra(result, self.metadata.model_name), additional_kwargs=usage_dict(result.usage))
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        engine = await asyncio.to_thread(lambda: self.engine)
+        engine = await asyncio.to_thread(self.get_engine)
         payload = self._completion_payload(prompt, formatted)
         sampling = self._sampling(kwargs, payload)
 
@@ -273,7 +256,7 @@ class InferScaleLLM(CustomLLM):
                     text=text,
                     delta=delta.text,
                     raw=_extra(delta.result, self.metadata.model_name) if delta.result else None,
-                    additional_kwargs=_usage(delta.result) if delta.result else {},
+                    additional_kwargs=usage_dict(delta.result.usage) if delta.result else {},
                 )
 
         return gen()

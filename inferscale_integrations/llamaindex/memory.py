@@ -23,12 +23,13 @@ from llama_index.core.memory.memory import BaseMemoryBlock
 from llama_index.core.memory.types import BaseMemory
 
 from inferscale_integrations._common import (
+    EngineConstructors,
+    EngineRef,
     RecallMode,
     all_items,
     check_mode,
     content_of,
     recall,
-    resolve_engine,
     role_of,
     save_messages,
 )
@@ -47,7 +48,7 @@ def chat_message_for(item: MemoryItem, mode: str) -> ChatMessage:
     return ChatMessage(role=role, content=content_of(item, mode), additional_kwargs={"fact_id": item.id})
 
 
-class InferScaleMemory(BaseMemory):
+class InferScaleMemory(EngineConstructors, BaseMemory):
     """Chat-engine memory whose recalled turns reach the LLM as injected KV.
 
     Example:
@@ -71,7 +72,7 @@ class InferScaleMemory(BaseMemory):
     min_score: float | None = Field(default=None)
     engine_options: dict[str, Any] = Field(default_factory=dict)
 
-    _engine: Any = PrivateAttr(default=None)
+    _engine: EngineRef = PrivateAttr()
     _pending: list[ChatMessage] = PrivateAttr(default_factory=list)
 
     def __init__(self, *, engine: InferScaleEngine | None = None, model: str | None = None, **kwargs: Any) -> None:
@@ -79,7 +80,7 @@ class InferScaleMemory(BaseMemory):
             kwargs["model_name"] = model
         super().__init__(**kwargs)
         check_mode(self.mode)
-        self._engine = engine
+        self._engine = EngineRef(engine, self.model_name, self.engine_options)
 
     @classmethod
     def class_name(cls) -> str:
@@ -92,14 +93,13 @@ class InferScaleMemory(BaseMemory):
         kwargs.pop("token_limit", None)
         return cls(**kwargs)
 
-    @property
-    def engine(self) -> InferScaleEngine:
-        self._engine = resolve_engine(self._engine, self.model_name, self.engine_options)
-        return self._engine
+    def get_engine(self) -> InferScaleEngine:
+        """The engine whose memory store keeps the facts (built or shared on first use)."""
+        return self._engine.get()
 
     @property
     def store(self) -> MemoryStore:
-        return self.engine.memory
+        return self.get_engine().memory
 
     # ------------------------------------------------------------------ BaseMemory API
 
@@ -166,7 +166,7 @@ class InferScaleMemory(BaseMemory):
         self.store.wait_for_encoding()
 
 
-class InferScaleMemoryBlock(BaseMemoryBlock[list[ChatMessage]]):
+class InferScaleMemoryBlock(EngineConstructors, BaseMemoryBlock[list[ChatMessage]]):
     """Long-term memory block for llama-index's ``Memory`` (agents, chat engines).
 
     ``Memory`` keeps recent messages as text in its short-term store and flushes older ones into
@@ -196,19 +196,22 @@ class InferScaleMemoryBlock(BaseMemoryBlock[list[ChatMessage]]):
     min_score: float | None = Field(default=None)
     engine_options: dict[str, Any] = Field(default_factory=dict)
 
-    _engine: Any = PrivateAttr(default=None)
+    _engine: EngineRef = PrivateAttr()
 
     def __init__(self, *, engine: InferScaleEngine | None = None, model: str | None = None, **kwargs: Any) -> None:
         if model is not None:
             kwargs["model_name"] = model
         super().__init__(**kwargs)
         check_mode(self.mode)
-        self._engine = engine
+        self._engine = EngineRef(engine, self.model_name, self.engine_options)
+
+    def get_engine(self) -> InferScaleEngine:
+        """The engine whose memory store keeps the facts (built or shared on first use)."""
+        return self._engine.get()
 
     @property
     def store(self) -> MemoryStore:
-        self._engine = resolve_engine(self._engine, self.model_name, self.engine_options)
-        return self._engine.memory
+        return self.get_engine().memory
 
     def _get(self, messages: list[ChatMessage] | None) -> list[ChatMessage]:
         users = [m for m in messages or [] if m.role == MessageRole.USER and m.content]

@@ -25,11 +25,12 @@ from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from inferscale_integrations._common import (
+    EngineConstructors,
+    EngineRef,
     RecallMode,
     check_mode,
     content_of,
     item_metadata,
-    resolve_engine,
     search,
 )
 
@@ -75,7 +76,7 @@ def node_for(item: MemoryItem, *, user_id: str, mode: str) -> TextNode:
     )
 
 
-class InferScaleRetriever(BaseRetriever):
+class InferScaleRetriever(EngineConstructors, BaseRetriever):
     """Top-``similarity_top_k`` memories of ``user_id`` for a query, as handle (or text) nodes.
 
     Example:
@@ -107,18 +108,15 @@ class InferScaleRetriever(BaseRetriever):
         self.similarity_top_k = similarity_top_k
         self.mode = check_mode(mode)
         self.min_score = min_score
-        self._engine = engine
-        self._model = model
-        self._engine_options = engine_options or {}
+        self._engine = EngineRef(engine, model, engine_options)
 
-    @property
-    def engine(self) -> InferScaleEngine:
-        self._engine = resolve_engine(self._engine, self._model, self._engine_options)
-        return self._engine
+    def get_engine(self) -> InferScaleEngine:
+        """The engine whose memory store keeps the facts (built or shared on first use)."""
+        return self._engine.get()
 
     @property
     def store(self) -> MemoryStore:
-        return self.engine.memory
+        return self.get_engine().memory
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         hits = search(

@@ -1,0 +1,192 @@
+"""How memories and conversations become prompts, shared by the chatbot, the server and the
+integrations, so that a fact is encoded after exactly the text that precedes it when served.
+
+* **Recall → messages**: :func:`memory_system_message` and :func:`with_memories` put memory
+  handles into a system message.
+* **Context of a fact**: :func:`memory_context` (the system head before the first recalled
+  memory) and :func:`encode_context` (a conversation turn, as the integrations store them) are
+  the chat-template text up to where a fact's own text starts.
+* **Usage → dict** (:func:`usage_dict`, :func:`openai_usage`) and **message roles**
+  (:func:`engine_role`).
+
+No vLLM import: anything with the engine's ``render`` or ``tokenizer`` will do.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any, Literal
+
+from inferscale_engine.types import Usage
+
+logger = logging.getLogger(__name__)
+
+#: Chosen by measurement on SmolLM2-135M (docs/cli.md): with this sentence the model answers
+#: from a single recalled first-person fact 5/5 times, against 3/5 with the bare first one.
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Use what you remember when you answer."
+MEMORY_HEADER = "Things you remember about the user:"
+
+#: Stands where a fact's text will be, so the rendered template can be cut there; invisible
+#: separators so that no real message contains it.
+_MARKER = "\u2063INFERSCALE-FACT\u2063"
+
+#: How a fact will sit in prompts, which decides the context it is encoded after:
+#: ``"chat"`` as a chat message's content, ``"buffer"`` as a ``"Human: ..."`` line of a transcript.
+EncodeStyle = Literal["chat", "buffer"]
+
+#: Role names of other APIs (LangChain, LlamaIndex, OpenAI) → the roles chat templates know.
+_ROLES = {
+    "human": "user",
+    "ai": "assistant",
+    "chatbot": "assistant",
+    "model": "assistant",
+    "function": "tool",
+    "developer": "system",
+}
+
+
+def engine_role(role: str) -> str:
+    """The chat-template role of ``role`` (``"human"`` → ``"user"``, ``"developer"`` → ``"system"``...)."""
+    return _ROLES.get(role, role)
+
+
+# ------------------------------------------------------------------------------ recall → messages
+
+
+def memory_system_message(handles: Sequence[str], system_prompt: str | None = DEFAULT_SYSTEM_PROMPT) -> str:
+    """The system message that carries memories as handles (one per line, after a header).
+
+    Everything before the first handle is static text, so its KV is encoded once and reused
+    by every user and turn (see :mod:`inferscale_engine.engine`).
+    """
+    parts = [system_prompt.rstrip()] if system_prompt else []
+    if handles:
+        parts.append(MEMORY_HEADER)
+        parts.extend(handles)
+    return "\n".join(parts)
+
+
+def with_memories(
+    messages: Sequence[dict[str, str]], handles: Sequence[str], system_prompt: str | None = DEFAULT_SYSTEM_PROMPT
+) -> list[dict[str, str]]:
+    """``messages`` with the memory handles added to their system message (created if absent)."""
+    out = [dict(m) for m in messages]
+    if not handles:
+        return out
+    if out and out[0].get("role") in ("system", "developer"):
+        out[0] = {"role": "system", "content": memory_system_message(handles, out[0].get("content") or None)}
+    else:
+        out.insert(0, {"role": "system", "content": memory_system_message(handles, system_prompt)})
+    return out
+
+
+# ------------------------------------------------------------------------------ context of a fact
+
+
+def memory_context(engine: Any, system_prompt: str | None = DEFAULT_SYSTEM_PROMPT) -> list[str] | None:
+    """``context`` for ``store.add``: the rendered system message up to the first memory handle.
+
+    That is exactly what precedes a recalled memory in the prompt (the only or first one), so
+    a memory encoded after it is injected with the very KV a prefill would compute. ``None``
+    when the engine has no chat template (the store then encodes after previous memories).
+    """
+    render = getattr(engine, "render", None)
+    if render is None:
+        return None
+    try:
+        text, _ = render([{"role": "system", "content": memory_system_message([_MARKER], system_prompt)},
+                          {"role": "user", "content": "."}])
+    except (ValueError, TypeError):
+        logger.debug("no chat template: new memories are encoded after the previous ones")
+        return None
+    head = text[: text.index(_MARKER)]
+    # The store encodes after "\n".join(context) + "\n": give it the head without that "\n".
+    return [head[:-1]] if head.endswith("\n") else None
+
+
+def chat_prefix(engine: Any, messages: list[dict[str, str]]) -> str | None:
+    """Chat-template text of ``messages`` up to where the content :data:`_MARKER` stands for starts."""
+    tokenizer = getattr(engine, "tokenizer", None)
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    except Exception:  # a template that rejects the role order: fall back to the store's window
+        return None
+    if not isinstance(text, str) or _MARKER not in text:
+        return None
+    return text[: text.index(_MARKER)]
+
+
+def _speaker(role: str, prefixes: tuple[str, str]) -> str:
+    human, ai = prefixes
+    return human if role == "user" else ai if role == "assistant" else role.capitalize()
+
+
+def encode_context(
+    engine: Any,
+    previous: Sequence[tuple[str, str]],
+    role: str,
+    *,
+    style: EncodeStyle = "chat",
+    prefixes: tuple[str, str] = ("Human", "AI"),
+) -> list[str] | None:
+    """The text a new fact is encoded after (the store's explicit ``context``), or None.
+
+    A fact encoded alone starts at position 0, where a model's first token becomes an attention
+    sink: injected in the middle of a prompt, such KV derails small models. So facts are encoded
+    where they will be used: after the chat template's opening (system prompt included) and the
+    ``previous`` turns in the same layout as prompts show them (chat messages, or transcript
+    lines), ending where the fact's own text starts. The store joins context and fact with a
+    newline, which ChatML-style templates have there too.
+    """
+    if style == "chat":
+        messages = [{"role": r, "content": c} for r, c in previous] + [{"role": role, "content": _MARKER}]
+        prefix = chat_prefix(engine, messages)
+    else:
+        head = chat_prefix(engine, [{"role": "user", "content": _MARKER}])
+        if head is None:
+            return None
+        lines = "".join(f"{_speaker(r, prefixes)}: {c}\n" for r, c in previous)
+        prefix = head + lines + f"{_speaker(role, prefixes)}: "
+    if not prefix:
+        return None
+    # The store appends "\n" after the context; a prefix already ending in one keeps it exact.
+    return [prefix.removesuffix("\n")]
+
+
+# ------------------------------------------------------------------------------ usage
+
+
+def usage_dict(usage: Usage) -> dict[str, int]:
+    """The engine's token counts, flat (the integrations' ``token_usage`` / ``usage``)."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "injected_tokens": usage.injected_tokens,
+        "cached_tokens": usage.cached_tokens,
+    }
+
+
+def total_usage(usages: Iterable[Usage]) -> Usage:
+    """One usage for several generations (a batch)."""
+    usages = list(usages)
+    return Usage(
+        prompt_tokens=sum(u.prompt_tokens for u in usages),
+        completion_tokens=sum(u.completion_tokens for u in usages),
+        injected_tokens=sum(u.injected_tokens for u in usages),
+        cached_tokens=sum(u.cached_tokens for u in usages),
+    )
+
+
+def openai_usage(usage: Usage) -> dict[str, Any]:
+    """OpenAI's ``usage`` object (cached tokens under ``prompt_tokens_details``), plus ours."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "injected_tokens": usage.injected_tokens,
+    }
