@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from inferscale_engine.errors import FactNotFoundError, ForgedHandleError
-from inferscale_engine.memory.context import Context
+from inferscale_engine.memory.context import Context, ContextBuilder
 from inferscale_engine.memory.db import FactRow
 from inferscale_engine.memory.index import IndexKind, UserIndex
 from inferscale_engine.memory.validation import check_user
@@ -161,3 +161,16 @@ class FactTable:
         if index is None:
             index = self._indexes[user_id] = UserIndex(dim, kind=self._index_kind, device=self._device)
         return index
+
+
+def retexted(old: FactRow, text: str, token_ids: tuple[int, ...] | None, contexts: ContextBuilder | None,
+             now: str) -> FactRow:
+    """``old`` with a new text, under the next KV version (its KV is encoded anew, after the same
+    context, shortened where the new text needs the room)."""
+    ctx = old.context_ids
+    if token_ids is not None and ctx is not None and contexts is not None:
+        ctx = contexts.trim(ctx, len(token_ids))
+    return dataclasses.replace(
+        old, text=text, token_ids=token_ids, context_ids=ctx, updated_at=now, kv_version=old.kv_version + 1,
+        fingerprint=None, encode_error=None,
+    )

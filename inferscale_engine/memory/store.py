@@ -54,7 +54,7 @@ from inferscale_engine.memory.db import FactRow, MetaDB, utc_now
 from inferscale_engine.memory.embedder import Embedder
 from inferscale_engine.memory.encoding import ChatGenerate, Encoder, device_of, kv_fingerprint
 from inferscale_engine.memory.extraction import infer_facts
-from inferscale_engine.memory.facts import FactTable
+from inferscale_engine.memory.facts import FactTable, retexted
 from inferscale_engine.memory.folder import (
     DB_FILE,
     KV_DIR,
@@ -187,8 +187,6 @@ class MemoryStore:
         if self._keeper is not None:
             self._keeper.resolve_timeout = self._resolve_timeout
 
-    # ================================================================== public API
-
     def add(
         self,
         messages_or_text: str | Sequence[Mapping[str, Any]],
@@ -277,14 +275,8 @@ class MemoryStore:
         with self._lock:
             self._check_open()
             old = self.table.lookup(fact_id, user_id)
-            version = old.kv_version + 1
-            ctx = old.context_ids
-            if token_ids is not None and ctx is not None:
-                ctx = self.contexts.trim(ctx, len(token_ids))  # type: ignore[union-attr]
-            new = dataclasses.replace(
-                old, text=text, token_ids=token_ids, context_ids=ctx, updated_at=now, kv_version=version,
-                fingerprint=None, encode_error=None,
-            )
+            new = retexted(old, text, token_ids, self.contexts, now)
+            version = new.kv_version
             self._db.update_text(old, new, vec)
             self.table.replace(new, vec)
             if self._keeper is not None:
@@ -404,8 +396,6 @@ class MemoryStore:
         return self._insert(texts, user_id, metas, explicit=None, progress=progress, sliding_group=sliding_group,
                             background=False)
 
-    # ------------------------------------------------------------------ extras
-
     def reencode(self, *, user_id: str | None = None) -> int:
         """Queue every fact (of ``user_id``, or all) whose KV is missing or stale for background
         encoding; returns how many. Useful after a model or window change, so that ``resolve``
@@ -442,8 +432,6 @@ class MemoryStore:
     def __repr__(self) -> str:
         return f"MemoryStore(path={str(self.path)!r}, window={self.window}, facts={len(self._facts)})"
 
-    # ================================================================== internals: state
-
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError("this memory store was closed")
@@ -464,8 +452,6 @@ class MemoryStore:
             self.table.remove(f)
             if self._keeper is not None:
                 self._keeper.retire(f.id)
-
-    # ================================================================== internals: adding
 
     def _insert(
         self,
