@@ -98,23 +98,37 @@ class EngineConfig:
 @dataclass
 class MemoryConfig:
     """Everything a :class:`~inferscale_engine.memory.MemoryStore` is built from besides its
-    model (see its docstring for what each setting does). :meth:`for_engine` derives the
-    defaults of an engine's own store from the engine's config."""
+    model, and what each setting does. :meth:`for_engine` derives the defaults of an engine's
+    own store from the engine's config."""
 
+    #: Folder of the store (``memory.sqlite3``, ``secret.key``, ``kv/``); created.
     path: Path | None = None
+    #: Facts of the same user a new fact is encoded after (0 = independent).
     window: int = 5
+    #: Text every window context starts with: the opening of the prompts the facts will be
+    #: served in (chat template, system text), so a fact is encoded after the same first tokens
+    #: (attention sink, instructions) it is later served after.
     context_prefix: str = ""
     #: ``None`` (all-MiniLM-L6-v2), a sentence-transformers path/name, or an ``Embedder``.
     embedder: Any = None
+    #: ``"exact"`` (torch matmul + topk), ``"faiss"``, or ``"auto"`` (faiss past 20k facts of one user).
     index: Literal["auto", "exact", "faiss"] = "auto"
     #: Where the device KV tier and the search index live; ``None``: the encoder's device.
     device: Device | None = None
+    #: Capacity of the device slab and of the host tier.
     device_kv_bytes: int = 512 << 20
     host_kv_bytes: int = 2 << 30
+    #: Tokens per device page.
     page_tokens: int = 16
+    #: Bound of the background encode queue (``add`` waits when it is full).
     encode_queue: int = 1024
+    #: Most facts / prefill tokens per background ``encoder.encode`` call. vLLM serves requests
+    #: first come first served, so a chat request arriving while the encoder works waits behind
+    #: at most one such batch. ``None``: 256 tokens on CPU (where batching buys nothing and chat
+    #: latency stays within ~20% of idle), 4096 on CUDA.
     encode_batch: int = 32
     encode_batch_tokens: int | None = None
+    #: Seconds ``resolve`` waits for a fact that is being encoded.
     resolve_timeout: float = 60.0
     #: Tokens the extraction model may answer with (``add(..., infer=True)``).
     extraction_max_tokens: int = 512

@@ -163,6 +163,22 @@ class EngineRef:
         return self  # an engine is shared, never copied (pydantic deep-copies private attributes)
 
 
+class OnEngine:
+    """``get_engine()`` and ``store`` of a class that keeps an :class:`EngineRef` in ``_engine``
+    (a mixin: put it before a pydantic base)."""
+
+    if TYPE_CHECKING:
+        _engine: EngineRef
+
+    def get_engine(self) -> InferScaleEngine:
+        """The engine whose memory store keeps the facts (built or shared on first use)."""
+        return self._engine.get()
+
+    @property
+    def store(self) -> MemoryStore:
+        return self.get_engine().memory
+
+
 class EngineConstructors:
     """``from_engine`` / ``from_model``, as llama-index-memory-mem0 offers ``from_client`` /
     ``from_config``: the two ways to say which engine a class uses."""
@@ -345,6 +361,13 @@ def recall(
             if score is not None:
                 scores[hit.id] = float(score)
     return [Recalled(i, scores.get(i.id)) for i in everything if _turn_of(i) in chosen_turns]
+
+
+def recall_for(owner: Any, query: str | None) -> list[Recalled]:
+    """:func:`recall` with the settings of an integration class (its ``store``, ``user_id``,
+    ``session_id``, ``k``, ``recent_turns`` and, where it has one, ``min_score``)."""
+    return recall(owner.store, user_id=owner.user_id, query=query, k=owner.k, recent_turns=owner.recent_turns,
+                  session_id=owner.session_id, min_score=getattr(owner, "min_score", None))
 
 
 def search(

@@ -29,6 +29,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from probes import mint_handle, read_db, staged_refs
 
 from inferscale_engine.engine import _fingerprint
 from inferscale_engine.errors import (
@@ -87,8 +88,7 @@ def user_facts(engine):
 def snapshot(store: Any) -> dict[str, Any]:
     """Everything a refused call must leave untouched."""
     store.wait_for_encoding(60)
-    with store._db.lock:
-        c = store._db.conn
+    with read_db(store) as c:
         facts = c.execute("SELECT id, user_id, text, deleted, kv_version, fingerprint, token_ids FROM facts ORDER BY seq").fetchall()
         history = c.execute("SELECT memory_id, event, old_memory, new_memory FROM history ORDER BY seq").fetchall()
         users = c.execute("SELECT user_id FROM users ORDER BY user_id").fetchall()
@@ -102,7 +102,7 @@ def snapshot(store: Any) -> dict[str, Any]:
 
 
 def assert_nothing_staged(engine: Any) -> None:
-    assert not engine.bridge.staged and not engine._stage_refs
+    assert not engine.bridge.staged and not staged_refs(engine)
 
 
 # ------------------------------------------------------------------------------ facts
@@ -185,7 +185,7 @@ def test_bad_prompts_and_handles_are_refused_before_vllm(engine, user_facts):
     gone = store.add("temporary fact", user_id=user)[0]
     store.wait_for_encoding(60)
     store.delete(gone.id, user_id=user)
-    unknown = store._codec.make(user, "0123456789abcdef")  # a valid MAC for a fact that never existed
+    unknown = mint_handle(store, user, "0123456789abcdef")  # a valid MAC for a fact that never existed
     many = "\n".join(items[1].handle for _ in range(40)) + "\nQ:"
     cases: list[tuple[str, Any, type[BaseException]]] = [
         ("unknown handle", lambda: engine.generate(f"M: {unknown}", user_id=user, max_tokens=2), FactNotFoundError),
@@ -501,7 +501,7 @@ def test_http_bad_inputs_are_4xx_json_never_500(engine, user_facts, caplog):
         (("DELETE", "/v1/memories/ffffffffffffffff/", {"params": {"user_id": user}}), 404),
         (("DELETE", "/v1/memories/", {"params": {"user_id": ""}}), 400),
         (("GET", "/v1/memories/ffffffffffffffff/history/", {"params": {"user_id": user}}), 404),
-        (chat(user=user, messages=[{"role": "user", "content": f"M: {store._codec.make(user, '0123456789abcdef')}"}]), 404),
+        (chat(user=user, messages=[{"role": "user", "content": f"M: {mint_handle(store, user, '0123456789abcdef')}"}]), 404),
         (chat(user=user, messages=[{"role": "user", "content": "<<mem:xyz>>"}]), 400),
         (chat(user=user, messages=[{"role": "user", "content": h.upper().replace("<<MEM:", "<<mem:")}]), 400),
         (chat(user="someone-else", messages=[{"role": "user", "content": h}]), 403),

@@ -37,6 +37,7 @@ from typing import Any
 
 import httpx
 import pytest
+from probes import fact_row, fact_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -270,15 +271,15 @@ def verify_restart(engine: Any, embedder: Any, path: Path, acked: list[dict[str,
         # No temp file, no KV file without a live fact version, no encoded fact without its file.
         files = [p for p in (path / "kv").rglob("*") if p.is_file()]
         assert not [p for p in files if p.name.endswith(".tmp")]
-        live = {f.id: f.kv_version for f in store._facts.values()}
+        live = {f.id: f.kv_version for f in fact_rows(store)}
         for p in files:
             fact_id, version = p.name.removesuffix(".safetensors").rsplit("-", 1)
             assert live.get(fact_id) == int(version), f"orphan KV file {p.name}"
         names = {p.name for p in files}
-        for f in store._facts.values():
+        for f in fact_rows(store):
             if f.fingerprint is not None:
                 assert f"{f.id}-{f.kv_version}.safetensors" in names
-        unencoded = sum(1 for f in store._facts.values() if f.fingerprint is None)
+        unencoded = sum(1 for f in fact_rows(store) if f.fingerprint is None)
         # Transactions are all or nothing (the batch announced before the call).
         by_batch: dict[str, int] = {}
         for user in USERS:
@@ -297,7 +298,7 @@ def verify_restart(engine: Any, embedder: Any, path: Path, acked: list[dict[str,
             hist = store.history(a["id"])
             assert hist and hist[0]["event"] == "ADD" and hist[0]["new_memory"] == a["text"]
             span = store.resolve(a["handle"], a["user"])  # from the file, or re-encoded on demand
-            f = store._facts[a["id"]]
+            f = fact_row(store, a["id"])
             assert list(span.token_ids) == engine.tokenize(a["text"])
             windows.append(EncodeWindow.single(f.token_ids, f.context_ids))
             rows.append(span)

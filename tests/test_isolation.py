@@ -21,6 +21,7 @@ from typing import Any, Self
 
 import httpx
 import pytest
+from probes import prepare, spy_on_prepare, stop_spying_on_prepare, unstage
 
 from inferscale_engine.errors import (
     FactNotFoundError,
@@ -92,22 +93,19 @@ class PromptSpy:
 
     def __enter__(self) -> Self:
         eng = self.engine
-        prepare, submit = eng._prepare, eng.loop.submit
-
-        def spy_prepare(segments: Any, user_id: str, **kw: Any) -> Any:
-            prepared, params = prepare(segments, user_id, **kw)
-            self.prompts.append((user_id, list(prepared.prompt["prompt_token_ids"])))
-            return prepared, params
+        submit = eng.loop.submit
 
         def spy_submit(*args: Any, **kw: Any) -> Any:
             self.submitted += 1
             return submit(*args, **kw)
 
-        eng._prepare, eng.loop.submit = spy_prepare, spy_submit
+        spy_on_prepare(eng, lambda user_id, prepared: self.prompts.append(
+            (user_id, list(prepared.prompt["prompt_token_ids"]))))
+        eng.loop.submit = spy_submit
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.engine.__dict__.pop("_prepare", None)
+        stop_spying_on_prepare(self.engine)
         self.engine.loop.__dict__.pop("submit", None)
 
     def of(self, user: str) -> list[list[int]]:
@@ -214,7 +212,7 @@ def test_cache_salt_is_per_user_and_per_kv(engine, people, monkeypatch):
     prepared = []
 
     def salt(user: str, spans=(span,), **kw: Any) -> str | None:
-        p, _ = engine._prepare([head, *spans, tail], user, max_tokens=1, **kw)
+        p, _ = prepare(engine, [head, *spans, tail], user, max_tokens=1, **kw)
         prepared.append(p)
         return p.prompt.get("cache_salt")
 
@@ -231,7 +229,7 @@ def test_cache_salt_is_per_user_and_per_kv(engine, people, monkeypatch):
         assert len({a1, both, swapped}) == 3
     finally:  # _prepare staged the spans for requests that will not run: release them
         for p in prepared:
-            engine._unstage(p.staged)
+            unstage(engine, p.staged)
     assert not engine.bridge.staged
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import torch
+from probes import reset_prefix_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -107,7 +108,7 @@ def test_answers_with_exhausted_tiers_equal_answers_with_ample_tiers(engine, rep
                                {"role": "user", "content": "What do you remember about me?"}], items))
 
     def answer_all() -> list[Any]:
-        assert engine._vllm.reset_prefix_cache(), "prefix cache still in use"  # KV must come from the tiers
+        assert reset_prefix_cache(engine), "prefix cache still in use"  # KV must come from the tiers
         return [engine.generate(msgs, user_id=user, max_tokens=12, temperature=0.0) for user, msgs, _ in prompts]
 
     small_tiers = store.tiers

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from probes import share_embedder_weights
 
 from inferscale_engine.errors import FactNotFoundError, InferScaleError
 from inferscale_engine.memory import MemoryStore
@@ -78,7 +79,7 @@ def test_search_is_per_user_and_embeddings_persist(tmp_path, embedder):
             return super().embed(texts, progress=progress)
 
     counting = Counting()
-    counting._model = embedder.model  # same weights, no reload
+    share_embedder_weights(embedder, counting)
     with MemoryStore(None, tmp_path, embedder=counting) as store:
         assert calls == []  # reopening does not re-embed stored facts
         assert store.search("dog", user_id="alice")[0].score == pytest.approx(before, abs=1e-6)

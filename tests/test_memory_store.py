@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from probes import fact_row, mint_handle
 
 from inferscale_engine.encoder import EncodeWindow
 from inferscale_engine.errors import (
@@ -262,7 +263,7 @@ def test_user_isolation(make_store, engine):
     store.wait_for_encoding(30)
     assert [i.id for i in store.search("PIN", user_id="alice", k=10)] == [a.id]
     assert [i.id for i in store.search("PIN", user_id="bob", k=10)] == [b.id]
-    assert a.handle != store._codec.make("bob", a.id)
+    assert a.handle != mint_handle(store, "bob", a.id)
     with pytest.raises(ForgedHandleError):
         store.resolve(handle_of(a), "bob")  # B presenting A's handle
     with pytest.raises(FactNotFoundError):
@@ -370,7 +371,7 @@ def test_background_encoding_failure_is_surfaced_and_recovered(make_store, engin
     b = store.add("I drive a red car.", user_id="u")[0]
     store.wait_for_encoding(30)
     gated.fail = 1
-    store._facts[b.id].fingerprint = None  # pretend its KV is gone
+    fact_row(store, b.id).fingerprint = None  # pretend its KV is gone
     with pytest.raises(Exception, match="injected encode failure"):
         store.resolve(handle_of(b), "u")
 
@@ -724,12 +725,12 @@ def test_import_conversation(make_store, engine, group):
     assert [i.id for i in store.get_all(user_id="u")][1:] == [i.id for i in items]
     for it in items[:6]:
         span = store.resolve(handle_of(it), "u")
-        fact = store._facts[it.id]
+        fact = fact_row(store, it.id)
         assert span.kv.position == len(fact.context_ids)
         # The stored context reproduces the KV (what an on-demand re-encode would do).
         ref = engine.encode([EncodeWindow.single(span.token_ids, fact.context_ids)])[0][0]
         assert torch.allclose(ref.k, span.kv.k, atol=1e-4) and torch.allclose(ref.v, span.kv.v, atol=1e-4)
-    f5 = store._facts[items[5].id]
+    f5 = fact_row(store, items[5].id)
     if group is None:  # two previous turns, "\n"-joined
         assert f5.context_ids == tuple(engine.tokenize(items[3].memory + "\n" + items[4].memory + "\n"))
     else:  # turn 5 is the 2nd of the group [4..7]: the window before the group, then turn 4

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import torch
+from probes import out_stream, slab_of
 
 from inferscale_engine.errors import StaleKVError
 from inferscale_engine.kv import FactKV
@@ -91,7 +92,7 @@ def test_get_many_reads_every_tier_in_one_batch(tmp_path):
     # Device hits and the promoted host hit are views of one fresh buffer, not of the slab.
     memory_hits = got[1:]
     assert len({kv.k.untyped_storage().data_ptr() for kv in memory_hits}) == 1
-    slab = tiers._slab.untyped_storage().data_ptr()
+    slab = slab_of(tiers).untyped_storage().data_ptr()
     assert all(kv.k.untyped_storage().data_ptr() != slab for kv in got)
     # Host and disk hits were promoted on the way.
     assert {tiers.where(k) for k in order} == {"device"}
@@ -488,7 +489,7 @@ def test_cuda_eviction_does_not_wait_for_the_callers_queued_work(tmp_path):
 def test_cuda_promotion_into_evicted_pages_does_not_wait_for_their_copy_to_the_host(tmp_path):
     tiers, kvs = _full_slab_and_one_on_host(tmp_path)
     a, b, c = kvs
-    out = tiers._out_stream()
+    out = out_stream(tiers)
     with torch.cuda.stream(out):
         torch.cuda._sleep(100_000_000)  # ~50 ms: the eviction's copy to the host queues behind it
     busy = torch.cuda.Event()

@@ -56,6 +56,17 @@ class ContextBuilder:
     def tokenize(self, text: str) -> tuple[int, ...]:
         return tuple(int(t) for t in self._tokenize(text)) if text else ()
 
+    def fact_tokens(self, text: str) -> tuple[int, ...]:
+        """The token ids of a fact's text, which must leave room in the model's context."""
+        ids = self.tokenize(text)
+        if not ids:
+            raise ValueError("memory text produces no tokens")
+        if len(ids) >= self.max_model_len:
+            raise ContextOverflowError(
+                f"memory of {len(ids)} tokens does not fit the model's context of {self.max_model_len} tokens"
+            )
+        return ids
+
     def fit(self, prev: Sequence[str], n: int, *, strict: bool, prefix: str) -> Context:
         """``prefix + "\\n".join(prev) + "\\n"`` before a fact of ``n`` tokens, dropping the
         oldest texts until it fits (``strict``: raise instead)."""

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,11 @@ CREATE TABLE IF NOT EXISTS history (
 );
 CREATE INDEX IF NOT EXISTS history_by_memory ON history(memory_id, seq);
 """
+
+
+def utc_now() -> str:
+    """The timestamp format of every ``created_at`` / ``updated_at`` the store writes."""
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
 
 def ids_to_blob(ids: Sequence[int] | None) -> bytes | None:

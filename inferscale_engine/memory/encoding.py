@@ -9,6 +9,7 @@ encode with one model and extract with another, or not extract at all.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -29,6 +30,17 @@ class Encoder(Protocol):
     def tokenize(self, text: str) -> Sequence[int]: ...
 
     def encode(self, windows: Sequence[EncodeWindow]) -> list[list[FactKV]]: ...
+
+
+def kv_fingerprint(encoder: Encoder | None, window: int, context_prefix: str) -> str | None:
+    """What a store's KV depends on besides the fact: the model, the window and the prefix.
+    KV stored under another fingerprint is re-encoded, never served."""
+    if encoder is None:
+        return None
+    fingerprint = f"{encoder.fingerprint}-w{window}"
+    if context_prefix:
+        fingerprint += "-p" + hashlib.sha256(context_prefix.encode()).hexdigest()[:12]
+    return fingerprint
 
 
 def device_of(encoder: Any) -> str:

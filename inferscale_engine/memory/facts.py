@@ -9,12 +9,16 @@ changes atomically whether the API or the encoder changes it.
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from inferscale_engine.errors import FactNotFoundError
+from inferscale_engine.errors import FactNotFoundError, ForgedHandleError
+from inferscale_engine.memory.context import Context, ContextBuilder
 from inferscale_engine.memory.db import FactRow
 from inferscale_engine.memory.index import IndexKind, UserIndex
 from inferscale_engine.memory.validation import check_user
@@ -76,6 +80,38 @@ class FactTable:
             raise FactNotFoundError(f"no memory {fact_id!r}{who}")
         return fact
 
+    def snapshot(self, fact_ids: Sequence[str], user_id: str) -> list[FactRow]:
+        """Copies of the rows of ``fact_ids``, all of ``user_id`` (a handle's MAC vouched for that)."""
+        out = []
+        for fact_id in fact_ids:
+            fact = self.by_id.get(fact_id)
+            if fact is None:
+                raise FactNotFoundError(f"memory {fact_id} does not exist (never did, or was deleted)")
+            if fact.user_id != user_id:  # cannot happen with a valid MAC; checked anyway
+                raise ForgedHandleError(f"memory {fact_id} does not belong to this user")
+            out.append(dataclasses.replace(fact))
+        return out
+
+    def count_encoded(self, fingerprint: str | None) -> int:
+        """Facts whose KV was made under ``fingerprint`` (the store's current one)."""
+        return sum(1 for f in self.by_id.values() if fingerprint and f.fingerprint == fingerprint)
+
+    def new_rows(self, user_id: str, texts: Sequence[str], token_ids: Sequence[tuple[int, ...] | None],
+                 contexts: Sequence[Context | None], metas: Sequence[dict[str, Any]], vecs: np.ndarray, *,
+                 kind: str, window: int, now: str) -> list[FactRow]:
+        """Rows for new facts, under fresh ids (``seq`` is given by the database on insert)."""
+        rows = []
+        for text, ids, ctx, meta, vec in zip(texts, token_ids, contexts, metas, vecs):
+            fact_id = secrets.token_hex(8)
+            while fact_id in self.by_id:
+                fact_id = secrets.token_hex(8)
+            rows.append(FactRow(
+                seq=0, id=fact_id, user_id=user_id, text=text, token_ids=ids, context_ids=ctx and ctx.ids,
+                context_text=ctx and ctx.text, context_kind=kind, context_window=window, metadata=meta,
+                created_at=now, updated_at=now, kv_version=1, fingerprint=None, encode_error=None, embedding=vec,
+            ))
+        return rows
+
     def of_user(self, user_id: str) -> list[FactRow]:
         """The live facts of ``user_id``, in insertion order."""
         return [self.by_id[i] for i in self._of_user.get(user_id, ())]
@@ -125,3 +161,16 @@ class FactTable:
         if index is None:
             index = self._indexes[user_id] = UserIndex(dim, kind=self._index_kind, device=self._device)
         return index
+
+
+def retexted(old: FactRow, text: str, token_ids: tuple[int, ...] | None, contexts: ContextBuilder | None,
+             now: str) -> FactRow:
+    """``old`` with a new text, under the next KV version (its KV is encoded anew, after the same
+    context, shortened where the new text needs the room)."""
+    ctx = old.context_ids
+    if token_ids is not None and ctx is not None and contexts is not None:
+        ctx = contexts.trim(ctx, len(token_ids))
+    return dataclasses.replace(
+        old, text=text, token_ids=token_ids, context_ids=ctx, updated_at=now, kv_version=old.kv_version + 1,
+        fingerprint=None, encode_error=None,
+    )

@@ -31,6 +31,7 @@ from inferscale_engine.memory.encode_queue import EncodeQueue, Job
 from inferscale_engine.memory.encoding import Encoder
 from inferscale_engine.memory.facts import FactTable
 from inferscale_engine.memory.tiers import KVKey, KVMissingError, KVTiers
+from inferscale_engine.types import Span
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +165,11 @@ class KVKeeper:
             self.tiers.delete_key(key)
         self._queue.put(jobs)
         return len(jobs)
+
+    def spans(self, facts: list[FactRow]) -> list[Span]:
+        """What the engine injects for each fact: its tokens and their KV (see :meth:`kvs`)."""
+        return [Span(key=f"fact:{f.id}:{f.kv_version}", token_ids=tuple(f.token_ids or ()), kv=kv, text=f.text)
+                for kv, f in self.kvs(facts)]
 
     def kvs(self, facts: list[FactRow]) -> list[tuple[FactKV, FactRow]]:
         """KV of each fact (snapshots of live rows), read in one batch from the tiers; what is

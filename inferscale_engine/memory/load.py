@@ -5,12 +5,25 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
+
 from inferscale_engine.memory.context import ContextBuilder
 from inferscale_engine.memory.db import FactRow, MetaDB
 from inferscale_engine.memory.embedder import Embedder
+from inferscale_engine.memory.facts import FactTable
 from inferscale_engine.memory.tiers import KVTiers
 
 logger = logging.getLogger(__name__)
+
+
+def load_facts(db: MetaDB, table: FactTable, embedder: Embedder, contexts: ContextBuilder | None, tiers: KVTiers,
+               encoder_fingerprint: str | None, fingerprint: str | None) -> None:
+    """A store's live facts into ``table``, refreshed and reconciled with the KV on disk."""
+    rows = db.load_live_facts()
+    refresh(rows, db, embedder, contexts, encoder_fingerprint)
+    if rows:
+        table.add(rows, np.stack([f.embedding for f in rows]))  # type: ignore[misc]
+    reconcile_kv(rows, db, tiers, fingerprint)
 
 
 def refresh(rows: list[FactRow], db: MetaDB, embedder: Embedder, contexts: ContextBuilder | None,

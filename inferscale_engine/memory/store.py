@@ -34,34 +34,27 @@ Decisions (see ``docs/memory.md``):
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import os
-import secrets
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from inferscale_engine.config import MemoryConfig
 from inferscale_engine.errors import (
-    ContextOverflowError,
     EngineClosedError,
-    FactNotFoundError,
-    ForgedHandleError,
     InferScaleError,
     check_utf8,
 )
 from inferscale_engine.handles import Handle, HandleCodec
 from inferscale_engine.memory.context import Chunk, Context, ContextBuilder
-from inferscale_engine.memory.db import FactRow, MetaDB
+from inferscale_engine.memory.db import FactRow, MetaDB, utc_now
 from inferscale_engine.memory.embedder import Embedder
-from inferscale_engine.memory.encoding import ChatGenerate, Encoder, device_of
+from inferscale_engine.memory.encoding import ChatGenerate, Encoder, device_of, kv_fingerprint
 from inferscale_engine.memory.extraction import infer_facts
-from inferscale_engine.memory.facts import FactTable
+from inferscale_engine.memory.facts import FactTable, retexted
 from inferscale_engine.memory.folder import (
     DB_FILE,
     KV_DIR,
@@ -74,10 +67,11 @@ from inferscale_engine.memory.folder import (
 from inferscale_engine.memory.index import IndexKind
 from inferscale_engine.memory.item import MemoryItem
 from inferscale_engine.memory.kv_keeper import KVKeeper
-from inferscale_engine.memory.load import reconcile_kv, refresh
+from inferscale_engine.memory.load import load_facts
 from inferscale_engine.memory.tiers import KVTiers
 from inferscale_engine.types import Span
 from inferscale_engine.memory.validation import (
+    check_store_options,
     check_context,
     check_k,
     check_metadata,
@@ -102,23 +96,8 @@ class MemoryStore:
         path: folder of the store (``memory.sqlite3``, ``secret.key``, ``kv/``); created.
         generate: the model that extracts facts for ``add(..., infer=True)``
             (:func:`~inferscale_engine.memory.encoding.engine_generate`); ``None``: no extraction.
-        device: where the device KV tier and the search index live; ``None``: the encoder's device.
-        window: facts of the same user a new fact is encoded after (0 = independent).
-        context_prefix: text every window context starts with — the opening of the prompts the
-            facts will be served in (chat template, system text), so a fact is encoded after the
-            same first tokens (attention sink, instructions) it is later served after.
-        embedder: ``None`` (all-MiniLM-L6-v2), a sentence-transformers path/name, or a model.
-        index: ``"exact"`` (torch matmul + topk), ``"faiss"``, or ``"auto"`` (faiss past 20k
-            facts of one user).
-        device_kv_bytes / host_kv_bytes: capacity of the device slab and the host tier.
-        page_tokens: tokens per device page.
-        encode_queue: bound of the background encode queue (``add`` waits when it is full).
-        encode_batch / encode_batch_tokens: most facts / prefill tokens per background
-            ``encoder.encode`` call. vLLM serves requests first come first served, so a chat
-            request arriving while the encoder works waits behind at most one such batch.
-            Default: 256 tokens on CPU (where batching buys nothing and chat latency stays
-            within ~20% of idle), 4096 on CUDA.
-        resolve_timeout: seconds ``resolve`` waits for a fact that is being encoded.
+        the others: the :class:`~inferscale_engine.config.MemoryConfig` fields of the same
+            names, documented there (:meth:`from_config` builds a store from one).
     """
 
     def __init__(
@@ -140,15 +119,10 @@ class MemoryStore:
         encode_batch_tokens: int | None = None,
         resolve_timeout: float = 60.0,
     ) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
-            raise ValueError(f"window must be an integer >= 0, got {window!r}")
-        if index not in ("auto", "exact", "faiss"):
-            raise ValueError(f"index must be 'auto', 'exact' or 'faiss', got {index!r}")
+        check_store_options(window, index, encode_queue, encode_batch, encode_batch_tokens)
         self.device: str = device or device_of(encoder)
         if encode_batch_tokens is None:
             encode_batch_tokens = 4096 if self.device == "cuda" else 256
-        if encode_queue < 1 or encode_batch < 1 or encode_batch_tokens < 1:
-            raise ValueError("encode_queue, encode_batch and encode_batch_tokens must be >= 1")
         self.encoder = encoder
         self.generate = generate
         self.path = Path(path).expanduser()
@@ -157,9 +131,7 @@ class MemoryStore:
         self.index_kind: IndexKind = index
         self._keeper: KVKeeper | None = None  # with an encoder: the KV of the facts
         self.resolve_timeout = resolve_timeout
-        self.fingerprint: str | None = f"{encoder.fingerprint}-w{window}" if encoder is not None else None
-        if self.fingerprint is not None and self.context_prefix:
-            self.fingerprint += "-p" + hashlib.sha256(self.context_prefix.encode()).hexdigest()[:12]
+        self.fingerprint = kv_fingerprint(encoder, window, self.context_prefix)
         self.max_model_len: int | None = encoder.max_model_len if encoder is not None else None
         self.contexts: ContextBuilder | None = None if encoder is None else ContextBuilder(
             encoder.tokenize, encoder.max_model_len, window=window, prefix=self.context_prefix)
@@ -180,7 +152,8 @@ class MemoryStore:
                 self.path / KV_DIR, device=self.device, device_bytes=device_kv_bytes,
                 host_bytes=host_kv_bytes, page_tokens=page_tokens,
             )
-            self._load()
+            load_facts(self._db, self.table, self.embedder, self.contexts, self.tiers,
+                       self.encoder and self.encoder.fingerprint, self.fingerprint)
         except BaseException:
             release_lock(self._lock_fd)
             raise
@@ -213,8 +186,6 @@ class MemoryStore:
         self._resolve_timeout = float(seconds)
         if self._keeper is not None:
             self._keeper.resolve_timeout = self._resolve_timeout
-
-    # ================================================================== public API
 
     def add(
         self,
@@ -281,7 +252,7 @@ class MemoryStore:
         """Replace a fact's metadata; text, handle and KV stay as they are (Mem0 lets clients edit it alone)."""
         self._check_open()
         meta = check_metadata(metadata)
-        now = _now()
+        now = utc_now()
         with self._lock:
             self._check_open()
             old = self.table.lookup(fact_id, user_id)
@@ -298,20 +269,14 @@ class MemoryStore:
         text = check_text(text)
         with self._lock:
             self.table.lookup(fact_id, user_id)
-        token_ids = self._tokenize_fact(text)
+        token_ids = self.contexts.fact_tokens(text) if self.contexts is not None else None
         vec = self.embedder.embed([text])[0]
-        now = _now()
+        now = utc_now()
         with self._lock:
             self._check_open()
             old = self.table.lookup(fact_id, user_id)
-            version = old.kv_version + 1
-            ctx = old.context_ids
-            if token_ids is not None and ctx is not None:
-                ctx = self.contexts.trim(ctx, len(token_ids))  # type: ignore[union-attr]
-            new = dataclasses.replace(
-                old, text=text, token_ids=token_ids, context_ids=ctx, updated_at=now, kv_version=version,
-                fingerprint=None, encode_error=None,
-            )
+            new = retexted(old, text, token_ids, self.contexts, now)
+            version = new.kv_version
             self._db.update_text(old, new, vec)
             self.table.replace(new, vec)
             if self._keeper is not None:
@@ -375,18 +340,10 @@ class MemoryStore:
         user_id = check_user(user_id)
         fact_ids = [self._codec.verify(h, user_id) for h in handles]
         with self._lock:
-            facts = []
-            for fact_id in fact_ids:
-                fact = self._facts.get(fact_id)
-                if fact is None:
-                    raise FactNotFoundError(f"memory {fact_id} does not exist (never did, or was deleted)")
-                if fact.user_id != user_id:  # cannot happen with a valid MAC; checked anyway
-                    raise ForgedHandleError(f"memory {fact_id} does not belong to this user")
-                facts.append(dataclasses.replace(fact))
+            facts = self.table.snapshot(fact_ids, user_id)
         if self._keeper is None:
             raise InferScaleError("this memory store has no engine (encoder), so it has no KV to serve")
-        return [Span(key=f"fact:{f.id}:{f.kv_version}", token_ids=tuple(f.token_ids), kv=kv, text=f.text)  # type: ignore[arg-type]
-                for kv, f in self._keeper.kvs(facts)]
+        return self._keeper.spans(facts)
 
     def wait_for_encoding(self, timeout: float | None = None) -> None:
         """Block until every queued fact has been encoded (or failed); ``TimeoutError`` after ``timeout``."""
@@ -439,8 +396,6 @@ class MemoryStore:
         return self._insert(texts, user_id, metas, explicit=None, progress=progress, sliding_group=sliding_group,
                             background=False)
 
-    # ------------------------------------------------------------------ extras
-
     def reencode(self, *, user_id: str | None = None) -> int:
         """Queue every fact (of ``user_id``, or all) whose KV is missing or stale for background
         encoding; returns how many. Useful after a model or window change, so that ``resolve``
@@ -462,7 +417,7 @@ class MemoryStore:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             facts = len(self.table)
-            encoded = sum(1 for f in self._facts.values() if f.fingerprint == self.fingerprint and f.fingerprint)
+            encoded = self.table.count_encoded(self.fingerprint)
             users = self.table.users
         return {"users": users, "facts": facts, "encoded": encoded,
                 "queued": self._keeper.queued if self._keeper is not None else 0,
@@ -477,8 +432,6 @@ class MemoryStore:
     def __repr__(self) -> str:
         return f"MemoryStore(path={str(self.path)!r}, window={self.window}, facts={len(self._facts)})"
 
-    # ================================================================== internals: state
-
     def _check_open(self) -> None:
         if self._closed:
             raise EngineClosedError("this memory store was closed")
@@ -490,36 +443,15 @@ class MemoryStore:
             encoded=self.fingerprint is not None and f.fingerprint == self.fingerprint,
         )
 
-    def _load(self) -> None:
-        rows = self._db.load_live_facts()
-        refresh(rows, self._db, self.embedder, self.contexts, self.encoder and self.encoder.fingerprint)
-        if rows:
-            self.table.add(rows, np.stack([f.embedding for f in rows]))  # type: ignore[misc]
-        reconcile_kv(rows, self._db, self.tiers, self.fingerprint)
-
     def _delete_facts(self, facts: list[FactRow]) -> None:
         """Under the store lock: mark deleted in SQLite (one transaction) and forget in memory."""
         if not facts:
             return
-        self._db.delete_facts(facts, _now())
+        self._db.delete_facts(facts, utc_now())
         for f in facts:
             self.table.remove(f)
             if self._keeper is not None:
                 self._keeper.retire(f.id)
-
-    # ================================================================== internals: adding
-
-    def _tokenize_fact(self, text: str) -> tuple[int, ...] | None:
-        if self.encoder is None:
-            return None
-        ids = tuple(int(t) for t in self.encoder.tokenize(text))
-        if not ids:
-            raise ValueError("memory text produces no tokens")
-        if len(ids) >= self.max_model_len:  # type: ignore[operator]
-            raise ContextOverflowError(
-                f"memory of {len(ids)} tokens does not fit the model's context of {self.max_model_len} tokens"
-            )
-        return ids
 
     def _insert(
         self,
@@ -534,31 +466,23 @@ class MemoryStore:
     ) -> list[MemoryItem]:
         for t in texts:  # speakers and imported turns too, not only checked contents
             check_utf8(t, "memory text")
-        token_ids = [self._tokenize_fact(t) for t in texts]
+        token_ids = [self.contexts.fact_tokens(t) for t in texts] if self.contexts is not None else None
         vecs = self.embedder.embed(texts, progress=progress)
-        now = _now()
+        now = utc_now()
         chunks: list[Chunk] = []
         with self._lock:
             self._check_open()
             kind = "explicit" if explicit is not None else "window"
-            contexts: list[Context | None] = [None] * len(texts)  # retrieval only: no tokens, no context
-            if self.contexts is not None:
+            contexts: Sequence[Context | None] = [None] * len(texts)  # retrieval only: no tokens, no context
+            if self.contexts is not None and token_ids is not None:
                 before = self.table.last_texts(user_id, self.window)
                 if sliding_group is not None:
-                    contexts, chunks = self.contexts.sliding(before, texts, token_ids, sliding_group)  # type: ignore[arg-type,assignment]
+                    contexts, chunks = self.contexts.sliding(before, texts, token_ids, sliding_group)
                     kind = "sliding"
                 else:
-                    contexts = self.contexts.for_new(before, texts, token_ids, explicit)  # type: ignore[arg-type,assignment]
-            new: list[FactRow] = []
-            for text, ids, ctx, meta, vec in zip(texts, token_ids, contexts, metas, vecs):
-                fact_id = _new_hex()
-                while fact_id in self._facts:
-                    fact_id = _new_hex()
-                new.append(FactRow(
-                    seq=0, id=fact_id, user_id=user_id, text=text, token_ids=ids, context_ids=ctx and ctx.ids,
-                    context_text=ctx and ctx.text, context_kind=kind, context_window=self.window, metadata=meta,
-                    created_at=now, updated_at=now, kv_version=1, fingerprint=None, encode_error=None, embedding=vec,
-                ))
+                    contexts = self.contexts.for_new(before, texts, token_ids, explicit)
+            new = self.table.new_rows(user_id, texts, token_ids or [None] * len(texts), contexts, metas, vecs,
+                                      kind=kind, window=self.window, now=now)
             self._db.insert_facts(new, now)
             self.table.add(new, vecs)  # committed: from here on the facts are visible
             keeper = self._keeper
@@ -573,14 +497,3 @@ class MemoryStore:
         keeper.encode_now(new, chunks, pendings, progress=progress)
         with self._lock:
             return [self._item(self._facts.get(f.id, f)) for f in new]
-
-
-# ====================================================================== helpers
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
-
-
-def _new_hex() -> str:
-    return secrets.token_hex(8)

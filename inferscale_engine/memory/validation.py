@@ -115,3 +115,14 @@ def check_sliding_group(group: Any) -> int | None:
     if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
         raise ValueError(f"sliding_group must be None or an integer >= 1, got {group!r}")
     return group
+
+
+def check_store_options(window: Any, index: Any, encode_queue: int, encode_batch: int,
+                        encode_batch_tokens: int | None) -> None:
+    """The settings of a store that no default can repair."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an integer >= 0, got {window!r}")
+    if index not in ("auto", "exact", "faiss"):
+        raise ValueError(f"index must be 'auto', 'exact' or 'faiss', got {index!r}")
+    if encode_queue < 1 or encode_batch < 1 or (encode_batch_tokens is not None and encode_batch_tokens < 1):
+        raise ValueError("encode_queue, encode_batch and encode_batch_tokens must be >= 1")

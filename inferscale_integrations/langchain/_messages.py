@@ -60,7 +60,8 @@ def _text_of(message: BaseMessage) -> str:
     return "".join(parts)
 
 
-def _role_of(message: BaseMessage) -> str:
+def message_role(message: BaseMessage) -> str:
+    """The chat-template role of a LangChain message."""
     if isinstance(message, HumanMessage):
         return "user"
     if isinstance(message, AIMessage):
@@ -87,7 +88,7 @@ def to_engine_messages(
     """Chat messages for :meth:`InferScaleEngine.generate`; tool schemas go in a system message."""
     out: list[dict[str, str]] = []
     for message in messages:
-        role = _role_of(message)
+        role = message_role(message)
         text = _text_of(message)
         if isinstance(message, AIMessage) and message.tool_calls:
             calls = "\n".join(format_tool_call(c) for c in message.tool_calls)

@@ -26,6 +26,7 @@ from langchain_core.messages import (
 from inferscale_integrations._common import (
     EncodeStyle,
     EngineRef,
+    OnEngine,
     RecallMode,
     all_items,
     check_mode,
@@ -34,10 +35,11 @@ from inferscale_integrations._common import (
     role_of,
     save_messages,
 )
+from inferscale_integrations.langchain._messages import message_role
 
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
-    from inferscale_engine.memory import MemoryItem, MemoryStore
+    from inferscale_engine.memory import MemoryItem
 
 SOURCE = "langchain"
 
@@ -58,18 +60,14 @@ def message_for(item: MemoryItem, mode: str) -> BaseMessage:
 
 def role_for(message: BaseMessage) -> str | None:
     """Role to store ``message`` under, or None for messages history does not keep."""
-    if isinstance(message, HumanMessage):
-        return "user"
-    if isinstance(message, AIMessage):
-        return "assistant"
-    if isinstance(message, SystemMessage):
-        return "system"
-    if isinstance(message, ChatMessage) and message.role in ("user", "assistant", "system"):
-        return message.role
-    return None  # tool traffic is not conversation memory
+    try:
+        role = message_role(message)
+    except ValueError:
+        return None
+    return role if role in ("user", "assistant", "system") else None  # tool traffic is not conversation memory
 
 
-class InferScaleChatMessageHistory(BaseChatMessageHistory):
+class InferScaleChatMessageHistory(OnEngine, BaseChatMessageHistory):
     """Chat message history stored as InferScale memory facts of one user (and session).
 
     Args:
@@ -118,14 +116,6 @@ class InferScaleChatMessageHistory(BaseChatMessageHistory):
         self.recent_turns = recent_turns
         self._engine = EngineRef(engine, model, engine_options)
         self._turn_id: str | None = None
-
-    def get_engine(self) -> InferScaleEngine:
-        """The engine whose memory store keeps the facts (built or shared on first use)."""
-        return self._engine.get()
-
-    @property
-    def store(self) -> MemoryStore:
-        return self.get_engine().memory
 
     def items(self) -> list[MemoryItem]:
         """The session's facts, oldest first."""

@@ -143,32 +143,10 @@ class ChatInferScale(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {
-            "model_name": self._engine.model_name,
-            "mode": self.mode,
-            "recompute": self.recompute,
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop": self.stop,
-            **self.model_kwargs,
-        }
+        return identifying_params(self, self._engine.model_name, recompute=self.recompute)
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(
-            ls_provider=PROVIDER,
-            ls_model_name=kwargs.get("model") or self._engine.model_name,
-            ls_model_type="chat",
-            ls_temperature=kwargs.get("temperature", self.temperature),
-        )
-        max_tokens = kwargs.get("max_tokens", self.max_tokens)
-        if max_tokens is not None:
-            params["ls_max_tokens"] = max_tokens
-        stop = stop or kwargs.get("stop") or self.stop
-        if stop:
-            params["ls_stop"] = stop
-        return params
+        return ls_params(self, "chat", self._engine.model_name, stop, kwargs)
 
     def get_engine(self, model: str | None = None) -> InferScaleEngine:
         """The engine this model generates with (built or shared on first use); ``model``: the
@@ -316,6 +294,39 @@ def _with_llm_output(result: ChatResult) -> ChatResult:
         "token_usage": getattr(message, "usage_metadata", None),
     }
     return result
+
+
+def identifying_params(model: Any, model_name: str, **extra: Any) -> dict[str, Any]:
+    """``_identifying_params`` of a LangChain InferScale model (``extra``: its own settings)."""
+    return {
+        "model_name": model_name,
+        "mode": model.mode,
+        **extra,
+        "temperature": model.temperature,
+        "max_tokens": model.max_tokens,
+        "top_p": model.top_p,
+        "seed": model.seed,
+        "stop": model.stop,
+        **model.model_kwargs,
+    }
+
+
+def ls_params(model: Any, model_type: Literal["chat", "llm"], model_name: str, stop: list[str] | None,
+              kwargs: dict[str, Any]) -> LangSmithParams:
+    """``_get_ls_params`` of a LangChain InferScale model: per-call kwargs win over its fields."""
+    params = LangSmithParams(
+        ls_provider=PROVIDER,
+        ls_model_name=kwargs.get("model") or model_name,
+        ls_model_type=model_type,
+        ls_temperature=kwargs.get("temperature", model.temperature),
+    )
+    max_tokens = kwargs.get("max_tokens", model.max_tokens)
+    if max_tokens is not None:
+        params["ls_max_tokens"] = max_tokens
+    stop = stop or kwargs.get("stop") or model.stop
+    if stop:
+        params["ls_stop"] = stop
+    return params
 
 
 def sampling_options(model: Any, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from pydantic import ConfigDict, Field, PrivateAttr
 from inferscale_engine.prompting import usage_dict
 from inferscale_integrations._common import EngineRef
 from inferscale_integrations.langchain.chat_models import (
-    PROVIDER,
+    identifying_params,
+    ls_params,
     sampling_options,
     usage_metadata,
 )
@@ -78,30 +79,10 @@ class InferScaleLLM(LLM):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {
-            "model_name": self._engine.model_name,
-            "mode": self.mode,
-            "chat_template": self.chat_template,
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop": self.stop,
-            **self.model_kwargs,
-        }
+        return identifying_params(self, self._engine.model_name, chat_template=self.chat_template)
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(
-            ls_provider=PROVIDER,
-            ls_model_name=kwargs.get("model") or self._engine.model_name,
-            ls_model_type="llm",
-            ls_temperature=kwargs.get("temperature", self.temperature),
-            ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
-        )
-        stop = stop or self.stop
-        if stop:
-            params["ls_stop"] = stop
-        return params
+        return ls_params(self, "llm", self._engine.model_name, stop, kwargs)
 
     def get_engine(self, model: str | None = None) -> InferScaleEngine:
         """The engine this model generates with (built or shared on first use)."""

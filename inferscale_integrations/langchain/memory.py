@@ -32,9 +32,10 @@ from pydantic import ConfigDict, Field, PrivateAttr
 
 from inferscale_integrations._common import (
     EngineRef,
+    OnEngine,
     RecallMode,
     check_mode,
-    recall,
+    recall_for,
 )
 from inferscale_integrations.langchain.chat_history import (
     InferScaleChatMessageHistory,
@@ -43,10 +44,9 @@ from inferscale_integrations.langchain.chat_history import (
 
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
-    from inferscale_engine.memory import MemoryStore
 
 
-class InferScaleMemory(BaseChatMemory):
+class InferScaleMemory(OnEngine, BaseChatMemory):
     """Conversation memory whose recalled turns reach the model as injected KV.
 
     Example (the only change from a ``ConversationBufferMemory`` chain is the memory class):
@@ -103,14 +103,6 @@ class InferScaleMemory(BaseChatMemory):
 
     # ------------------------------------------------------------------ store
 
-    def get_engine(self) -> InferScaleEngine:
-        """The engine whose memory store keeps the facts (built or shared on first use)."""
-        return self._engine.get()
-
-    @property
-    def store(self) -> MemoryStore:
-        return self.get_engine().memory
-
     # ------------------------------------------------------------------ ConversationBufferMemory API
 
     @property
@@ -132,16 +124,7 @@ class InferScaleMemory(BaseChatMemory):
 
     def recall_messages(self, query: str | None) -> list[BaseMessage]:
         """Messages for ``query``: relevant turns plus the recent ones, in conversation order."""
-        found = recall(
-            self.store,
-            user_id=self.user_id,
-            query=query,
-            k=self.k,
-            recent_turns=self.recent_turns,
-            session_id=self.session_id,
-            min_score=self.min_score,
-        )
-        return [message_for(r.item, self.mode) for r in found]
+        return [message_for(r.item, self.mode) for r in recall_for(self, query)]
 
     def _query(self, inputs: dict[str, Any]) -> str | None:
         if not inputs:

@@ -26,16 +26,16 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 
 from inferscale_integrations._common import (
     EngineRef,
+    OnEngine,
     RecallMode,
     check_mode,
-    recall,
+    recall_for,
     save_messages,
 )
 from inferscale_integrations.langchain.chat_history import message_for
 
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
-    from inferscale_engine.memory import MemoryStore
 
 SOURCE = "langchain-agent"
 
@@ -47,7 +47,7 @@ def _last_human_index(messages: Sequence[BaseMessage]) -> int:
     return -1
 
 
-class InferScaleMemoryMiddleware(AgentMiddleware):
+class InferScaleMemoryMiddleware(OnEngine, AgentMiddleware):
     """Store each turn as memory facts; give the model recalled turns as handles.
 
     Example:
@@ -92,24 +92,8 @@ class InferScaleMemoryMiddleware(AgentMiddleware):
         self.replace_history = replace_history
         self._engine = EngineRef(engine, model, engine_options)
 
-    def get_engine(self) -> InferScaleEngine:
-        """The engine whose memory store keeps the facts (built or shared on first use)."""
-        return self._engine.get()
-
-    @property
-    def store(self) -> MemoryStore:
-        return self.get_engine().memory
-
     def _recalled(self, query: str | None) -> list[BaseMessage]:
-        found = recall(
-            self.store,
-            user_id=self.user_id,
-            query=query,
-            k=self.k,
-            recent_turns=self.recent_turns,
-            session_id=self.session_id,
-        )
-        return [message_for(r.item, self.mode) for r in found]
+        return [message_for(r.item, self.mode) for r in recall_for(self, query)]
 
     def _rewrite(self, request: ModelRequest) -> ModelRequest:
         messages: list[BaseMessage] = list(request.messages)

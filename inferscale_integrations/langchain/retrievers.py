@@ -22,6 +22,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
 from inferscale_integrations._common import (
     EngineRef,
+    OnEngine,
     RecallMode,
     check_mode,
     content_of,
@@ -31,10 +32,9 @@ from inferscale_integrations._common import (
 
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
-    from inferscale_engine.memory import MemoryStore
 
 
-class InferScaleRetriever(BaseRetriever):
+class InferScaleRetriever(OnEngine, BaseRetriever):
     """Top-``k`` memories of ``user_id`` for a query, as handle (or text) documents.
 
     Example:
@@ -66,14 +66,6 @@ class InferScaleRetriever(BaseRetriever):
     @classmethod
     def _mode(cls, value: str) -> str:
         return check_mode(value)
-
-    def get_engine(self) -> InferScaleEngine:
-        """The engine whose memory store keeps the facts (built or shared on first use)."""
-        return self._engine.get()
-
-    @property
-    def store(self) -> MemoryStore:
-        return self.get_engine().memory
 
     def _get_relevant_documents(
         self,

@@ -158,6 +158,15 @@ class InferScaleLLM(EngineConstructors, CustomLLM):
             return prompt
         return [{"role": "user", "content": prompt}]
 
+    def _completion_response(self, text: str, result: GenerationResult | None, delta: str | None = None) -> CompletionResponse:
+        """A completion so far; usage and raw details ride on the one with the final result."""
+        return CompletionResponse(
+            text=text,
+            delta=delta,
+            raw=_extra(result, self.metadata.model_name) if result else None,
+            additional_kwargs=usage_dict(result.usage) if result else {},
+        )
+
     # ------------------------------------------------------------------ chat
 
     def _chat_response(self, text: str, result: GenerationResult | None, delta: str | None = None) -> ChatResponse:
@@ -215,7 +224,7 @@ class InferScaleLLM(EngineConstructors, CustomLLM):
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         payload = self._completion_payload(prompt, formatted)
         result = self.get_engine().generate(payload, **self._sampling(kwargs, payload))
-        return CompletionResponse(text=result.text, raw=_extra(result, self.metadata.model_name), additional_kwargs=usage_dict(result.usage))
+        return self._completion_response(result.text, result)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
@@ -226,12 +235,7 @@ class InferScaleLLM(EngineConstructors, CustomLLM):
             text = ""
             for delta in engine.stream(payload, **sampling):
                 text += delta.text
-                yield CompletionResponse(
-                    text=text,
-                    delta=delta.text,
-                    raw=_extra(delta.result, self.metadata.model_name) if delta.result else None,
-                    additional_kwargs=usage_dict(delta.result.usage) if delta.result else {},
-                )
+                yield self._completion_response(text, delta.result, delta.text)
 
         return gen()
 
@@ -240,7 +244,7 @@ class InferScaleLLM(EngineConstructors, CustomLLM):
         engine = await asyncio.to_thread(self.get_engine)
         payload = self._completion_payload(prompt, formatted)
         result = await engine.agenerate(payload, **self._sampling(kwargs, payload))
-        return CompletionResponse(text=result.text, raw=_extra(result, self.metadata.model_name), additional_kwargs=usage_dict(result.usage))
+        return self._completion_response(result.text, result)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
@@ -252,11 +256,6 @@ class InferScaleLLM(EngineConstructors, CustomLLM):
             text = ""
             async for delta in engine.astream(payload, **sampling):
                 text += delta.text
-                yield CompletionResponse(
-                    text=text,
-                    delta=delta.text,
-                    raw=_extra(delta.result, self.metadata.model_name) if delta.result else None,
-                    additional_kwargs=usage_dict(delta.result.usage) if delta.result else {},
-                )
+                yield self._completion_response(text, delta.result, delta.text)
 
         return gen()

@@ -25,11 +25,13 @@ from llama_index.core.memory.types import BaseMemory
 from inferscale_integrations._common import (
     EngineConstructors,
     EngineRef,
+    OnEngine,
     RecallMode,
     all_items,
     check_mode,
     content_of,
     recall,
+    recall_for,
     role_of,
     save_messages,
 )
@@ -37,7 +39,7 @@ from inferscale_integrations.llamaindex.retrievers import remember_issued
 
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
-    from inferscale_engine.memory import MemoryItem, MemoryStore
+    from inferscale_engine.memory import MemoryItem
 
 SOURCE = "llamaindex"
 _ROLES = {"user": MessageRole.USER, "assistant": MessageRole.ASSISTANT, "system": MessageRole.SYSTEM}
@@ -48,7 +50,24 @@ def chat_message_for(item: MemoryItem, mode: str) -> ChatMessage:
     return ChatMessage(role=role, content=content_of(item, mode), additional_kwargs={"fact_id": item.id})
 
 
-class InferScaleMemory(EngineConstructors, BaseMemory):
+class _OnEngine(OnEngine, EngineConstructors):
+    """Construction and store of both memory classes (a mixin before their pydantic base)."""
+
+    if TYPE_CHECKING:
+        mode: RecallMode
+        model_name: str | None
+        engine_options: dict[str, Any]
+        _engine: EngineRef
+
+    def __init__(self, *, engine: InferScaleEngine | None = None, model: str | None = None, **kwargs: Any) -> None:
+        if model is not None:
+            kwargs["model_name"] = model
+        super().__init__(**kwargs)
+        check_mode(self.mode)
+        self._engine = EngineRef(engine, self.model_name, self.engine_options)
+
+
+class InferScaleMemory(_OnEngine, BaseMemory):
     """Chat-engine memory whose recalled turns reach the LLM as injected KV.
 
     Example:
@@ -75,12 +94,6 @@ class InferScaleMemory(EngineConstructors, BaseMemory):
     _engine: EngineRef = PrivateAttr()
     _pending: list[ChatMessage] = PrivateAttr(default_factory=list)
 
-    def __init__(self, *, engine: InferScaleEngine | None = None, model: str | None = None, **kwargs: Any) -> None:
-        if model is not None:
-            kwargs["model_name"] = model
-        super().__init__(**kwargs)
-        check_mode(self.mode)
-        self._engine = EngineRef(engine, self.model_name, self.engine_options)
 
     @classmethod
     def class_name(cls) -> str:
@@ -93,13 +106,6 @@ class InferScaleMemory(EngineConstructors, BaseMemory):
         kwargs.pop("token_limit", None)
         return cls(**kwargs)
 
-    def get_engine(self) -> InferScaleEngine:
-        """The engine whose memory store keeps the facts (built or shared on first use)."""
-        return self._engine.get()
-
-    @property
-    def store(self) -> MemoryStore:
-        return self.get_engine().memory
 
     # ------------------------------------------------------------------ BaseMemory API
 
@@ -108,16 +114,7 @@ class InferScaleMemory(EngineConstructors, BaseMemory):
         if query is None:
             users = [m for m in self._pending if m.role == MessageRole.USER]
             query = users[-1].content if users else None
-        found = recall(
-            self.store,
-            user_id=self.user_id,
-            query=query,
-            k=self.k,
-            recent_turns=self.recent_turns,
-            session_id=self.session_id,
-            min_score=self.min_score,
-        )
-        return self._messages([r.item for r in found]) + list(self._pending)
+        return self._messages([r.item for r in recall_for(self, query)]) + list(self._pending)
 
     def get_all(self) -> list[ChatMessage]:
         items = all_items(self.store, user_id=self.user_id, session_id=self.session_id)
@@ -166,7 +163,7 @@ class InferScaleMemory(EngineConstructors, BaseMemory):
         self.store.wait_for_encoding()
 
 
-class InferScaleMemoryBlock(EngineConstructors, BaseMemoryBlock[list[ChatMessage]]):
+class InferScaleMemoryBlock(_OnEngine, BaseMemoryBlock[list[ChatMessage]]):
     """Long-term memory block for llama-index's ``Memory`` (agents, chat engines).
 
     ``Memory`` keeps recent messages as text in its short-term store and flushes older ones into
@@ -198,20 +195,7 @@ class InferScaleMemoryBlock(EngineConstructors, BaseMemoryBlock[list[ChatMessage
 
     _engine: EngineRef = PrivateAttr()
 
-    def __init__(self, *, engine: InferScaleEngine | None = None, model: str | None = None, **kwargs: Any) -> None:
-        if model is not None:
-            kwargs["model_name"] = model
-        super().__init__(**kwargs)
-        check_mode(self.mode)
-        self._engine = EngineRef(engine, self.model_name, self.engine_options)
 
-    def get_engine(self) -> InferScaleEngine:
-        """The engine whose memory store keeps the facts (built or shared on first use)."""
-        return self._engine.get()
-
-    @property
-    def store(self) -> MemoryStore:
-        return self.get_engine().memory
 
     def _get(self, messages: list[ChatMessage] | None) -> list[ChatMessage]:
         users = [m for m in messages or [] if m.role == MessageRole.USER and m.content]

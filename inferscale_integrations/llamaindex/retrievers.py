@@ -27,6 +27,7 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from inferscale_integrations._common import (
     EngineConstructors,
     EngineRef,
+    OnEngine,
     RecallMode,
     check_mode,
     content_of,
@@ -76,7 +77,7 @@ def node_for(item: MemoryItem, *, user_id: str, mode: str) -> TextNode:
     )
 
 
-class InferScaleRetriever(EngineConstructors, BaseRetriever):
+class InferScaleRetriever(OnEngine, EngineConstructors, BaseRetriever):
     """Top-``similarity_top_k`` memories of ``user_id`` for a query, as handle (or text) nodes.
 
     Example:
@@ -109,14 +110,6 @@ class InferScaleRetriever(EngineConstructors, BaseRetriever):
         self.mode = check_mode(mode)
         self.min_score = min_score
         self._engine = EngineRef(engine, model, engine_options)
-
-    def get_engine(self) -> InferScaleEngine:
-        """The engine whose memory store keeps the facts (built or shared on first use)."""
-        return self._engine.get()
-
-    @property
-    def store(self) -> MemoryStore:
-        return self.get_engine().memory
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         hits = search(

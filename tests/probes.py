@@ -1,0 +1,96 @@
+"""Named ways for tests to look where no public API does (and should not) look.
+
+Tests call these instead of reaching into private attributes, so the internals they depend on
+are listed in one place, under a name that says what the test needs.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator, Sequence
+from contextlib import closing, contextmanager
+from typing import Any
+
+from inferscale_engine.handles import HandleCodec
+from inferscale_engine.memory.folder import DB_FILE, SECRET_FILE, load_secret
+
+# ---------------------------------------------------------------------------------- store
+
+
+def mint_handle(store: Any, user_id: str, fact_id: str) -> str:
+    """A handle with a valid MAC of ``store`` for any fact id, also one that never existed."""
+    return HandleCodec(load_secret(store.path / SECRET_FILE)).make(user_id, fact_id)
+
+
+@contextmanager
+def read_db(store: Any) -> Iterator[sqlite3.Connection]:
+    """A read-only connection to the store's SQLite file (WAL: it sees what was committed)."""
+    with closing(sqlite3.connect(f"file:{store.path / DB_FILE}?mode=ro", uri=True)) as conn:
+        yield conn
+
+
+def fact_row(store: Any, fact_id: str) -> Any:
+    """The store's live row of a fact (token ids, fingerprint, KV version, context)."""
+    return store.table.by_id[fact_id]
+
+
+def fact_rows(store: Any) -> list[Any]:
+    return list(store.table.by_id.values())
+
+
+def share_embedder_weights(source: Any, target: Any) -> None:
+    """``target`` embeds with ``source``'s loaded model (no second load)."""
+    target._model = source.model
+
+
+# ---------------------------------------------------------------------------------- engine
+
+
+def staged_refs(engine: Any) -> dict[str, int]:
+    """Spans the engine holds staged for requests in flight (key → count)."""
+    return engine._stage_refs
+
+
+def prepare(engine: Any, segments: Sequence[Any], user_id: str, **kw: Any) -> tuple[Any, Any]:
+    """The engine's request preparation alone: ``(prepared, sampling params)``, spans staged;
+    release them with :func:`unstage`."""
+    return engine._prepare(segments, user_id, **kw)
+
+
+def unstage(engine: Any, spans: Sequence[Any]) -> None:
+    engine._unstage(spans)
+
+
+def spy_on_prepare(engine: Any, record: Any) -> None:
+    """From now on ``record(user_id, prepared)`` sees every request ``engine`` prepares (refused
+    ones never get there); :func:`stop_spying_on_prepare` undoes it."""
+    prepare_ = engine._prepare
+
+    def spy(segments: Any, user_id: str, **kw: Any) -> Any:
+        prepared, params = prepare_(segments, user_id, **kw)
+        record(user_id, prepared)
+        return prepared, params
+
+    engine._prepare = spy
+
+
+def stop_spying_on_prepare(engine: Any) -> None:
+    engine.__dict__.pop("_prepare", None)
+
+
+def reset_prefix_cache(engine: Any) -> bool:
+    """Empty vLLM's prefix cache (True when nothing held it)."""
+    return bool(engine._vllm.reset_prefix_cache())
+
+
+# ---------------------------------------------------------------------------------- tiers
+
+
+def slab_of(tiers: Any) -> Any:
+    """The device tier's one buffer (``None`` before the first put)."""
+    return tiers._slab
+
+
+def out_stream(tiers: Any) -> Any:
+    """The CUDA stream evictions copy to the host on."""
+    return tiers._out_stream()
