@@ -171,6 +171,12 @@ def create_app(
     app.state.model_name = model_name
 
     memory_error: list[str] = []
+
+    def store_stats() -> dict[str, int]:
+        store = getattr(engine, "_memory", None)  # never opens a store just to be scraped
+        return store.tiers.stats() if store is not None and getattr(store, "tiers", None) is not None else {}
+
+    metrics.store_stats = store_stats
     if preload_memory:
         try:
             warm_up(engine.memory)  # open the store and load its embedder before requests race for it

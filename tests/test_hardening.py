@@ -1,0 +1,175 @@
+"""Issue 23 (hardening): attacks that used to succeed, each replayed against a real engine.
+
+One tiny-Llama engine for the module (one engine per process); tests that need a restart
+build a fresh store on the same folder through the same engine.
+"""
+
+from __future__ import annotations
+
+import statistics
+import uuid
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+PRIVATE = ("Alice's bank PIN is 4471. " + "She banks with the northern cooperative and keeps her records on paper. " * 12)
+
+
+def uid(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama, tmp_path_factory):
+    from inferscale_engine import InferScaleEngine
+
+    eng = InferScaleEngine(model=tiny_llama, store_path=tmp_path_factory.mktemp("hard-store"),
+                           device="cpu", dtype="float32", max_model_len=1024, recompute=0)
+    yield eng
+    eng.close()
+
+
+# ------------------------------------------------------------------------------ prefix-cache oracle
+
+
+def test_plain_prompts_never_hit_another_users_prefix_cache(engine):
+    """B sending A's private system text (right guess) looks exactly like a wrong guess."""
+    a = uid("alice")
+
+    def ask(user: str, system: str):
+        return engine.generate(f"{system}\nQuestion: what is the weather? Answer:", user_id=user, max_tokens=1)
+
+    ask(a, PRIVATE)
+    assert ask(a, PRIVATE).usage.cached_tokens > 0  # control: the cache works for its own user
+    # Each guess from a user who never sent it: only another user's blocks could make it a hit.
+    right = [ask(uid("bob"), PRIVATE) for _ in range(5)]
+    wrong = [ask(uid("bob"), PRIVATE.replace("4471", f"90{i}{i}")) for i in range(5)]
+    assert [x.usage.cached_tokens for x in right + wrong] == [0] * 10
+    med_right = statistics.median(x.ttft_s for x in right)
+    med_wrong = statistics.median(x.ttft_s for x in wrong)
+    # Loose: a cache hit made right guesses 3-10x faster; noise on a shared CPU is far smaller.
+    assert med_right > 0.5 * med_wrong, (med_right, med_wrong)
+
+
+def test_head_cache_is_per_user(engine):
+    """B sending A's private head with B's own handle must encode it anew, not hit A's entry."""
+    store = engine.memory
+    a, b = uid("alice"), uid("bob")
+    ha = store.add("Alice likes tea.", user_id=a)[0].handle
+    hb = store.add("Bob likes coffee.", user_id=b)[0].handle
+    store.wait_for_encoding(60)
+    head = f"Private: Alice was born on 3 May 1990 [{uuid.uuid4().hex[:6]}]. Memory: "
+    engine.generate(head + ha + "\nQ: drink? A:", user_id=a, max_tokens=1)
+    before = len(engine._static)
+    engine.generate(head + ha + "\nQ: drink? A:", user_id=a, max_tokens=1)
+    assert len(engine._static) == before  # control: A's own head is reused
+    engine.generate(head + hb + "\nQ: drink? A:", user_id=b, max_tokens=1)
+    assert len(engine._static) == before + 1  # B's copy is B's own
+
+
+# ------------------------------------------------------------------------------ integrity of stored KV
+
+
+def _open_store(engine, path):
+    from inferscale_engine.config import MemoryConfig
+    from inferscale_engine.runtime import build_memory
+
+    return build_memory(engine, MemoryConfig.for_engine(engine.config, path=path))
+
+
+def _kv_file(store, item):
+    f = store.table.by_id[item.id]
+    return store.tiers.disk.path((item.id, f.kv_version))
+
+
+def _rewrite(path, edit, keep_checksum: bool) -> None:
+    """Load a KV file, ``edit`` its tensors, save it with its metadata (minus the checksum:
+    a file written before checksums, so only the finiteness check stands between it and vLLM)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = dict(f.metadata())
+        tensors = {name: f.get_tensor(name) for name in ("k", "v")}
+    edit(tensors)
+    if not keep_checksum:
+        meta.pop("sha256", None)
+    save_file(tensors, str(path), metadata=meta)
+
+
+@pytest.fixture
+def fact_store(engine, tmp_path):
+    """A store on its own folder serving ``engine``'s handles; ``reopen()`` restarts it."""
+    state = {"store": _open_store(engine, tmp_path / "store")}
+    engine.fact_source = state["store"]
+
+    def reopen():
+        state["store"].close()
+        state["store"] = engine.fact_source = _open_store(engine, tmp_path / "store")
+        return state["store"]
+
+    state["reopen"] = reopen
+    yield state
+    engine.fact_source = None
+    state["store"].close()
+
+
+def _chat(engine, user, text, n=8):
+    return engine.generate(text, user_id=user, max_tokens=n)
+
+
+def test_nan_in_a_kv_file_never_reaches_the_cache(engine, fact_store):
+    """One NaN in one user's KV file, restart, inject it: nobody else's chat may break."""
+    store = fact_store["store"]
+    a, others = uid("alice"), [uid("bob"), uid("carol")]
+    item = store.add("Alice's locker number is 318 on the second floor.", user_id=a)[0]
+    store.wait_for_encoding(60)
+    question = f"Memory: {item.handle}\nQ: locker? A:"
+    clean = _chat(engine, a, question)
+    shorts = ["Hi", "Q: 2+2? A:", "Hello there", "ok"]
+    reference = {(u, s): _chat(engine, u, s) for u in others for s in shorts}
+    path = _kv_file(store, item)
+    store = fact_store["reopen"]()  # files are read from disk after a restart
+
+    def poison(t):
+        t["v"][0, 0, 0, 0] = float("nan")
+
+    _rewrite(path, poison, keep_checksum=False)
+    again = _chat(engine, a, question)
+    assert again.text == clean.text  # re-encoded, not served
+    assert store.tiers.stats()["disk_corrupt"] == 1
+    for (u, s), ref in reference.items():
+        got = _chat(engine, u, s)
+        assert (got.text, got.finish_reason) == (ref.text, ref.finish_reason), (u, s)
+
+
+def test_bit_rot_in_a_kv_file_is_detected_and_re_encoded(engine, fact_store):
+    store = fact_store["store"]
+    a = uid("alice")
+    item = store.add("Alice's favourite colour is teal and her cat is Miso.", user_id=a)[0]
+    store.wait_for_encoding(60)
+    question = f"Memory: {item.handle}\nQ: colour? A:"
+    clean = _chat(engine, a, question)
+    path = _kv_file(store, item)
+    store = fact_store["reopen"]()
+    # One exponent bit of every 32nd value of V, in place: finite garbage only a checksum sees.
+    raw = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(raw[:8], "little")
+    import json
+
+    start, stop = json.loads(raw[8:header])["v"]["data_offsets"]
+    for i in range(header + start + 3, header + stop, 32 * 4):
+        raw[i] ^= 0x20
+    path.write_bytes(bytes(raw))
+    assert _chat(engine, a, question).text == clean.text
+    assert store.tiers.stats()["disk_corrupt"] == 1
+    from inferscale_engine.server.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.store_stats = store.tiers.stats
+    assert b"inferscale_kv_corrupt_total 1.0" in metrics.render()
+    # The re-encoded file is whole again: the next restart reads it without complaint.
+    store = fact_store["reopen"]()
+    assert _chat(engine, a, question).text == clean.text
+    assert store.tiers.stats()["disk_corrupt"] == 0
