@@ -68,7 +68,7 @@ from inferscale_engine.memory.folder import (
     LOCK_FILE,
     SECRET_FILE,
     acquire_lock,
-    load_secret,
+    open_secret,
     release_lock,
 )
 from inferscale_engine.memory.index import IndexKind
@@ -174,9 +174,13 @@ class MemoryStore:
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = acquire_lock(self.path / LOCK_FILE)
         try:
-            self._codec = HandleCodec(load_secret(self.path / SECRET_FILE))
-            self.embedder = embedder if isinstance(embedder, Embedder) else Embedder(embedder, device=self.device)
             self._db = MetaDB(self.path / DB_FILE)
+            try:
+                self._codec = HandleCodec(open_secret(self.path / SECRET_FILE, self._db))
+            except BaseException:
+                self._db.close()
+                raise
+            self.embedder = embedder if isinstance(embedder, Embedder) else Embedder(embedder, device=self.device)
             self.tiers = KVTiers(
                 self.path / KV_DIR, device=self.device, device_bytes=device_kv_bytes,
                 host_bytes=host_kv_bytes, page_tokens=page_tokens,
