@@ -111,7 +111,7 @@ class InferScaleEngine:
                 "or share it (one in-process vLLM engine per process)"
             )
         self.bridge = new_bridge()
-        self._static: OrderedDict[tuple[int, ...], Span] = OrderedDict()
+        self._static: OrderedDict[tuple[str | int, ...], Span] = OrderedDict()  # (owner, len(context), *context, *ids)
         self._stage_refs: dict[str, int] = {}
         self._stage_lock = threading.Lock()
         self._memory: MemoryStore | None = None
@@ -298,7 +298,7 @@ class InferScaleEngine:
         private text (a system prompt with a PIN) is the one it guessed.
         """
         owner = "" if self.config.shared_prefix_cache else user_id
-        cache_key = (owner, len(context), *context, *token_ids)
+        cache_key: tuple[str | int, ...] = (owner, len(context), *context, *token_ids)
         span = self._static.get(cache_key)
         if span is None:
             kv = self.encode_fact(token_ids, context)

@@ -173,3 +173,106 @@ def test_bit_rot_in_a_kv_file_is_detected_and_re_encoded(engine, fact_store):
     store = fact_store["reopen"]()
     assert _chat(engine, a, question).text == clean.text
     assert store.tiers.stats()["disk_corrupt"] == 0
+
+
+# ------------------------------------------------------------------------------ HTTP: inputs, storage, disconnects
+
+
+@pytest.fixture(scope="module")
+def http(engine):
+    import httpx
+
+    from inferscale_engine.bench.load import serve_app
+    from inferscale_engine.server import create_app
+
+    app = create_app(engine, served_model_name="tiny")
+    with serve_app(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+        client.app = app  # type: ignore[attr-defined]
+        yield client
+
+
+def _listed(http, user):
+    r = http.get("/v1/memories/", params={"user_id": user})
+    assert r.status_code == 200, r.text
+    return r.json()["results"]
+
+
+def test_refused_metadata_leaves_nothing_behind(http):
+    user = uid("deep")
+    deep: dict = {}
+    for _ in range(260):
+        deep = {"a": deep}
+    r = http.post("/v1/memories/", json={"messages": "Deep fact.", "user_id": user, "metadata": deep})
+    assert r.status_code == 400 and "nested" in r.json()["error"]["message"]
+    big = {"blob": "x" * (100 << 10)}
+    r = http.post("/v1/memories/", json={"messages": "Big fact.", "user_id": user, "metadata": big})
+    assert r.status_code == 413
+    r = http.post("/v1/memories/", json={"messages": "y" * (100 << 10), "user_id": user})
+    assert r.status_code == 413
+    assert _listed(http, user) == []  # nothing committed, and listing still answers
+    ok = http.post("/v1/memories/", json={"messages": "Fine fact.", "user_id": user, "metadata": {"a": {"b": 1}}})
+    assert ok.status_code == 200 and len(_listed(http, user)) == 1
+
+
+def test_huge_bodies_are_refused_early(http):
+    import time
+
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"a" * (32 << 20) + b'"}]}'
+    t0 = time.perf_counter()
+    r = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert time.perf_counter() - t0 < 10
+
+    def chunked():  # no Content-Length: refused once the limit is passed
+        for _ in range(40):
+            yield b"a" * (1 << 20)
+
+    r = http.post("/v1/chat/completions", content=chunked(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_full_or_read_only_disk_is_a_typed_error(http, engine, monkeypatch):
+    import sqlite3
+
+    from inferscale_engine.memory.db import MetaDB
+
+    user = uid("disk")
+
+    def full(*a, **k):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(MetaDB, "insert_facts", full)
+    r = http.post("/v1/memories/", json={"messages": "A fact.", "user_id": user})
+    assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage"
+
+    def read_only(*a, **k):
+        raise sqlite3.OperationalError("attempt to write a readonly database")
+
+    monkeypatch.setattr(MetaDB, "insert_facts", read_only)
+    r = http.post("/v1/memories/", json={"messages": "A fact.", "user_id": user})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "storage_unavailable"
+    monkeypatch.undo()
+    assert _listed(http, user) == []
+
+
+def test_a_kv_write_that_fails_never_fails_the_handle(http, engine, monkeypatch):
+    import errno
+
+    from inferscale_engine.memory.disk_tier import DiskTier
+
+    def no_space(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(DiskTier, "put", no_space)
+    user = uid("nospace")
+    r = http.post("/v1/memories/", json={"messages": "Dana's train leaves at 7.", "user_id": user})
+    assert r.status_code == 200
+    handle = r.json()["results"][0]["handle"]
+    engine.memory.wait_for_encoding(60)  # the background write failed
+    for _ in range(2):
+        chat = http.post("/v1/chat/completions", json={
+            "model": "tiny", "user": user, "max_tokens": 4,
+            "messages": [{"role": "user", "content": f"Memory: {handle}\nWhen does the train leave?"}]})
+        assert chat.status_code == 200, chat.text
+        assert chat.json()["usage"]["injected_tokens"] > 0
+    monkeypatch.undo()

@@ -257,8 +257,12 @@ class KVKeeper:
             logger.exception("could not record the new context of memory %s", f.id)
         return _Task(f.id, f.kv_version, tuple(f.token_ids), tuple(f.context_ids))
 
-    def _encode_jobs(self, jobs: list[tuple[EncodeWindow, list[tuple[_Task, _Pending]]]]) -> BaseException | None:
-        """Encode windows in one encoder call and store every captured span; returns the first error."""
+    def _encode_jobs(self, jobs: list[tuple[EncodeWindow, list[tuple[_Task, _Pending]]]],
+                     unstored: dict[KVKey, FactKV] | None = None) -> BaseException | None:
+        """Encode windows in one encoder call and store every captured span; returns the first error.
+
+        KV that was encoded but could not be written (a full or read-only disk) goes into
+        ``unstored``, when given, so the caller can still serve it."""
         assert self.encoder is not None and self.fingerprint is not None
         try:
             results = self.encoder.encode([w for w, _ in jobs])
@@ -280,6 +284,8 @@ class KVKeeper:
                 except Exception as exc:
                     self._fail([(task, p)], exc)
                     error = error or exc
+                    if unstored is not None and isinstance(exc, OSError):
+                        unstored[task.key] = kv
                 else:
                     stored.append((task, p))
         self._commit_encoded(stored)
@@ -390,7 +396,15 @@ class KVKeeper:
                     p.state = "running"
                     task = self._task(f)
             if mine:  # encode it now, in this thread
-                err = self._encode_jobs([(EncodeWindow.single(task.token_ids, task.context_ids), [(task, p)])])
+                unstored: dict[KVKey, FactKV] = {}
+                err = self._encode_jobs([(EncodeWindow.single(task.token_ids, task.context_ids), [(task, p)])],
+                                        unstored)
+                if task.key in unstored:
+                    # The add was acknowledged: a disk that cannot take its KV (full, read-only)
+                    # must not make the handle fail. Served from this encode; the next request
+                    # encodes again until a write succeeds.
+                    logger.warning("serving memory %s without storing its KV: %s", fact_id, err)
+                    return unstored[task.key], snap
                 if err is not None:
                     raise InferScaleError(f"could not encode memory {fact_id}: {err}") from err
                 continue
