@@ -276,3 +276,35 @@ def test_a_kv_write_that_fails_never_fails_the_handle(http, engine, monkeypatch)
         assert chat.status_code == 200, chat.text
         assert chat.json()["usage"]["injected_tokens"] > 0
     monkeypatch.undo()
+
+
+def test_abandoned_non_streaming_requests_stop_generating(http, engine):
+    import threading
+    import time
+
+    import httpx
+
+    body = {"model": "tiny", "max_tokens": 900, "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me a very long story about the sea."}]}
+    t0 = time.perf_counter()
+    full = http.post("/v1/chat/completions", json=body)
+    alone = time.perf_counter() - t0
+    assert full.status_code == 200
+    if full.json()["usage"]["completion_tokens"] < 800 or alone < 4:
+        pytest.skip(f"a full request ends too soon to tell ({alone:.1f}s) on this machine")
+
+    def abandon() -> None:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(str(http.base_url) + "/v1/chat/completions", json=body, timeout=0.5)
+
+    threads = [threading.Thread(target=abandon) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gone = time.perf_counter()
+    while engine._vllm.has_unfinished_requests() and time.perf_counter() - gone < 30:
+        time.sleep(0.05)
+    stopped = time.perf_counter() - gone
+    # Six together would have run at least as long as one alone; aborted, they stop within a poll or two.
+    assert stopped < min(3.0, alone / 2), (stopped, alone)
