@@ -60,6 +60,7 @@ from inferscale_engine.types import (
     Segment,
     Span,
     StreamDelta,
+    TextFact,
     Usage,
 )
 
@@ -78,6 +79,7 @@ class _Prepared:
     plan: InjectionPlan | None
     staged: list[Span]
     started: float  # perf_counter() when preparation began: TTFT counts the layout and plan too
+    memories_as_text: int = 0
 
 
 class InferScaleEngine:
@@ -400,7 +402,8 @@ class InferScaleEngine:
                 # A store checks its KV when encoded and when read from disk; a source of the
                 # caller's own is checked here: non-finite KV outlives its request in vLLM's cache.
                 for span in spans:
-                    check_finite(span.kv.k, span.kv.v, f"KV of {span.key}")
+                    if isinstance(span, Span):
+                        check_finite(span.kv.k, span.kv.v, f"KV of {span.key}")
         else:
             spans = []
         segments: list[Segment] = [self.tokenize(pieces[0], add_special_tokens=not is_chat)]
@@ -493,7 +496,8 @@ class InferScaleEngine:
         )
         staged = spans if plan else []
         self._stage(staged)
-        return _Prepared(prompt, plan, staged, started), params
+        as_text = sum(isinstance(s, TextFact) for s in segments)
+        return _Prepared(prompt, plan, staged, started, as_text), params
 
     def _layout(self, segments: Sequence[Segment], recompute: int = 0,
                 user_id: str = "default") -> tuple[list[Span], list[int]]:
@@ -504,6 +508,9 @@ class InferScaleEngine:
         """
         facts = [i for i, s in enumerate(segments) if isinstance(s, Span)]
         last = facts[len(facts) - recompute - 1] if recompute < len(facts) else -1
+        as_text = next((i for i, s in enumerate(segments) if isinstance(s, TextFact)), None)
+        if as_text is not None and as_text < last:  # injected KV is a prefix: stop before it
+            last = max((i for i in facts if i < as_text), default=-1)
         head: Sequence[int] = ()
         spans: list[Span] = []
         for i, seg in enumerate(segments[: last + 1]):
@@ -572,6 +579,7 @@ class _Accumulator:
                 completion_tokens=len(completion.token_ids),
                 injected_tokens=injected_tokens(out.kv_transfer_params),
                 cached_tokens=int(out.num_cached_tokens or 0),
+                memories_as_text=self.prepared.memories_as_text,
             ),
             ttft_s=self.ttft if self.ttft is not None else t,
             latency_s=t,

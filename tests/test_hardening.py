@@ -191,6 +191,10 @@ def http(engine):
         yield client
 
 
+def test_the_server_serves_pending_memories_as_text(http, engine):
+    assert engine.memory.serve_as_text_after == 0.5
+
+
 def _listed(http, user):
     r = http.get("/v1/memories/", params={"user_id": user})
     assert r.status_code == 200, r.text
@@ -308,3 +312,55 @@ def test_abandoned_non_streaming_requests_stop_generating(http, engine):
     stopped = time.perf_counter() - gone
     # Six together would have run at least as long as one alone; aborted, they stop within a poll or two.
     assert stopped < min(3.0, alone / 2), (stopped, alone)
+
+
+# ------------------------------------------------------------------------------ chats vs ingestion
+
+
+def test_chats_do_not_wait_behind_ingestion(engine, fact_store):
+    """The encoder is stuck on a batch (a backed-up queue): a chat that uses a fact of that batch
+    is served at once with the fact as text (counted in usage), not after resolve_timeout."""
+    import threading
+    import time
+
+    store = fact_store["store"]
+    keeper = store._keeper
+    release, entered = threading.Event(), threading.Event()
+    real = keeper.encoder
+
+    class Stuck:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def encode(self, windows, **kw):
+            if threading.current_thread().name != threading.main_thread().name and not release.is_set():
+                entered.set()
+                release.wait(120)
+            return real.encode(windows, **kw)
+
+    keeper.encoder = Stuck()
+    store.serve_as_text_after = 0.5  # what the server sets (create_app); the library waits by default
+    try:
+        user = uid("chat")
+        items = store.add("The gate code is 5512.", user_id=user) + store.add("Parking is on level 3.", user_id=user)
+        for i in range(40):
+            store.add(f"Ingested fact number {i}.", user_id=uid("ingest"))
+        assert entered.wait(30)  # the encoder thread holds the first batch, the rest is queued
+        latencies = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            out = engine.generate(f"Memory: {items[0].handle} {items[1].handle}\nQ: gate code? A:",
+                                  user_id=user, max_tokens=4)
+            latencies.append(time.perf_counter() - t0)
+            assert out.usage.memories_as_text >= 1
+            as_text = out.text
+        assert sorted(latencies)[-1] < 10, latencies  # p95 of 3 = the worst; waited 60 s before
+    finally:
+        release.set()
+        keeper.encoder = real
+    store.wait_for_encoding(120)
+    prompt = f"Memory: {items[0].handle} {items[1].handle}\nQ: gate code? A:"
+    out = engine.generate(prompt, user_id=user, max_tokens=4)
+    assert out.usage.memories_as_text == 0 and out.usage.injected_tokens > 0
+    # As text, the facts were served as prompt injection serves them: the same answer.
+    assert engine.generate(prompt, user_id=user, max_tokens=4, mode="prompt").text == as_text

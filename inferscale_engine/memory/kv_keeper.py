@@ -92,6 +92,11 @@ class KVKeeper:
         self._db = db
         self._db_open = True
         self._closed = False
+        #: Seconds ``resolve`` waits for a fact another thread is encoding before it serves the
+        #: fact as text; ``None`` (the library's default): wait up to ``resolve_timeout``, then
+        #: KVNotReadyError. The server sets it: under a backed-up encode queue, its chats waited
+        #: behind ingestion past 90 s.
+        self.serve_as_text_after: float | None = None
         self._pending: dict[str, _Pending] = {}
         self._encode_errors: dict[str, str] = {}
         self._queue = EncodeQueue(self._encode_batch, self._job_tokens, maxsize=queue_size, batch=batch,
@@ -165,9 +170,10 @@ class KVKeeper:
         self._queue.put(jobs)
         return len(jobs)
 
-    def kvs(self, facts: list[FactRow]) -> list[tuple[FactKV, FactRow]]:
+    def kvs(self, facts: list[FactRow]) -> list[tuple[FactKV | None, FactRow]]:
         """KV of each fact (snapshots of live rows), read in one batch from the tiers; what is
-        not encoded yet, or whose KV needs repair, goes through :meth:`kv` one by one."""
+        not encoded yet, or whose KV needs repair, goes through :meth:`kv` one by one (``None``:
+        serve it as text, see :meth:`kv`)."""
         kvs: list[FactKV | None] = [None] * len(facts)
         ready = [i for i, f in enumerate(facts) if f.fingerprint == self.fingerprint]
         try:
@@ -357,8 +363,9 @@ class KVKeeper:
             self.retire(key[0])
         self.tiers.delete_key(key)
 
-    def kv(self, fact_id: str) -> tuple[FactKV, FactRow]:
-        """KV of the current version of ``fact_id`` (and that version's record)."""
+    def kv(self, fact_id: str) -> tuple[FactKV | None, FactRow]:
+        """KV of the current version of ``fact_id`` (and that version's record); ``None`` when
+        another thread is still encoding it after ``serve_as_text_after`` seconds."""
         deadline = time.monotonic() + self.resolve_timeout
         for _ in range(8):
             if self._closed:
@@ -409,9 +416,13 @@ class KVKeeper:
                     raise InferScaleError(f"could not encode memory {fact_id}: {err}") from err
                 continue
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not p.event.wait(remaining):  # type: ignore[union-attr]
-                raise KVNotReadyError(
-                    f"memory {fact_id} is still being encoded after {self.resolve_timeout:g}s "
-                    "(raise MemoryStore.resolve_timeout, or wait_for_encoding() before serving)"
-                )
+            patience = remaining if self.serve_as_text_after is None else min(remaining, self.serve_as_text_after)
+            if patience > 0 and p.event.wait(patience):  # type: ignore[union-attr]
+                continue
+            if self.serve_as_text_after is not None:
+                return None, snap
+            raise KVNotReadyError(
+                f"memory {fact_id} is still being encoded after {self.resolve_timeout:g}s "
+                "(raise MemoryStore.resolve_timeout, or wait_for_encoding() before serving)"
+            )
         raise InferScaleError(f"memory {fact_id} kept changing while it was being resolved; try again")

@@ -90,6 +90,7 @@ from inferscale_engine.memory.validation import (
 
 if TYPE_CHECKING:
     from inferscale_engine.engine import Span
+    from inferscale_engine.types import TextFact
 
 logger = logging.getLogger(__name__)
 
@@ -218,6 +219,19 @@ class MemoryStore:
         self._resolve_timeout = float(seconds)
         if self._keeper is not None:
             self._keeper.resolve_timeout = self._resolve_timeout
+
+    @property
+    def serve_as_text_after(self) -> float | None:
+        """Seconds ``resolve`` waits for a fact that is being encoded before it returns the fact's
+        token ids as a :class:`~inferscale_engine.types.TextFact` (prefilled, counted in
+        ``usage.memories_as_text``) instead of its KV; ``None`` (default): wait up to
+        ``resolve_timeout``. ``inferscale serve`` sets it, so chats never wait behind ingestion."""
+        return self._keeper.serve_as_text_after if self._keeper is not None else None
+
+    @serve_as_text_after.setter
+    def serve_as_text_after(self, seconds: float | None) -> None:
+        if self._keeper is not None:
+            self._keeper.serve_as_text_after = None if seconds is None else float(seconds)
 
     # ================================================================== public API
 
@@ -364,7 +378,7 @@ class MemoryStore:
             self.table.lookup(fact_id, user_id)
         return self._codec.make(user_id, fact_id)
 
-    def resolve(self, handle: Handle | str, user_id: str) -> "Span":
+    def resolve(self, handle: Handle | str, user_id: str) -> "Span | TextFact":
         """The engine's ``FactSource``: the span a handle in a request of ``user_id`` stands for.
 
         Checks the MAC (:class:`ForgedHandleError`, also for another user's handle), existence
@@ -374,9 +388,10 @@ class MemoryStore:
         """
         return self.resolve_many([handle], user_id)[0]
 
-    def resolve_many(self, handles: Sequence[Handle | str], user_id: str) -> list["Span"]:
+    def resolve_many(self, handles: Sequence[Handle | str], user_id: str) -> list["Span | TextFact"]:
         """:meth:`resolve` for every handle of one request, reading their KV in one batch."""
         from inferscale_engine.engine import Span  # at call time: engine.py is not imported by memory
+        from inferscale_engine.types import TextFact
 
         self._check_open()
         user_id = check_user(user_id)
@@ -392,7 +407,10 @@ class MemoryStore:
                 facts.append(dataclasses.replace(fact))
         if self._keeper is None:
             raise InferScaleError("this memory store has no engine (encoder), so it has no KV to serve")
+        # A fact another thread is still encoding comes back as TextFact (its tokens, prefilled):
+        # a chat never waits behind ingestion for it.
         return [Span(key=f"fact:{f.id}:{f.kv_version}", token_ids=tuple(f.token_ids), kv=kv, text=f.text)  # type: ignore[arg-type]
+                if kv is not None else TextFact(f.token_ids or ())
                 for kv, f in self._keeper.kvs(facts)]
 
     def wait_for_encoding(self, timeout: float | None = None) -> None:

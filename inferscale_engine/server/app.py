@@ -194,6 +194,7 @@ def create_app(
     default_max_tokens: int = 512,
     preload_memory: bool = True,
     max_body_bytes: int = MAX_BODY_BYTES,
+    serve_as_text_after: float | None = 0.5,
 ) -> FastAPI:
     """Build the FastAPI app around an existing :class:`~inferscale_engine.InferScaleEngine`.
 
@@ -207,6 +208,8 @@ def create_app(
         preload_memory: open the memory store now (loads the embedder) rather than on the
             first memory request.
         max_body_bytes: largest request body accepted; larger ones get 413 before they are parsed.
+        serve_as_text_after: seconds a chat waits for a memory that is still being encoded before
+            it is prefilled as text instead (``usage.memories_as_text``); ``None``: wait for it.
     """
     model_name = served_model_name or _default_model_name(engine)
     accepted = {model_name, str(getattr(engine.config, "model", model_name)), str(getattr(engine, "model_path", model_name))}
@@ -230,6 +233,7 @@ def create_app(
     if preload_memory:
         try:
             warm_up(engine.memory)  # open the store and load its embedder before requests race for it
+            engine.memory.serve_as_text_after = serve_as_text_after
         except Exception as exc:  # noqa: BLE001  (serve completions even without a usable store)
             memory_error.append(f"memory store unavailable: {exc.__class__.__name__}: {exc}")
             logger.warning("memory endpoints disabled: %s", memory_error[0])
@@ -276,9 +280,11 @@ def create_app(
         if memory_error:
             raise APIError(503, memory_error[0], "server_error", None, "memory_unavailable")
         try:
-            return engine.memory
+            memory = engine.memory
         except ImportError as exc:
             raise APIError(503, f"memory store unavailable: {exc}", "server_error", None, "memory_unavailable") from exc
+        memory.serve_as_text_after = serve_as_text_after  # a store opened late (preload_memory=False)
+        return memory
 
     # ------------------------------------------------------------------ generation
 
@@ -457,6 +463,7 @@ def create_app(
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
             "injected_tokens": u.injected_tokens,
+            "memories_as_text": u.memories_as_text,
         }
 
     @app.post("/v1/chat/completions")
@@ -508,7 +515,8 @@ def create_app(
         results = await asyncio.gather(*(run_one("completion", seg, dict(user_id=user, max_tokens=mt, **sampling), request)
                                          for seg, mt in prepared))
         usages = [usage_of(r) for r in results]
-        usage = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens", "injected_tokens")}
+        usage = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens", "injected_tokens",
+                                                           "memories_as_text")}
         usage["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)}
         return JSONResponse({
             "id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()), "model": model_name,
