@@ -44,22 +44,25 @@ def open_secret(path: Path, db: MetaDB) -> bytes:
     "forged" (403) while looking healthy: it refuses to open instead, naming the file and the
     command that issues a new secret on purpose.
     """
-    recorded = db.get_meta(SECRET_CHECK)
-    if not path.exists() and (recorded is not None or db.count_facts()):
+    has_facts = db.count_facts() > 0
+    # Without facts there is no handle to keep valid: a new or emptied store takes what it finds.
+    recorded = db.get_meta(SECRET_CHECK) if has_facts else None
+    if not path.exists() and has_facts:
         raise SecretError(
             f"the handle secret {path} is missing, but this store has memories whose handles were made with it; "
             f"restore the file from a backup, or issue a new secret (every handle given out so far stops "
             f"working) with: {rotate_command(path.parent)}"
         )
     secret = load_secret(path)
-    if recorded is None:
-        db.set_meta(SECRET_CHECK, secret_check(secret))
-    elif not hmac.compare_digest(recorded, secret_check(secret)):
+    check = secret_check(secret)
+    if recorded is not None and not hmac.compare_digest(recorded, check):
         raise SecretError(
             f"the handle secret {path} is not the one this store's handles were made with (replaced or "
             f"damaged); restore the original file, or issue a new secret (every handle given out so far stops "
             f"working) with: {rotate_command(path.parent)}"
         )
+    if recorded is None and db.get_meta(SECRET_CHECK) != check:  # a store from before the check: trust what it has
+        db.set_meta(SECRET_CHECK, check)
     return secret
 
 
