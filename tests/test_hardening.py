@@ -33,7 +33,7 @@ def engine(tiny_llama, tmp_path_factory):
 # ------------------------------------------------------------------------------ prefix-cache oracle
 
 
-def test_plain_prompts_never_hit_another_users_prefix_cache(engine):
+def test_plain_prompts_never_hit_another_users_prefix_cache(engine, monkeypatch):
     """B sending A's private system text (right guess) looks exactly like a wrong guess."""
     a = uid("alice")
 
@@ -50,9 +50,13 @@ def test_plain_prompts_never_hit_another_users_prefix_cache(engine):
     med_wrong = statistics.median(x.ttft_s for x in wrong)
     # Loose: a cache hit made right guesses 3-10x faster; noise on a shared CPU is far smaller.
     assert med_right > 0.5 * med_wrong, (med_right, med_wrong)
+    # Negative control: with the cache shared (the old behaviour, now opt-in) the oracle is back.
+    monkeypatch.setattr(engine.config, "shared_prefix_cache", True)
+    ask(uid("alice"), PRIVATE)
+    assert ask(uid("bob"), PRIVATE).usage.cached_tokens > 0
 
 
-def test_head_cache_is_per_user(engine):
+def test_head_cache_is_per_user(engine, monkeypatch):
     """B sending A's private head with B's own handle must encode it anew, not hit A's entry."""
     store = engine.memory
     a, b = uid("alice"), uid("bob")
@@ -66,6 +70,10 @@ def test_head_cache_is_per_user(engine):
     assert len(engine._static) == before  # control: A's own head is reused
     engine.generate(head + hb + "\nQ: drink? A:", user_id=b, max_tokens=1)
     assert len(engine._static) == before + 1  # B's copy is B's own
+    monkeypatch.setattr(engine.config, "shared_prefix_cache", True)  # negative control: shared again
+    engine.generate(head + "x" + ha + "\nQ: drink? A:", user_id=a, max_tokens=1)
+    engine.generate(head + "x" + hb + "\nQ: drink? A:", user_id=b, max_tokens=1)
+    assert len(engine._static) == before + 2
 
 
 # ------------------------------------------------------------------------------ integrity of stored KV
