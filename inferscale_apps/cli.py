@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import os
+import pathlib
 import sys
 import tempfile
 import textwrap
@@ -191,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("ids", nargs="*", metavar="ID")
     q.add_argument("--all", action="store_true", help="delete all of the user's memories")
     q.set_defaults(func=cmd_memory_delete)
+    q = mem_parser("rotate-secret", "issue a new handle secret (after secret.key was lost or leaked); "
+                   "every handle given out so far stops working", user=False, model=False)
+    q.set_defaults(func=cmd_memory_rotate_secret)
     q = mem_parser("import-locomo", "import LoCoMo conversations: one user per speaker", user=False)
     q.add_argument("path", help="locomo10.json")
     q.add_argument("--conversations", type=int, default=None, metavar="N", help="only the first N conversations")
@@ -471,6 +475,21 @@ def cmd_memory_delete(args: argparse.Namespace) -> int:
         print(json.dumps(result) if args.json else f"deleted {result['deleted']} memor{'y' if n == 1 else 'ies'}")
     return 0
 
+
+def cmd_memory_rotate_secret(args: argparse.Namespace) -> int:
+    from inferscale_engine.config import default_store_path
+    from inferscale_engine.memory.folder import SECRET_FILE, rotate_secret
+
+    folder = pathlib.Path(args.store or default_store_path()).expanduser()
+    if not folder.is_dir():
+        raise ValueError(f"no memory store at {folder}")
+    n = rotate_secret(folder)
+    if args.json:
+        print(json.dumps({"secret": str(folder / SECRET_FILE), "memories": n}))
+    else:
+        print(f"new handle secret in {folder / SECRET_FILE}; the {n} memories have new handles "
+              "(list or search them again; the old handles are refused)")
+    return 0
 
 def cmd_memory_import_locomo(args: argparse.Namespace) -> int:
     from inferscale_apps.bench.locomo_data import load_locomo, speaker_user

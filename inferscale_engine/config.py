@@ -52,8 +52,14 @@ class EngineConfig:
     enforce_eager: bool | None = None
     max_num_seqs: int = 128
     seed: int = 0
-    #: Encoded heads / separators kept for reuse (they are shared by all users).
+    #: Encoded heads / separators kept for reuse (per user unless ``shared_prefix_cache``).
     static_cache_entries: int = 256
+    #: Let users share vLLM's prefix cache and the encoded heads / separators. Off (the default),
+    #: every request's cache is salted by its user: a prompt hits only blocks its own user's
+    #: requests left, so neither ``cached_tokens`` nor time to first token tells one user whether
+    #: another sent the same text (a prefix-cache oracle). Turn it on only when every user's
+    #: prompt prefixes are public (one fixed system prompt, no private text before the question).
+    shared_prefix_cache: bool = False
     #: CUDA only: rotate and scatter injected KV in one Triton kernel (else torch + backend write).
     fused_rope: bool = True
     #: Let vLLM's prefix cache keep injected prompts, so a request with the same memories in the

@@ -49,7 +49,7 @@ from inferscale_engine.errors import (
     check_utf8,
 )
 from inferscale_engine.handles import split_on_handles
-from inferscale_engine.kv import FactKV
+from inferscale_engine.kv import FactKV, check_finite
 from inferscale_engine.loop import EngineLoop
 from inferscale_engine.rope import RopeTable
 from inferscale_engine.types import (
@@ -60,6 +60,7 @@ from inferscale_engine.types import (
     Segment,
     Span,
     StreamDelta,
+    TextFact,
     Usage,
 )
 
@@ -78,6 +79,7 @@ class _Prepared:
     plan: InjectionPlan | None
     staged: list[Span]
     started: float  # perf_counter() when preparation began: TTFT counts the layout and plan too
+    memories_as_text: int = 0
 
 
 class InferScaleEngine:
@@ -111,7 +113,7 @@ class InferScaleEngine:
                 "or share it (one in-process vLLM engine per process)"
             )
         self.bridge = new_bridge()
-        self._static: OrderedDict[tuple[int, ...], Span] = OrderedDict()
+        self._static: OrderedDict[tuple[str | int, ...], Span] = OrderedDict()  # (owner, len(context), *context, *ids)
         self._stage_refs: dict[str, int] = {}
         self._stage_lock = threading.Lock()
         self._memory: MemoryStore | None = None
@@ -295,12 +297,19 @@ class InferScaleEngine:
         """KV of ``fact_ids`` encoded after ``context_ids`` (context-window encoding)."""
         return self.encode([EncodeWindow.single(fact_ids, context_ids)])[0][0]
 
-    def _static_span(self, token_ids: Sequence[int], context: Sequence[int]) -> Span:
-        """Head / separator KV, encoded once after ``context`` and shared by every user."""
-        cache_key = (len(context), *context, *token_ids)
+    def _static_span(self, token_ids: Sequence[int], context: Sequence[int], user_id: str) -> Span:
+        """Head / separator KV, encoded once after ``context`` and kept for ``user_id``.
+
+        Kept per user (unless ``shared_prefix_cache``): a shared cache answers a head another
+        user sent before much faster than a new one, which tells a caller whether someone else's
+        private text (a system prompt with a PIN) is the one it guessed.
+        """
+        owner = "" if self.config.shared_prefix_cache else user_id
+        cache_key: tuple[str | int, ...] = (owner, len(context), *context, *token_ids)
         span = self._static.get(cache_key)
         if span is None:
             kv = self.encode_fact(token_ids, context)
+            check_finite(kv.k, kv.v, "encoded prompt text")
             digest = hashlib.sha256(json.dumps(cache_key).encode()).hexdigest()[:24]
             span = Span(f"static:{digest}", tuple(token_ids), kv)
             self._static[cache_key] = span
@@ -394,6 +403,12 @@ class InferScaleEngine:
                 spans = many(handles, user_id)
             else:  # a source with only resolve() (see FactSource)
                 spans = [source.resolve(h, user_id) for h in handles]  # type: ignore[attr-defined]
+            if self.fact_source is not None:
+                # A store checks its KV when encoded and when read from disk; a source of the
+                # caller's own is checked here: non-finite KV outlives its request in vLLM's cache.
+                for span in spans:
+                    if isinstance(span, Span):
+                        check_finite(span.kv.k, span.kv.v, f"KV of {span.key}")
         else:
             spans = []
         segments: list[Segment] = [self.tokenize(pieces[0], add_special_tokens=not is_chat)]
@@ -451,7 +466,7 @@ class InferScaleEngine:
                 f"prompt of {n} tokens ({sum(len(s.token_ids) for s in segments if isinstance(s, Span))} from memory) "
                 f"plus max_tokens={max_tokens} exceeds the model's context of {self.max_model_len}"
             )
-        spans, tail = self._layout(segments, recompute)
+        spans, tail = self._layout(segments, recompute, user_id)
         token_ids = [*itertools.chain.from_iterable(s.token_ids for s in spans), *tail]
         extra: dict[str, Any] = {}
         prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
@@ -470,6 +485,10 @@ class InferScaleEngine:
             # hashes to salt: the hashing of ~200 keys stays off its path.
             if self.config.prefix_cache_injected or not self._can_bypass_prefix_cache:
                 prompt["cache_salt"] = "is-" + hashlib.sha256(json.dumps([user_id, keys]).encode()).hexdigest()[:32]
+        elif not self.config.shared_prefix_cache:
+            # Plain prompts are salted by user too: unsalted, a block another user's request left
+            # shows up in this one's cached_tokens and time to first token (a prefix-cache oracle).
+            prompt["cache_salt"] = "u-" + hashlib.sha256(user_id.encode()).hexdigest()[:32]
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=temperature,
@@ -482,9 +501,11 @@ class InferScaleEngine:
         )
         staged = spans if plan else []
         self._stage(staged)
-        return _Prepared(prompt, plan, staged, started), params
+        as_text = sum(isinstance(s, TextFact) for s in segments)
+        return _Prepared(prompt, plan, staged, started, as_text), params
 
-    def _layout(self, segments: Sequence[Segment], recompute: int = 0) -> tuple[list[Span], list[int]]:
+    def _layout(self, segments: Sequence[Segment], recompute: int = 0,
+                user_id: str = "default") -> tuple[list[Span], list[int]]:
         """Spans covering everything up to the last injected fact, and the computed tail after it.
 
         The last ``recompute`` facts belong to the tail: vLLM prefills them, with the separators
@@ -492,13 +513,16 @@ class InferScaleEngine:
         """
         facts = [i for i, s in enumerate(segments) if isinstance(s, Span)]
         last = facts[len(facts) - recompute - 1] if recompute < len(facts) else -1
+        as_text = next((i for i, s in enumerate(segments) if isinstance(s, TextFact)), None)
+        if as_text is not None and as_text < last:  # injected KV is a prefix: stop before it
+            last = max((i for i in facts if i < as_text), default=-1)
         head: Sequence[int] = ()
         spans: list[Span] = []
         for i, seg in enumerate(segments[: last + 1]):
             if isinstance(seg, Span):
                 spans.append(seg)
             elif len(seg):
-                spans.append(self._static_span(seg, context=head if spans else ()))
+                spans.append(self._static_span(seg, context=head if spans else (), user_id=user_id))
                 if i == 0:
                     head = seg
         tail = [int(t) for seg in segments[last + 1 :] for t in (seg.token_ids if isinstance(seg, Span) else seg)]
@@ -560,6 +584,7 @@ class _Accumulator:
                 completion_tokens=len(completion.token_ids),
                 injected_tokens=injected_tokens(out.kv_transfer_params),
                 cached_tokens=int(out.num_cached_tokens or 0),
+                memories_as_text=self.prepared.memories_as_text,
             ),
             ttft_s=self.ttft if self.ttft is not None else t,
             latency_s=t,

@@ -61,6 +61,18 @@ class MissingUserError(InferScaleError, RuntimeError):
     into an empty answer."""
 
 
+class TooLargeError(InferScaleError, ValueError):
+    """An input over one of the documented size limits (HTTP 413)."""
+
+
+class StorageFullError(InferScaleError, OSError):
+    """The store's disk is full: nothing was written (HTTP 507)."""
+
+
+class StorageUnavailableError(InferScaleError, OSError):
+    """The store's folder cannot be written (read-only, permissions, I/O error) (HTTP 503)."""
+
+
 class ConnectorError(InferScaleError, RuntimeError):
     """The KV connector inside vLLM found its state inconsistent with the request it serves
     (unstaged KV, a foreign layer count, no engine bridge): a bug or misuse, not bad input."""

@@ -21,6 +21,23 @@ KVLayout = tuple[bytes | None, torch.dtype | None, bool, int]
 _ADDRESSES = struct.Struct("=6q")
 
 
+class NonFiniteKVError(ValueError):
+    """KV holding NaN or infinity: it must never reach vLLM's paged cache."""
+
+
+def check_finite(k: torch.Tensor, v: torch.Tensor, what: str) -> None:
+    """Refuse KV with a NaN or an infinity.
+
+    One such value poisons more than its own request. vLLM recycles freed blocks without
+    clearing them; a later request, of any user, that gets the block writes only the slots of
+    its own tokens, and attention over the block's unused slots multiplies their values by a
+    softmax weight of exactly 0 — but ``0 * NaN`` is NaN. Every output of that request becomes
+    NaN (empty text, ``finish_reason="length"``) until the block is overwritten.
+    """
+    if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
+        raise NonFiniteKVError(f"{what} holds non-finite values (NaN or infinity)")
+
+
 @dataclass
 class FactKV:
     """Per-layer keys and values of ``n`` consecutive tokens.

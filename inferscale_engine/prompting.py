@@ -178,6 +178,7 @@ def total_usage(usages: Iterable[Usage]) -> Usage:
         completion_tokens=sum(u.completion_tokens for u in usages),
         injected_tokens=sum(u.injected_tokens for u in usages),
         cached_tokens=sum(u.cached_tokens for u in usages),
+        memories_as_text=sum(u.memories_as_text for u in usages),
     )
 
 
@@ -189,4 +190,5 @@ def openai_usage(usage: Usage) -> dict[str, Any]:
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
         "injected_tokens": usage.injected_tokens,
+        "memories_as_text": usage.memories_as_text,
     }

@@ -34,6 +34,12 @@ class Span:
             raise ValueError(f"span {self.key}: {len(self.token_ids)} tokens but KV for {self.kv.num_tokens}")
 
 
+class TextFact(list[int]):
+    """A memory served as its token ids, prefilled like prompt text: its KV was still being
+    encoded and a chat does not wait behind ingestion for it. Everything after it in the prompt
+    is prefilled too (injected KV is a prefix)."""
+
+
 Segment = Span | Sequence[int]
 
 
@@ -41,7 +47,7 @@ class FactSource(Protocol):
     """Turns the handles of a request of ``user_id`` into the spans to inject (the memory store).
     A source with only ``resolve(handle, user_id) -> Span`` is asked handle by handle."""
 
-    def resolve_many(self, handles: Sequence[Handle], user_id: str) -> list[Span]: ...
+    def resolve_many(self, handles: Sequence[Handle], user_id: str) -> Sequence[Span | TextFact]: ...
 
 
 @dataclass
@@ -50,6 +56,7 @@ class Usage:
     completion_tokens: int
     injected_tokens: int  # prompt tokens whose KV was injected instead of prefilled
     cached_tokens: int  # prompt tokens vLLM's prefix cache already held
+    memories_as_text: int = 0  # memories prefilled as text: their KV was not encoded yet
 
     @property
     def total_tokens(self) -> int:

@@ -223,7 +223,9 @@ def test_cache_salt_is_per_user_and_per_kv(engine, people, monkeypatch):
         monkeypatch.setattr(engine.config, "prefix_cache_injected", True)
         a1, a2, b1 = salt(people["a"]), salt(people["a"]), salt(people["b"])
         assert a1 and a1 == a2 and b1 and b1 != a1  # same user + same KV: reusable; other user: never
-        assert salt(people["a"], mode="prompt") is None  # plain requests never share blocks with injected ones
+        # Plain requests are salted by user alone: never an injected one's blocks, nor another user's.
+        plain_a, plain_b = salt(people["a"], mode="prompt"), salt(people["b"], mode="prompt")
+        assert plain_a and plain_b and plain_a != plain_b and not {plain_a, plain_b} & {a1, b1}
         # Other KV, or the same KV at other positions: another salt.
         both, swapped = salt(people["a"], (span, other)), salt(people["a"], (other, span))
         assert len({a1, both, swapped}) == 3

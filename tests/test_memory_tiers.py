@@ -384,6 +384,9 @@ def test_disk_file_is_atomic_private_and_self_describing(tmp_path):
     assert path.exists() and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert not list(tmp_path.rglob("*.tmp"))
     meta = tiers.read_metadata(key(4))
+    from inferscale_engine.memory.disk_tier import _digest
+
+    assert meta.pop("sha256") == _digest(kv.k.cpu(), kv.v.cpu())  # checked on every read from disk
     assert meta == {
         "format": "inferscale-kv/1", "fingerprint": FP, "fact_id": key(4)[0], "kv_version": "1",
         "position": "11", "num_tokens": "7",

@@ -18,11 +18,13 @@ it (plus Mem0's ``detail`` on memory routes); bad input is a 4xx, never a 500 wi
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import json
 import logging
 import os
 import re
+import sqlite3
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -50,6 +52,9 @@ from inferscale_engine.errors import (
     KVNotReadyError,
     MalformedHandleError,
     StaleKVError,
+    StorageFullError,
+    StorageUnavailableError,
+    TooLargeError,
 )
 from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_engine.prompting import (
@@ -64,6 +69,44 @@ from inferscale_engine.runtime import warm_up
 logger = logging.getLogger(__name__)
 
 DEFAULT_USER = "default"
+#: How often a non-streaming generation checks that its client is still connected.
+DISCONNECT_POLL_S = 0.25
+#: Largest request body taken (413 above it, before any of it is parsed). Far above any prompt
+#: the context can hold; without it a 32 MB body took a minute to refuse and kept 1.7 GB.
+MAX_BODY_BYTES = 8 << 20
+
+_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+_UNWRITABLE_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
+
+
+def storage_error(exc: BaseException) -> APIError | None:
+    """The response for a failure of the store's disk, or ``None`` when ``exc`` is none.
+
+    A full disk is 507 and an unwritable store 503: the client learns it is the server's
+    storage, not its request, and the store has written nothing of the call.
+    """
+    if isinstance(exc, StorageFullError):
+        full = True
+    elif isinstance(exc, StorageUnavailableError):
+        full = False
+    elif isinstance(exc, sqlite3.OperationalError):
+        text = str(exc).lower()
+        if "disk is full" in text or "disk full" in text:
+            full = True
+        elif "readonly" in text or "read-only" in text or "disk i/o error" in text or "unable to open" in text:
+            full = False
+        else:
+            return None
+    elif isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS | _UNWRITABLE_ERRNOS:
+        full = exc.errno in _FULL_ERRNOS
+    else:
+        return None
+    logger.error("memory store storage failure: %s: %s", type(exc).__name__, exc)
+    if full:
+        return APIError(507, f"the memory store's disk is full; nothing was stored ({exc})", "server_error", None,
+                        "insufficient_storage")
+    return APIError(503, f"the memory store cannot be written (read-only or failing disk); nothing was stored ({exc})",
+                    "server_error", None, "storage_unavailable")
 
 
 class APIError(Exception):
@@ -114,6 +157,11 @@ def api_error(exc: BaseException) -> APIError:
         return APIError(503, msg, "server_error", None, "kv_not_ready")
     if isinstance(exc, EngineClosedError):
         return APIError(503, msg, "server_error", None, "engine_closed")
+    if isinstance(exc, TooLargeError):
+        return APIError(413, msg, "invalid_request_error", None, "too_large")
+    stored = storage_error(exc)
+    if stored is not None:
+        return stored
     if isinstance(exc, ImportError):  # e.g. the memory extra is not installed
         return APIError(503, f"memory store unavailable: {msg}", "server_error", None, "memory_unavailable")
     if isinstance(exc, (ValueError, TypeError)):  # vLLM's SamplingParams checks, empty prompts...
@@ -152,6 +200,8 @@ def create_app(
     api_key: str | None = None,
     default_max_tokens: int = 512,
     preload_memory: bool = True,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    serve_as_text_after: float | None = 0.5,
 ) -> FastAPI:
     """Build the FastAPI app around an existing :class:`~inferscale_engine.InferScaleEngine`.
 
@@ -164,6 +214,9 @@ def create_app(
             what is left of the context).
         preload_memory: open the memory store now (loads the embedder) rather than on the
             first memory request.
+        max_body_bytes: largest request body accepted; larger ones get 413 before they are parsed.
+        serve_as_text_after: seconds a chat waits for a memory that is still being encoded before
+            it is prefilled as text instead (``usage.memories_as_text``); ``None``: wait for it.
     """
     model_name = served_model_name or _default_model_name(engine)
     accepted = {model_name, str(getattr(engine.config, "model", model_name)), str(getattr(engine, "model_path", model_name))}
@@ -178,9 +231,16 @@ def create_app(
     app.state.model_name = model_name
 
     memory_error: list[str] = []
+
+    def store_stats() -> dict[str, int]:
+        store = getattr(engine, "_memory", None)  # never opens a store just to be scraped
+        return store.tiers.stats() if store is not None and getattr(store, "tiers", None) is not None else {}
+
+    metrics.store_stats = store_stats
     if preload_memory:
         try:
             warm_up(engine.memory)  # open the store and load its embedder before requests race for it
+            engine.memory.serve_as_text_after = serve_as_text_after
         except Exception as exc:  # noqa: BLE001  (serve completions even without a usable store)
             memory_error.append(f"memory store unavailable: {exc.__class__.__name__}: {exc}")
             logger.warning("memory endpoints disabled: %s", memory_error[0])
@@ -216,7 +276,8 @@ def create_app(
         metrics.errors.labels(err.code or err.type).inc()
         return err.response(request.url.path)
 
-    app.add_middleware(_AuthAndCount, api_key=api_key, metrics=metrics)
+    app.add_middleware(_BodyLimit, limit=max_body_bytes)
+    app.add_middleware(_AuthAndCount, api_key=api_key, metrics=metrics)  # outermost: counts the 413s too
 
     def check_model(name: str) -> None:
         if name not in accepted:
@@ -226,9 +287,11 @@ def create_app(
         if memory_error:
             raise APIError(503, memory_error[0], "server_error", None, "memory_unavailable")
         try:
-            return engine.memory
+            memory = engine.memory
         except ImportError as exc:
             raise APIError(503, f"memory store unavailable: {exc}", "server_error", None, "memory_unavailable") from exc
+        memory.serve_as_text_after = serve_as_text_after  # a store opened late (preload_memory=False)
+        return memory
 
     # ------------------------------------------------------------------ generation
 
@@ -296,23 +359,35 @@ def create_app(
                            param="user", code="user_required")
         return DEFAULT_USER  # nothing in it is scoped by user
 
-    async def run_one(endpoint: str, segments: list[Any], kwargs: dict[str, Any]) -> Any:
+    async def run_one(endpoint: str, segments: list[Any], kwargs: dict[str, Any], request: Request) -> Any:
         metrics.in_flight.inc()
+        task = asyncio.ensure_future(engine.agenerate_segments(segments, **kwargs))
         try:
-            result = await engine.agenerate_segments(segments, **kwargs)
+            # A client that hung up gets no answer: stop generating it (cancelling the task
+            # aborts the vLLM request), or abandoned requests hold the batch for their full length.
+            while not task.done():
+                await asyncio.wait((task,), timeout=DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    logger.info("client went away: generation aborted")
+                    break
+            result = await task
         except Exception as exc:
             raise api_error(exc) from exc
         finally:
+            if not task.done():  # this handler was cancelled itself
+                task.cancel()
             metrics.in_flight.dec()
         metrics.observe_generation(endpoint, result)
         return result
 
-    async def generate(endpoint: str, segments: list[Any], user: str, req: Any, max_tokens: int, sampling: dict[str, Any]) -> Response:
+    async def generate(endpoint: str, segments: list[Any], user: str, req: Any, max_tokens: int,
+                       sampling: dict[str, Any], request: Request) -> Response:
         rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
         kwargs = dict(user_id=user, max_tokens=max_tokens, **sampling)
         if not req.stream:
-            result = await run_one(endpoint, segments, kwargs)
+            result = await run_one(endpoint, segments, kwargs, request)
             if endpoint == "chat":
                 choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None, "finish_reason": result.finish_reason}
                 obj = "chat.completion"
@@ -412,7 +487,7 @@ def create_app(
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         segments, max_tokens = await prepare(messages, user, requested, param)
-        return await generate("chat", segments, user, req, max_tokens, sampling)
+        return await generate("chat", segments, user, req, max_tokens, sampling, request)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
@@ -427,13 +502,13 @@ def create_app(
         user = user_of(req, request, any(HANDLE_PATTERN.search(p) for p in prompts))
         if len(prompts) == 1:
             segments, max_tokens = await prepare(prompts[0], user, req.max_tokens, "max_tokens")
-            return await generate("completion", segments, user, req, max_tokens, sampling)
+            return await generate("completion", segments, user, req, max_tokens, sampling, request)
         if req.stream:
             raise APIError(400, "streaming is supported for one prompt per request; send a list of prompts without "
                                 "stream, or one request per prompt", param="stream", code="unsupported_parameter")
         # Every prompt is checked before any is generated, so a bad one costs no generation.
         prepared = [await prepare(p, user, req.max_tokens, "max_tokens") for p in prompts]
-        results = await asyncio.gather(*(run_one("completion", seg, dict(user_id=user, max_tokens=mt, **sampling))
+        results = await asyncio.gather(*(run_one("completion", seg, dict(user_id=user, max_tokens=mt, **sampling), request)
                                          for seg, mt in prepared))
         usage = openai_usage(total_usage(r.usage for r in results))
         return JSONResponse({
@@ -485,6 +560,52 @@ def create_app(
     mem0_api.add_routes(app, engine=engine, store=store, call=call, default_context=default_context, api_error_cls=APIError)
 
     return app
+
+
+class _BodyLimit:
+    """Pure ASGI middleware: 413 for a body over ``limit`` bytes, before the app parses any of it
+    (a declared length is refused unread; a chunked body as soon as it passes the limit)."""
+
+    def __init__(self, app: Any, *, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((v for k, v in scope.get("headers", []) if k == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending it all
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # then the client's disconnect, as the app expects
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope: dict, receive: Callable, send: Callable) -> None:
+        err = APIError(413, f"request body is larger than the limit of {self.limit} bytes", "invalid_request_error",
+                       None, "request_too_large")
+        await err.response(scope.get("path", ""))(scope, receive, send)
 
 
 class _AuthAndCount:

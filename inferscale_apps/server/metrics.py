@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import (
     CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for the app)
     CollectorRegistry,
@@ -10,6 +12,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -35,6 +39,9 @@ class Metrics:
         )
         self.cached_tokens = Counter("inferscale_cached_tokens", "Prompt tokens found in vLLM's prefix cache", registry=r)
         self.errors = Counter("inferscale_errors", "Error responses by error code", ["code"], registry=r)
+        #: Read at each scrape: the store counts what it refused, the server only reports it.
+        self.store_stats: Callable[[], dict[str, int]] = dict
+        r.register(_StoreCollector(self))
 
     def observe_generation(self, endpoint: str, result: object) -> None:
         usage = result.usage  # type: ignore[attr-defined]
@@ -47,3 +54,18 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _StoreCollector(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        try:
+            stats = self.metrics.store_stats()
+        except Exception:  # noqa: BLE001  (a closed or unusable store: report nothing, not a 500)
+            stats = {}
+        yield CounterMetricFamily(
+            "inferscale_kv_corrupt", "KV files refused on load (checksum mismatch or non-finite values) and re-encoded",
+            value=stats.get("disk_corrupt", 0),
+        )

@@ -161,6 +161,11 @@ class MetaDB:
 
     # ------------------------------------------------------------------ facts
 
+    def count_facts(self) -> int:
+        """Live facts (each has a handle made with the store's secret)."""
+        with self.lock:
+            return int(self.conn.execute("SELECT COUNT(*) FROM facts WHERE deleted=0").fetchone()[0])
+
     def load_live_facts(self) -> list[FactRow]:
         with self.lock:
             rows = self.conn.execute(

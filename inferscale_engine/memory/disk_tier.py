@@ -2,12 +2,17 @@
 
 Files are written atomically (temp file in the same folder, fsync, ``os.replace``, fsync of
 the folder) and carry the model fingerprint in their metadata, so KV made by another model is
-refused, never served. Disk is write-through and unbounded: every encoded fact has its file
+refused, never served. Each file also carries a SHA-256 of its tensor bytes: content that
+rotted on disk (or was edited) fails it, is counted in ``corrupt`` and re-encoded, like a
+truncated file, never served. Non-finite values are refused both ways: one NaN injected into
+vLLM's paged cache outlives its request (see :func:`inferscale_engine.kv.check_finite`).
+Disk is write-through and unbounded: every encoded fact has its file
 before it enters memory, so the memory tiers above it are pure caches.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -18,7 +23,7 @@ from pathlib import Path
 import torch
 
 from inferscale_engine.errors import KVMissingError, StaleKVError
-from inferscale_engine.kv import FactKV
+from inferscale_engine.kv import FactKV, NonFiniteKVError, check_finite
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +42,8 @@ class DiskTier:
         self.root.mkdir(parents=True, exist_ok=True)
         self.writes = 0
         self.reads = 0
+        #: Files refused for content: checksum mismatch or non-finite values.
+        self.corrupt = 0
 
     def path(self, key: KVKey) -> Path:
         fact_id, version = key
@@ -52,7 +59,9 @@ class DiskTier:
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {"k": kv.k.detach().to("cpu").contiguous(), "v": kv.v.detach().to("cpu").contiguous()}
+        check_finite(tensors["k"], tensors["v"], f"KV of fact {key[0]} v{key[1]}")
         metadata = {
+            "sha256": _digest(tensors["k"], tensors["v"]),
             "format": FILE_FORMAT,
             "fingerprint": fingerprint,
             "fact_id": key[0],
@@ -97,6 +106,18 @@ class DiskTier:
         check_fingerprint(key, meta.get("fingerprint"), fingerprint, f"file {path.name}")
         if k.shape != v.shape or k.shape[1] != int(meta.get("num_tokens", -1)):
             raise KVMissingError(f"KV file {path.name} is inconsistent")
+        # Files written before checksums have none: they still get the finiteness check.
+        expected = meta.get("sha256")
+        try:
+            if expected is not None and _digest(k, v) != expected:
+                raise KVMissingError(f"KV file {path.name} fails its checksum (corrupted on disk)")
+            check_finite(k, v, f"KV file {path.name}")
+        except (KVMissingError, NonFiniteKVError) as exc:
+            self.corrupt += 1
+            # Gone, so the re-encode that follows is the only reader, and a file is counted once.
+            _unlink(path)
+            logger.warning("%s; removed it, the fact is re-encoded", exc)
+            raise KVMissingError(str(exc)) from None
         self.reads += 1
         return k, v, int(meta["position"])
 
@@ -153,6 +174,13 @@ def check_fingerprint(key: KVKey, found: str | None, expected: str, where: str) 
             f"KV of fact {key[0]} v{key[1]} in {where} was encoded under model fingerprint {found!r}, "
             f"this store serves {expected!r}; refusing it"
         )
+
+
+def _digest(k: torch.Tensor, v: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in (k, v):
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def _unlink(path: Path) -> None:

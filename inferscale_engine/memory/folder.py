@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import fcntl
+import hashlib
+import hmac
 import os
 import secrets
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from inferscale_engine.errors import InferScaleError
 
@@ -13,6 +16,83 @@ SECRET_FILE = "secret.key"
 DB_FILE = "memory.sqlite3"
 KV_DIR = "kv"
 LOCK_FILE = ".lock"
+
+if TYPE_CHECKING:
+    from inferscale_engine.memory.db import MetaDB
+
+#: Key, in the database's meta table, of a digest of the secret the store's handles were made with.
+SECRET_CHECK = "secret_check"
+
+
+class SecretError(InferScaleError):
+    """The handle secret is missing or is not the one the store's handles were made with."""
+
+
+def secret_check(secret: bytes) -> str:
+    """Identifies a secret without revealing it (a MAC of a constant under it)."""
+    return hmac.new(secret, b"inferscale secret check", hashlib.sha256).hexdigest()[:32]
+
+
+def rotate_command(folder: Path) -> str:
+    return f"inferscale memory rotate-secret --store {folder}"
+
+
+def open_secret(path: Path, db: MetaDB) -> bytes:
+    """The store's handle secret, checked against the one its handles were made with.
+
+    A store with facts whose secret is gone or replaced would call every handle it gave out
+    "forged" (403) while looking healthy: it refuses to open instead, naming the file and the
+    command that issues a new secret on purpose.
+    """
+    has_facts = db.count_facts() > 0
+    # Without facts there is no handle to keep valid: a new or emptied store takes what it finds.
+    recorded = db.get_meta(SECRET_CHECK) if has_facts else None
+    if not path.exists() and has_facts:
+        raise SecretError(
+            f"the handle secret {path} is missing, but this store has memories whose handles were made with it; "
+            f"restore the file from a backup, or issue a new secret (every handle given out so far stops "
+            f"working) with: {rotate_command(path.parent)}"
+        )
+    secret = load_secret(path)
+    check = secret_check(secret)
+    if recorded is not None and not hmac.compare_digest(recorded, check):
+        raise SecretError(
+            f"the handle secret {path} is not the one this store's handles were made with (replaced or "
+            f"damaged); restore the original file, or issue a new secret (every handle given out so far stops "
+            f"working) with: {rotate_command(path.parent)}"
+        )
+    if recorded is None and db.get_meta(SECRET_CHECK) != check:  # a store from before the check: trust what it has
+        db.set_meta(SECRET_CHECK, check)
+    return secret
+
+
+def rotate_secret(folder: Path) -> int:
+    """Give the store in ``folder`` a new handle secret; returns how many live memories get new
+    handles (the old ones stop working). The store must not be open elsewhere."""
+    from inferscale_engine.memory.db import MetaDB
+
+    lock = acquire_lock(folder / LOCK_FILE)
+    try:
+        db = MetaDB(folder / DB_FILE)
+        try:
+            secret = secrets.token_bytes(32)
+            path = folder / SECRET_FILE
+            tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, secret)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            # The check goes first: a crash between the two leaves a store that refuses to open
+            # (and says to rotate again), never one that silently serves under a mismatched secret.
+            db.set_meta(SECRET_CHECK, secret_check(secret))
+            os.replace(tmp, path)
+            return db.count_facts()
+        finally:
+            db.close()
+    finally:
+        release_lock(lock)
 
 
 def load_secret(path: Path) -> bytes:

@@ -31,7 +31,7 @@ from inferscale_engine.memory.encode_queue import EncodeQueue, Job
 from inferscale_engine.memory.encoding import Encoder
 from inferscale_engine.memory.facts import FactTable
 from inferscale_engine.memory.tiers import KVKey, KVMissingError, KVTiers
-from inferscale_engine.types import Span
+from inferscale_engine.types import Span, TextFact
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,11 @@ class KVKeeper:
         self._db = db
         self._db_open = True
         self._closed = False
+        #: Seconds ``resolve`` waits for a fact another thread is encoding before it serves the
+        #: fact as text; ``None`` (the library's default): wait up to ``resolve_timeout``, then
+        #: KVNotReadyError. The server sets it: under a backed-up encode queue, its chats waited
+        #: behind ingestion past 90 s.
+        self.serve_as_text_after: float | None = None
         self._pending: dict[str, _Pending] = {}
         self._encode_errors: dict[str, str] = {}
         self._queue = EncodeQueue(self._encode_batch, self._job_tokens, maxsize=queue_size, batch=batch,
@@ -166,14 +171,18 @@ class KVKeeper:
         self._queue.put(jobs)
         return len(jobs)
 
-    def spans(self, facts: list[FactRow]) -> list[Span]:
-        """What the engine injects for each fact: its tokens and their KV (see :meth:`kvs`)."""
+    def spans(self, facts: list[FactRow]) -> list[Span | TextFact]:
+        """What the engine injects for each fact: its tokens and their KV (see :meth:`kvs`). A fact
+        another thread is still encoding comes back as :class:`TextFact` (its tokens, prefilled):
+        a chat never waits behind ingestion for it."""
         return [Span(key=f"fact:{f.id}:{f.kv_version}", token_ids=tuple(f.token_ids or ()), kv=kv, text=f.text)
+                if kv is not None else TextFact(f.token_ids or ())
                 for kv, f in self.kvs(facts)]
 
-    def kvs(self, facts: list[FactRow]) -> list[tuple[FactKV, FactRow]]:
+    def kvs(self, facts: list[FactRow]) -> list[tuple[FactKV | None, FactRow]]:
         """KV of each fact (snapshots of live rows), read in one batch from the tiers; what is
-        not encoded yet, or whose KV needs repair, goes through :meth:`kv` one by one."""
+        not encoded yet, or whose KV needs repair, goes through :meth:`kv` one by one (``None``:
+        serve it as text, see :meth:`kv`)."""
         kvs: list[FactKV | None] = [None] * len(facts)
         ready = [i for i, f in enumerate(facts) if f.fingerprint == self.fingerprint]
         try:
@@ -263,8 +272,12 @@ class KVKeeper:
             logger.exception("could not record the new context of memory %s", f.id)
         return _Task(f.id, f.kv_version, tuple(f.token_ids), tuple(f.context_ids))
 
-    def _encode_jobs(self, jobs: list[tuple[EncodeWindow, list[tuple[_Task, _Pending]]]]) -> BaseException | None:
-        """Encode windows in one encoder call and store every captured span; returns the first error."""
+    def _encode_jobs(self, jobs: list[tuple[EncodeWindow, list[tuple[_Task, _Pending]]]],
+                     unstored: dict[KVKey, FactKV] | None = None) -> BaseException | None:
+        """Encode windows in one encoder call and store every captured span; returns the first error.
+
+        KV that was encoded but could not be written (a full or read-only disk) goes into
+        ``unstored``, when given, so the caller can still serve it."""
         assert self.encoder is not None and self.fingerprint is not None
         try:
             results = self.encoder.encode([w for w, _ in jobs])
@@ -286,6 +299,8 @@ class KVKeeper:
                 except Exception as exc:
                     self._fail([(task, p)], exc)
                     error = error or exc
+                    if unstored is not None and isinstance(exc, OSError):
+                        unstored[task.key] = kv
                 else:
                     stored.append((task, p))
         self._commit_encoded(stored)
@@ -357,8 +372,9 @@ class KVKeeper:
             self.retire(key[0])
         self.tiers.delete_key(key)
 
-    def kv(self, fact_id: str) -> tuple[FactKV, FactRow]:
-        """KV of the current version of ``fact_id`` (and that version's record)."""
+    def kv(self, fact_id: str) -> tuple[FactKV | None, FactRow]:
+        """KV of the current version of ``fact_id`` (and that version's record); ``None`` when
+        another thread is still encoding it after ``serve_as_text_after`` seconds."""
         deadline = time.monotonic() + self.resolve_timeout
         for _ in range(8):
             if self._closed:
@@ -396,14 +412,26 @@ class KVKeeper:
                     p.state = "running"
                     task = self._task(f)
             if mine:  # encode it now, in this thread
-                err = self._encode_jobs([(EncodeWindow.single(task.token_ids, task.context_ids), [(task, p)])])
+                unstored: dict[KVKey, FactKV] = {}
+                err = self._encode_jobs([(EncodeWindow.single(task.token_ids, task.context_ids), [(task, p)])],
+                                        unstored)
+                if task.key in unstored:
+                    # The add was acknowledged: a disk that cannot take its KV (full, read-only)
+                    # must not make the handle fail. Served from this encode; the next request
+                    # encodes again until a write succeeds.
+                    logger.warning("serving memory %s without storing its KV: %s", fact_id, err)
+                    return unstored[task.key], snap
                 if err is not None:
                     raise InferScaleError(f"could not encode memory {fact_id}: {err}") from err
                 continue
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not p.event.wait(remaining):  # type: ignore[union-attr]
-                raise KVNotReadyError(
-                    f"memory {fact_id} is still being encoded after {self.resolve_timeout:g}s "
-                    "(raise MemoryStore.resolve_timeout, or wait_for_encoding() before serving)"
-                )
+            patience = remaining if self.serve_as_text_after is None else min(remaining, self.serve_as_text_after)
+            if patience > 0 and p.event.wait(patience):  # type: ignore[union-attr]
+                continue
+            if self.serve_as_text_after is not None:
+                return None, snap
+            raise KVNotReadyError(
+                f"memory {fact_id} is still being encoded after {self.resolve_timeout:g}s "
+                "(raise MemoryStore.resolve_timeout, or wait_for_encoding() before serving)"
+            )
         raise InferScaleError(f"memory {fact_id} kept changing while it was being resolved; try again")

@@ -61,7 +61,7 @@ from inferscale_engine.memory.folder import (
     LOCK_FILE,
     SECRET_FILE,
     acquire_lock,
-    load_secret,
+    open_secret,
     release_lock,
 )
 from inferscale_engine.memory.index import IndexKind
@@ -69,7 +69,7 @@ from inferscale_engine.memory.item import MemoryItem
 from inferscale_engine.memory.kv_keeper import KVKeeper
 from inferscale_engine.memory.load import load_facts
 from inferscale_engine.memory.tiers import KVTiers
-from inferscale_engine.types import Span
+from inferscale_engine.types import Span, TextFact
 from inferscale_engine.memory.validation import (
     check_store_options,
     check_context,
@@ -145,9 +145,13 @@ class MemoryStore:
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = acquire_lock(self.path / LOCK_FILE)
         try:
-            self._codec = HandleCodec(load_secret(self.path / SECRET_FILE))
-            self.embedder = embedder if isinstance(embedder, Embedder) else Embedder(embedder, device=self.device)
             self._db = MetaDB(self.path / DB_FILE)
+            try:
+                self._codec = HandleCodec(open_secret(self.path / SECRET_FILE, self._db))
+            except BaseException:
+                self._db.close()
+                raise
+            self.embedder = embedder if isinstance(embedder, Embedder) else Embedder(embedder, device=self.device)
             self.tiers = KVTiers(
                 self.path / KV_DIR, device=self.device, device_bytes=device_kv_bytes,
                 host_bytes=host_kv_bytes, page_tokens=page_tokens,
@@ -186,6 +190,19 @@ class MemoryStore:
         self._resolve_timeout = float(seconds)
         if self._keeper is not None:
             self._keeper.resolve_timeout = self._resolve_timeout
+
+    @property
+    def serve_as_text_after(self) -> float | None:
+        """Seconds ``resolve`` waits for a fact that is being encoded before it returns the fact's
+        token ids as a :class:`~inferscale_engine.types.TextFact` (prefilled, counted in
+        ``usage.memories_as_text``) instead of its KV; ``None`` (default): wait up to
+        ``resolve_timeout``. ``inferscale serve`` sets it, so chats never wait behind ingestion."""
+        return self._keeper.serve_as_text_after if self._keeper is not None else None
+
+    @serve_as_text_after.setter
+    def serve_as_text_after(self, seconds: float | None) -> None:
+        if self._keeper is not None:
+            self._keeper.serve_as_text_after = None if seconds is None else float(seconds)
 
     def add(
         self,
@@ -324,7 +341,7 @@ class MemoryStore:
             self.table.lookup(fact_id, user_id)
         return self._codec.make(user_id, fact_id)
 
-    def resolve(self, handle: Handle | str, user_id: str) -> Span:
+    def resolve(self, handle: Handle | str, user_id: str) -> Span | TextFact:
         """The engine's ``FactSource``: the span a handle in a request of ``user_id`` stands for.
 
         Checks the MAC (:class:`ForgedHandleError`, also for another user's handle), existence
@@ -334,7 +351,7 @@ class MemoryStore:
         """
         return self.resolve_many([handle], user_id)[0]
 
-    def resolve_many(self, handles: Sequence[Handle | str], user_id: str) -> list[Span]:
+    def resolve_many(self, handles: Sequence[Handle | str], user_id: str) -> list[Span | TextFact]:
         """:meth:`resolve` for every handle of one request, reading their KV in one batch."""
         self._check_open()
         user_id = check_user(user_id)

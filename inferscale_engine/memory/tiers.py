@@ -234,6 +234,7 @@ class KVTiers:
                 "host_bytes_allocated": sum(c.nbytes for c in self._host_chunks),
                 "disk_writes": self.disk.writes,
                 "disk_reads": self.disk.reads,
+                "disk_corrupt": self.disk.corrupt,
                 **self.counters,
             }
 

@@ -10,10 +10,16 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from inferscale_engine.errors import check_utf8
+from inferscale_engine.errors import TooLargeError, check_utf8
 
 MAX_USER_ID = 128
 MAX_K = 1000
+#: One fact's text, in UTF-8 bytes. A fact is served inside a prompt: far more than any context.
+MAX_TEXT_BYTES = 64 << 10
+#: One fact's metadata, as compact JSON: it is returned with the fact in every listing and search.
+MAX_METADATA_BYTES = 64 << 10
+#: Nesting of metadata. Deeper documents were stored, then failed to serialise in every listing.
+MAX_METADATA_DEPTH = 20
 
 
 def check_user(user_id: Any) -> str:
@@ -37,7 +43,10 @@ def check_text(text: Any, what: str = "memory text") -> str:
         raise TypeError(f"{what} must be a string, got {type(text).__name__}")
     if not text.strip():
         raise ValueError(f"{what} is empty")
-    return check_utf8(text, what)
+    check_utf8(text, what)
+    if len(text) > MAX_TEXT_BYTES // 4 and len(text.encode()) > MAX_TEXT_BYTES:
+        raise TooLargeError(f"{what} is {len(text.encode())} bytes, more than the limit of {MAX_TEXT_BYTES}")
+    return text
 
 
 def texts_of(messages_or_text: Any) -> list[str]:
@@ -71,10 +80,27 @@ def check_metadata(metadata: Any) -> dict[str, Any]:
         return {}
     if not isinstance(metadata, Mapping):
         raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}")
+    _check_depth(metadata, 1)  # first: a deep document makes json.dumps itself recurse
     try:
-        return json.loads(json.dumps(dict(metadata)))
-    except (TypeError, ValueError) as exc:
+        text = json.dumps(dict(metadata), separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
         raise TypeError(f"metadata must be JSON-serialisable: {exc}") from None
+    if len(text) > MAX_METADATA_BYTES // 4 and len(text.encode()) > MAX_METADATA_BYTES:
+        raise TooLargeError(f"metadata is {len(text.encode())} bytes as JSON, more than the limit of {MAX_METADATA_BYTES}")
+    return json.loads(text)
+
+
+def _check_depth(value: Any, depth: int) -> None:
+    if depth > MAX_METADATA_DEPTH:
+        raise ValueError(f"metadata is nested more than {MAX_METADATA_DEPTH} levels deep")
+    if isinstance(value, Mapping):
+        for v in value.values():
+            if isinstance(v, (Mapping, list, tuple)):
+                _check_depth(v, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            if isinstance(v, (Mapping, list, tuple)):
+                _check_depth(v, depth + 1)
 
 
 def check_context(context: Any) -> list[str] | None:
