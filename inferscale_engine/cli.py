@@ -12,6 +12,7 @@ import os
 import sys
 import tempfile
 import textwrap
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -300,6 +301,22 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def _step(what: str, show: bool) -> Iterator[None]:
+    """``what ... 12.3 s`` on stderr, so a long start-up says where it is."""
+    if not show:
+        yield
+        return
+    print(f"{what} ...", end="", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        print(" failed", file=sys.stderr, flush=True)
+        raise
+    print(f" {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+
+
 # ---------------------------------------------------------------------- commands
 
 
@@ -339,15 +356,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.k < 0 or args.history < 0 or args.max_tokens < 1:
         raise ValueError("--k and --history must be >= 0 and --max-tokens >= 1")
     interactive = sys.stdin.isatty()
-    if interactive:
-        _progress(f"Loading {args.model} ... (first start prepares the model; later ones take ~10-20 s)")
-    with _quiet_stderr(interactive and not args.verbose):
+    quiet = interactive and not args.verbose
+    with _step("Preparing the model", interactive), _quiet_stderr(quiet):
+        from inferscale_engine.models import resolve_model
+
+        resolve_model(args.model)  # converts an alias once (~30 s), then a cached folder
+    with _step("Starting the engine (vLLM)", interactive), _quiet_stderr(quiet):
         engine = _make_engine(args)
-        try:
+    try:
+        with _step("Warming up (memory store, embedder)", interactive), _quiet_stderr(quiet):
             warm_up(engine.memory)  # open the store and load its embedder before the first turn
-        except BaseException:
-            engine.close()
-            raise
+    except BaseException:
+        engine.close()
+        raise
     try:
         session = ChatSession(
             engine,
@@ -375,7 +396,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             banner=banner,
         )
     finally:
-        engine.close()
+        with _step("Shutting down (finishing memory encoding, stopping vLLM)", interactive):
+            engine.close()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

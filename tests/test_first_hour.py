@@ -3,6 +3,7 @@ clear answers to mistakes. Fresh processes where import side effects are the poi
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -12,10 +13,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_py(code: str, *, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_py(code: str, *, unset: tuple[str, ...] = (), timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in unset}
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, cwd=ROOT, check=False,
+        env={**env, "PYTHONPATH": str(ROOT)}, cwd=ROOT, check=False,
     )
 
 
@@ -53,3 +55,34 @@ def test_locked_store_names_the_holder(tmp_path):
     err = " ".join(r.stderr.split())  # the CLI wraps long messages
     assert f"by process {holder.pid}" in err, err
     assert "/v1/memories/" in err, err
+
+
+def test_library_use_prints_no_vllm_logs_to_stdout(smollm2_path, tmp_path):
+    # The README's snippet in a fresh process: stdout carries the program's output only.
+    r = run_py(f"""
+        from inferscale_engine import InferScaleEngine
+        with InferScaleEngine(model={smollm2_path!r}, store_path={str(tmp_path / "store")!r}, max_model_len=1024) as e:
+            e.memory.add("My dog is called Rex.", user_id="u")
+            e.memory.wait_for_encoding()
+            print("REPLY", e.generate("Hello", user_id="u", max_tokens=4).text)
+    """)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("REPLY"), r.stdout
+    assert not any(level in r.stderr for level in (" INFO ", " WARNING ")), r.stderr[-3000:]
+
+
+def test_verbose_switch_gives_vllm_its_defaults_back():
+    r = run_py("""
+        import logging, os
+        import inferscale_engine  # noqa: F401  (quiet from the first import)
+        from inferscale_engine.logs import configure_vllm_logging
+        print(os.environ.get("VLLM_LOGGING_LEVEL"), os.environ.get("VLLM_LOGGING_STREAM"))
+        root = logging.getLogger(); before = (root.level, list(root.handlers))
+        import vllm.logger  # noqa: F401
+        configure_vllm_logging(verbose=True)
+        print(os.environ.get("VLLM_LOGGING_LEVEL"), logging.getLogger("vllm").level)
+        print((root.level, list(root.handlers)) == before)
+    """, unset=("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM", "INFERSCALE_VERBOSE"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines() == ["ERROR ext://sys.stderr", f"None {logging.INFO}", "True"]
