@@ -18,9 +18,11 @@ reply): a hit on an answer brings its question along, so the model sees who said
 
 from __future__ import annotations
 
+import difflib
 import logging
 import threading
 import uuid
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -41,6 +43,58 @@ ROLE_KEY = "role"  # "user" | "assistant" | "system" | "tool"
 TURN_KEY = "turn_id"  # facts of one conversation turn share it
 SESSION_KEY = "session_id"  # conversation (thread) the fact was said in
 SOURCE_KEY = "source"  # "langchain" | "llamaindex"
+
+#: The user of a class built without ``user_id``.
+DEFAULT_USER = "default"
+
+
+class SharedUserWarning(UserWarning):
+    """An integration class was built without ``user_id``: everyone using it shares the memories
+    of user ``"default"``. Raised as a warning, once per class and process; filter it (or make it
+    an error) with :mod:`warnings`."""
+
+
+_WARNED_SHARED: set[str] = set()
+
+
+def check_arguments(cls: type, data: Any, fields: Iterable[str], *, user: bool = True) -> None:
+    """Reject a misspelled argument with the closest known name, and warn, once per class, when
+    ``user_id`` is missing (a multi-user app that forgot it would mix its users' memories)."""
+    if not isinstance(data, dict):
+        return
+    known = set(fields)
+    unknown = sorted(k for k in data if k not in known)
+    if unknown:
+        hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, known, n=1)) else repr(name)
+                 for name in unknown]
+        raise ValueError(f"{cls.__name__} got unknown argument{'s' if len(unknown) > 1 else ''} {', '.join(hints)}")
+    if user:
+        warn_if_shared_user(cls, data.get("user_id"))
+
+
+def warn_if_shared_user(cls: type, user_id: str | None) -> None:
+    if user_id is not None or cls.__name__ in _WARNED_SHARED:
+        return
+    _WARNED_SHARED.add(cls.__name__)
+    warnings.warn(
+        f"{cls.__name__} was built without user_id, so it reads and writes the memories of the shared "
+        f"user {DEFAULT_USER!r}; pass user_id=... (one per end user) so users do not see each other's memories",
+        SharedUserWarning,
+        stacklevel=4,
+    )
+
+
+def pydantic_fields(cls: Any) -> set[str]:
+    """A pydantic model's field names and aliases: what its constructor accepts."""
+    names = set()
+    for name, info in cls.model_fields.items():
+        names.add(name)
+        if isinstance(info.alias, str):
+            names.add(info.alias)
+        if isinstance(info.validation_alias, str):
+            names.add(info.validation_alias)
+    return names
+
 
 _ENGINES: dict[str, InferScaleEngine] = {}
 _ENGINES_LOCK = threading.Lock()

@@ -86,3 +86,46 @@ def test_verbose_switch_gives_vllm_its_defaults_back():
     """, unset=("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM", "INFERSCALE_VERBOSE"))
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.splitlines() == ["ERROR ext://sys.stderr", f"None {logging.INFO}", "True"]
+
+
+def _classes():
+    from inferscale_integrations.langchain import ChatInferScale, InferScaleMemory, InferScaleRetriever
+    from inferscale_integrations.langchain import InferScaleLLM as LangChainLLM
+    from inferscale_integrations.llamaindex import InferScaleLLM as LlamaIndexLLM
+    from inferscale_integrations.llamaindex import InferScaleMemory as LlamaIndexMemory
+
+    return [ChatInferScale, LangChainLLM, InferScaleMemory, InferScaleRetriever, LlamaIndexLLM, LlamaIndexMemory]
+
+
+def test_misspelled_arguments_are_rejected_with_the_closest_name():
+    import pytest
+
+    for cls in _classes():
+        with pytest.raises(ValueError, match=r"unknown argument 'max_token'") as err:
+            cls(model="smollm2", user_id="a", max_token=10)
+        assert cls.__name__ in str(err.value)
+    from inferscale_integrations.langchain import ChatInferScale
+
+    with pytest.raises(ValueError, match=r"did you mean 'max_tokens'"):
+        ChatInferScale(model="smollm2", user_id="a", max_token=10)
+    with pytest.raises(ValueError, match=r"did you mean 'user_id'"):
+        ChatInferScale(model="smollm2", userid="a")
+
+
+def test_a_missing_user_id_warns_once_per_class():
+    import warnings
+
+    from inferscale_integrations import _common
+    from inferscale_integrations.langchain import ChatInferScale, InferScaleChatMessageHistory
+
+    _common._WARNED_SHARED.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ChatInferScale(model="smollm2")
+        ChatInferScale(model="smollm2")
+        ChatInferScale(model="smollm2", user_id="alice")
+        history = InferScaleChatMessageHistory(model="smollm2")
+    shared = [w for w in caught if issubclass(w.category, _common.SharedUserWarning)]
+    assert [str(w.message).split()[0] for w in shared] == ["ChatInferScale", "InferScaleChatMessageHistory"]
+    assert "pass user_id=" in str(shared[0].message)
+    assert history.user_id == _common.DEFAULT_USER

@@ -24,6 +24,7 @@ from langchain_core.messages import (
 )
 
 from inferscale_integrations._common import (
+    DEFAULT_USER,
     EncodeStyle,
     RecallMode,
     all_items,
@@ -33,6 +34,7 @@ from inferscale_integrations._common import (
     resolve_engine,
     role_of,
     save_messages,
+    warn_if_shared_user,
 )
 
 if TYPE_CHECKING:
@@ -99,7 +101,7 @@ class InferScaleChatMessageHistory(BaseChatMessageHistory):
 
     def __init__(
         self,
-        user_id: str = "default",
+        user_id: str | None = None,
         session_id: str | None = None,
         *,
         engine: InferScaleEngine | None = None,
@@ -110,7 +112,8 @@ class InferScaleChatMessageHistory(BaseChatMessageHistory):
         encode_style: EncodeStyle = "chat",
         prefixes: tuple[str, str] = ("Human", "AI"),
     ) -> None:
-        self.user_id = user_id
+        warn_if_shared_user(type(self), user_id)
+        self.user_id = user_id if user_id is not None else DEFAULT_USER
         self.encode_style: EncodeStyle = encode_style
         self.prefixes = prefixes
         self.session_id = session_id

@@ -25,9 +25,9 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import ConfigDict, Field, SecretStr
+from pydantic import ConfigDict, Field, SecretStr, model_validator
 
-from inferscale_integrations._common import model_name_of, own_engine, resolve_engine
+from inferscale_integrations._common import check_arguments, model_name_of, own_engine, pydantic_fields, resolve_engine
 from inferscale_integrations.langchain._messages import (
     parse_tool_calls,
     to_engine_messages,
@@ -123,6 +123,12 @@ class ChatInferScale(BaseChatModel):
     """Accepted for ChatOpenAI compatibility; local generation is not retried."""
     api_key: SecretStr | None = None
     """Accepted for ChatOpenAI compatibility and ignored (there is no API)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_arguments(cls, data: Any) -> Any:
+        check_arguments(cls, data, pydantic_fields(cls))
+        return data
 
     # ------------------------------------------------------------------ LangChain plumbing
 

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 from langchain_core.messages import BaseMessage
 from langchain_core.prompt_values import ChatPromptValue, PromptValue, StringPromptValue
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
-from inferscale_integrations._common import expand_handles, resolve_engine
+from inferscale_integrations._common import check_arguments, expand_handles, pydantic_fields, resolve_engine
 
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
@@ -34,6 +34,12 @@ class HandleExpander(RunnableSerializable[Any, Any]):
     engine: Any = Field(default=None, exclude=True)
     model: str | None = None
     user_id: str = "default"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_arguments(cls, data: Any) -> Any:
+        check_arguments(cls, data, pydantic_fields(cls), user=False)
+        return data
 
     def _engine(self) -> InferScaleEngine:
         self.engine = resolve_engine(self.engine, self.model)

@@ -18,9 +18,9 @@ from langchain_core.callbacks import (
 )
 from langchain_core.language_models.llms import LLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
-from inferscale_integrations._common import model_name_of
+from inferscale_integrations._common import check_arguments, model_name_of, pydantic_fields
 from inferscale_integrations.langchain.chat_models import (
     PROVIDER,
     engine_for,
@@ -65,6 +65,12 @@ class InferScaleLLM(LLM):
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra vLLM ``SamplingParams``."""
     streaming: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_arguments(cls, data: Any) -> Any:
+        check_arguments(cls, data, pydantic_fields(cls))
+        return data
 
     @property
     def _llm_type(self) -> str:

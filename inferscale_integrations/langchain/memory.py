@@ -32,8 +32,10 @@ from pydantic import ConfigDict, Field, model_validator
 
 from inferscale_integrations._common import (
     RecallMode,
+    check_arguments,
     check_mode,
     own_engine,
+    pydantic_fields,
     recall,
 )
 from inferscale_integrations.langchain.chat_history import (
@@ -83,6 +85,12 @@ class InferScaleMemory(BaseChatMemory):
     """Most recent turns of the session always included (the running conversation)."""
     min_score: float | None = None
     """Drop search hits scoring below this."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_arguments(cls, data: Any) -> Any:
+        check_arguments(cls, data, pydantic_fields(cls))
+        return data
 
     @model_validator(mode="after")
     def _wire_history(self) -> InferScaleMemory:

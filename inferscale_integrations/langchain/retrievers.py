@@ -18,14 +18,16 @@ from langchain_core.callbacks import (
 )
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from inferscale_integrations._common import (
     RecallMode,
+    check_arguments,
     check_mode,
     content_of,
     item_metadata,
     own_engine,
+    pydantic_fields,
     search,
 )
 
@@ -55,6 +57,12 @@ class InferScaleRetriever(BaseRetriever):
     k: int = 4
     mode: RecallMode = "handles"
     min_score: float | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_arguments(cls, data: Any) -> Any:
+        check_arguments(cls, data, pydantic_fields(cls))
+        return data
 
     @field_validator("mode")
     @classmethod

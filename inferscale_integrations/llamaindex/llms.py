@@ -23,13 +23,13 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
 from inferscale_engine.errors import MissingUserError
 from inferscale_engine.handles import HANDLE_PATTERN
-from inferscale_integrations._common import model_name_of, resolve_engine
+from inferscale_integrations._common import check_arguments, model_name_of, pydantic_fields, resolve_engine
 from inferscale_integrations.llamaindex.retrievers import issued_to
 
 if TYPE_CHECKING:
@@ -104,6 +104,12 @@ class InferScaleLLM(CustomLLM):
     engine_options: dict[str, Any] = Field(default_factory=dict)
 
     _engine: Any = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_arguments(cls, data: Any) -> Any:
+        check_arguments(cls, data, pydantic_fields(cls), user=False)
+        return data
 
     def __init__(self, *, engine: InferScaleEngine | None = None, model: str | None = None, **kwargs: Any) -> None:
         if model is not None:

@@ -18,15 +18,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
 from llama_index.core.memory.memory import BaseMemoryBlock
 from llama_index.core.memory.types import BaseMemory
 
 from inferscale_integrations._common import (
     RecallMode,
     all_items,
+    check_arguments,
     check_mode,
     content_of,
+    pydantic_fields,
     recall,
     resolve_engine,
     role_of,
@@ -73,6 +75,12 @@ class InferScaleMemory(BaseMemory):
 
     _engine: Any = PrivateAttr(default=None)
     _pending: list[ChatMessage] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_arguments(cls, data: Any) -> Any:
+        check_arguments(cls, data, pydantic_fields(cls))
+        return data
 
     def __init__(self, *, engine: InferScaleEngine | None = None, model: str | None = None, **kwargs: Any) -> None:
         if model is not None:
@@ -195,6 +203,12 @@ class InferScaleMemoryBlock(BaseMemoryBlock[list[ChatMessage]]):
     k: int = Field(default=4)
     min_score: float | None = Field(default=None)
     engine_options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_arguments(cls, data: Any) -> Any:
+        check_arguments(cls, data, pydantic_fields(cls))
+        return data
 
     _engine: Any = PrivateAttr(default=None)
 
