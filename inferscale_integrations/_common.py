@@ -48,12 +48,6 @@ SOURCE_KEY = "source"  # "langchain" | "llamaindex"
 DEFAULT_USER = "default"
 
 
-class SharedUserWarning(UserWarning):
-    """An integration class was built without ``user_id``: everyone using it shares the memories
-    of user ``"default"``. Raised as a warning, once per class and process; filter it (or make it
-    an error) with :mod:`warnings`."""
-
-
 _WARNED_SHARED: set[str] = set()
 
 
@@ -75,6 +69,8 @@ def check_arguments(cls: type, data: Any, fields: Iterable[str], *, user: bool =
 def warn_if_shared_user(cls: type, user_id: str | None) -> None:
     if user_id is not None or cls.__name__ in _WARNED_SHARED:
         return
+    from inferscale_engine.errors import SharedUserWarning
+
     _WARNED_SHARED.add(cls.__name__)
     warnings.warn(
         f"{cls.__name__} was built without user_id, so it reads and writes the memories of the shared "
@@ -479,12 +475,10 @@ def expand_handles(text: str, *, store: MemoryStore, user_id: str) -> str:
 
 def fact_text(store: MemoryStore, handle: str, *, user_id: str) -> str:
     from inferscale_engine.errors import FactNotFoundError, ForgedHandleError
-    from inferscale_engine.handles import find_handles
+    from inferscale_engine.handles import find_handles, forged_handle_message
 
     (parsed,) = find_handles(handle)
-    forged = ForgedHandleError(
-        f"memory handle {parsed.text} is not valid for this user (forged, altered, or belongs to someone else)"
-    )
+    forged = ForgedHandleError(forged_handle_message(parsed.text, user_id))
     try:
         expected = store.handle(parsed.fact_id, user_id=user_id)
     except FactNotFoundError:

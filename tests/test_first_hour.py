@@ -115,6 +115,7 @@ def test_misspelled_arguments_are_rejected_with_the_closest_name():
 def test_a_missing_user_id_warns_once_per_class():
     import warnings
 
+    from inferscale_engine.errors import SharedUserWarning
     from inferscale_integrations import _common
     from inferscale_integrations.langchain import ChatInferScale, InferScaleChatMessageHistory
 
@@ -125,7 +126,7 @@ def test_a_missing_user_id_warns_once_per_class():
         ChatInferScale(model="smollm2")
         ChatInferScale(model="smollm2", user_id="alice")
         history = InferScaleChatMessageHistory(model="smollm2")
-    shared = [w for w in caught if issubclass(w.category, _common.SharedUserWarning)]
+    shared = [w for w in caught if issubclass(w.category, SharedUserWarning)]
     assert [str(w.message).split()[0] for w in shared] == ["ChatInferScale", "InferScaleChatMessageHistory"]
     assert "pass user_id=" in str(shared[0].message)
     assert history.user_id == _common.DEFAULT_USER
