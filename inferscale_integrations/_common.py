@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import sys
 import threading
 import uuid
 import warnings
@@ -76,8 +77,19 @@ def warn_if_shared_user(cls: type, user_id: str | None) -> None:
         f"{cls.__name__} was built without user_id, so it reads and writes the memories of the shared "
         f"user {DEFAULT_USER!r}; pass user_id=... (one per end user) so users do not see each other's memories",
         SharedUserWarning,
-        stacklevel=4,
+        stacklevel=_caller_level(),
     )
+
+
+def _caller_level() -> int:
+    """The stack level of the user's line that built the class (past pydantic and the frameworks)."""
+    level, frame = 2, sys._getframe(2)
+    while frame.f_back is not None and any(part in frame.f_code.co_filename for part in _LIBRARY_PATHS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_LIBRARY_PATHS = ("/pydantic/", "/inferscale_integrations/", "/langchain", "/llama_index/")
 
 
 def pydantic_fields(cls: Any) -> set[str]:
