@@ -41,6 +41,8 @@ Commands:
   /remember TEXT       store TEXT as a memory without chatting
   /forget ID           forget one memory (id as shown by /memories; a unique prefix is enough)
   /forget all          forget everything about you
+  /why                 what the last reply was given: the recalled memories (with their
+                       search scores) and the recent turns kept
   /clear               clear the recent-turn history (memories stay)
   /help                this help
   /quit                leave (Ctrl-D works too)"""
@@ -249,7 +251,8 @@ class ChatSession:
             recalled = used
             break
         assert result is not None
-        self.history.append((text, result.text.strip()))
+        if keep_in_history(text, result.text):
+            self.history.append((text, result.text.strip()))
         self.last = TurnResult(text, result.text, result, list(recalled), [], messages)
         self.last.stored = self._store_turn(text, result.text)
 
@@ -290,6 +293,17 @@ class ChatSession:
             items += self.store.add([{"role": "assistant", "content": reply.strip()}], user_id=self.user_id, metadata=meta, context=ctx)
         return items
 
+    def why(self) -> list[str]:
+        """What the last turn's reply was given, for ``/why``."""
+        if self.last is None:
+            return ["(no turn yet)"]
+        lines = [f"{len(self.last.recalled)} memor{'y' if len(self.last.recalled) == 1 else 'ies'} recalled "
+                 f"(best last; cutoff {self.min_score if self.min_score is not None else 'none'}):"]
+        lines += [f"  {m.score:.3f}  {m.memory}" if m.score is not None else f"  {m.memory}" for m in self.last.recalled]
+        turns = sum(m["role"] == "assistant" for m in self.last.messages)
+        lines.append(f"{turns} recent turn{'' if turns == 1 else 's'} sent as messages")
+        return lines
+
     # ------------------------------------------------------------------ memory commands
 
     def remember_text(self, text: str) -> list[Any]:
@@ -320,6 +334,32 @@ class ChatSession:
         wait = getattr(self.store, "wait_for_encoding", None)
         if wait is not None:
             wait()
+
+
+#: Replies that, once in the recent-turn window, the next turns copy instead of the memories.
+_DERAILED = ("i'm sorry", "i am sorry", "as a helpful assistant", "as an ai", "i don't have personal",
+             "i do not have personal", "not equipped", "i cannot", "i can't")
+#: Common English words: a reply with none of them, to a message with some, is in another language.
+_ENGLISH = frozenset("the is are you your i my me to of and in it that this for what with have be".split())
+
+
+def keep_in_history(user_text: str, reply: str) -> bool:
+    """Whether an exchange stays in the recent-turn window (the decision, issue 24).
+
+    Small models copy the window: one reply in another language or one refusal, kept, turned
+    every later reply the same way. So an exchange is dropped when its reply is empty, refuses
+    or apologises, or is in another language than the user's message. Dropped exchanges only
+    leave the window; the user's statement is still stored as a memory.
+    """
+    words = reply.lower().split()
+    if not words:
+        return False
+    low = reply.lower()
+    if any(p in low for p in _DERAILED):
+        return False
+    user_words = {w.strip(".,!?'\"") for w in user_text.lower().split()}
+    reply_words = {w.strip(".,!?'\"") for w in words}
+    return not (len(words) >= 4 and user_words & _ENGLISH and not reply_words & _ENGLISH)
 
 
 def warm_up(store: Any) -> None:
@@ -442,6 +482,9 @@ def _command(session: ChatSession, line: str, say: Any, style: _Style) -> str | 
                 raise ValueError("usage: /remember TEXT")
             for m in session.remember_text(arg.strip()):
                 say(f"remembered {m.id}: {m.memory}")
+        elif cmd == "/why":
+            for line in session.why():
+                say(line)
         elif cmd == "/clear":
             session.history.clear()
             say("history cleared (memories kept)")

@@ -243,3 +243,33 @@ def test_locomo_parsing():
     assert {t["speaker"] for t in c["turns"]} == {"Caroline", "Melanie"}
     assert any("[shares a photo:" in t["text"] for t in c["turns"])
     assert locomo_user("locomo", c["sample_id"], "Caroline") == f"locomo-{c['sample_id']}-Caroline"
+
+
+def test_recent_turn_window_drops_replies_that_would_poison_the_next_turn():
+    from inferscale_engine.chat import keep_in_history
+
+    assert keep_in_history("My dog is called Rex.", "Nice! Rex is a great name for a dog.")
+    assert not keep_in_history("My dog is called Rex.", "O seu cão chama-se Rex, que nome bonito.")  # Portuguese
+    assert not keep_in_history("What colour is my bicycle?", "I'm sorry for your loss, but as a helpful assistant...")
+    assert not keep_in_history("hi", "  ")
+    assert keep_in_history("Olá, tudo bem?", "Tudo bem, obrigado!")  # the user's own language is kept
+
+    engine = FakeEngine(reply="Olá! O seu cão chama-se Rex, que nome bonito.")
+    chat = ChatSession(engine, user_id="u", history_turns=2)
+    chat.send("My dog is called Rex.")
+    assert chat.history == [] and [i.memory for i in engine.memory.items] == ["My dog is called Rex."]
+    engine.reply = "Your dog is Rex."
+    chat.send("What is my dog's name?")
+    chat.send("And what is it again?")
+    assert [m["role"] for m in engine.calls[-1]] == ["system", "user", "assistant", "user"]
+
+
+def test_why_shows_what_the_last_reply_was_given():
+    engine = FakeEngine()
+    chat = ChatSession(engine, user_id="u")
+    out = io.StringIO()
+    run_repl(chat, stdin=io.StringIO("/why\nMy dog is called Rex.\nWhat is my dog called?\n/why\n"), stdout=out)
+    text = out.getvalue()
+    assert "(no turn yet)" in text
+    assert "1 memory recalled (best last; cutoff 0.25):" in text and "My dog is called Rex." in text
+    assert "1 recent turn sent as messages" in text
