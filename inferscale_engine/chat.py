@@ -251,7 +251,7 @@ class ChatSession:
             recalled = used
             break
         assert result is not None
-        if keep_in_history(text, result.text):
+        if keep_in_history(text, result.text, [reply for _, reply in self.history[-self.history_turns:]]):
             self.history.append((text, result.text.strip()))
         self.last = TurnResult(text, result.text, result, list(recalled), [], messages)
         self.last.stored = self._store_turn(text, result.text)
@@ -343,16 +343,20 @@ _DERAILED = ("i'm sorry", "i am sorry", "as a helpful assistant", "as an ai", "i
 _ENGLISH = frozenset("the is are you your i my me to of and in it that this for what with have be".split())
 
 
-def keep_in_history(user_text: str, reply: str) -> bool:
+def keep_in_history(user_text: str, reply: str, window: Sequence[str] = ()) -> bool:
     """Whether an exchange stays in the recent-turn window (the decision, issue 24).
 
     Small models copy the window: one reply in another language or one refusal, kept, turned
-    every later reply the same way. So an exchange is dropped when its reply is empty, refuses
-    or apologises, or is in another language than the user's message. Dropped exchanges only
-    leave the window; the user's statement is still stored as a memory.
+    every later reply the same way, and a reply that copies the opening of one in the window
+    starts a loop (SmolLM2 answered five questions in a row "You can take your ..."). So an
+    exchange is dropped when its reply is empty, refuses or apologises, opens with the same four
+    words as a reply in ``window``, or is in another language than the user's message. Dropped
+    exchanges only leave the window; the user's statement is still stored as a memory.
     """
     words = reply.lower().split()
     if not words:
+        return False
+    if len(words) >= 4 and any(prev.lower().split()[:4] == words[:4] for prev in window):
         return False
     low = reply.lower()
     if any(p in low for p in _DERAILED):
