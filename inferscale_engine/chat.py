@@ -137,7 +137,8 @@ class ChatSession:
             default: "What is my dog's name?" says nothing about the user, and once stored it
             is recalled for every later question on the topic, crowding out the facts.
         min_score: recall only memories whose search score (cosine) is at least this;
-            ``None`` keeps all ``k``. Irrelevant facts confuse small models more than they help.
+            ``None`` (default) keeps all ``k``: scores do not separate a user's true facts from
+            unrelated ones (measured in docs/cli.md), so a cutoff drops facts it should keep.
 
     Recalled memories go into the system message best-last (nearest the question: small
     models attend to it most). New memories are encoded after the very text that precedes
@@ -158,7 +159,7 @@ class ChatSession:
         remember: bool = True,
         remember_replies: bool = False,
         remember_questions: bool = False,
-        min_score: float | None = 0.25,
+        min_score: float | None = None,
         **sampling: Any,
     ) -> None:
         if k < 0 or history_turns < 0:

@@ -275,5 +275,5 @@ def test_why_shows_what_the_last_reply_was_given():
     run_repl(chat, stdin=io.StringIO("/why\nMy dog is called Rex.\nWhat is my dog called?\n/why\n"), stdout=out)
     text = out.getvalue()
     assert "(no turn yet)" in text
-    assert "1 memory recalled (best last; cutoff 0.25):" in text and "My dog is called Rex." in text
+    assert "1 memory recalled (best last; cutoff none):" in text and "My dog is called Rex." in text
     assert "1 recent turn sent as messages" in text
