@@ -1,5 +1,5 @@
 # Entry points; each works on a fresh machine (it builds .venv first):
-#   make chat   - the memory chatbot (SmolLM2-135M-Instruct on the CPU, store in your data dir);
+#   make chat   - the memory chatbot (Qwen2.5-Coder-0.5B-Instruct on the CPU, store in your data dir);
 #                 flags go in ARGS: make chat ARGS="--show-usage --user alice"
 #   make test   - lint, then the test suite (what CI runs)
 #   make lint   - ruff and mypy only (settings in pyproject.toml)

@@ -48,7 +48,6 @@ SOURCE_KEY = "source"  # "langchain" | "llamaindex"
 #: The user of a class built without ``user_id``.
 DEFAULT_USER = "default"
 
-
 _WARNED_SHARED: set[str] = set()
 
 
@@ -81,15 +80,15 @@ def warn_if_shared_user(cls: type, user_id: str | None) -> None:
     )
 
 
+_LIBRARY_PATHS = ("/pydantic/", "/inferscale_integrations/", "/langchain", "/llama_index/")
+
+
 def _caller_level() -> int:
     """The stack level of the user's line that built the class (past pydantic and the frameworks)."""
     level, frame = 2, sys._getframe(2)
     while frame.f_back is not None and any(part in frame.f_code.co_filename for part in _LIBRARY_PATHS):
         frame, level = frame.f_back, level + 1
     return level
-
-
-_LIBRARY_PATHS = ("/pydantic/", "/inferscale_integrations/", "/langchain", "/llama_index/")
 
 
 def pydantic_fields(cls: Any) -> set[str]:

@@ -108,6 +108,7 @@ class InferScaleLLM(CustomLLM):
     @model_validator(mode="before")
     @classmethod
     def _check_arguments(cls, data: Any) -> Any:
+        # user_id=None has a rule of its own here: the user the recalled handles were issued to.
         check_arguments(cls, data, pydantic_fields(cls), user=False)
         return data
 
