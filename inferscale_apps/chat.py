@@ -41,6 +41,8 @@ Commands:
   /remember TEXT       store TEXT as a memory without chatting
   /forget ID           forget one memory (id as shown by /memories; a unique prefix is enough)
   /forget all          forget everything about you
+  /why                 what the last reply was given: the recalled memories (with their
+                       search scores) and the recent turns kept
   /clear               clear the recent-turn history (memories stay)
   /help                this help
   /quit                leave (Ctrl-D works too)"""
@@ -86,7 +88,8 @@ class ChatSession:
             default: "What is my dog's name?" says nothing about the user, and once stored it
             is recalled for every later question on the topic, crowding out the facts.
         min_score: recall only memories whose search score (cosine) is at least this;
-            ``None`` keeps all ``k``. Irrelevant facts confuse small models more than they help.
+            ``None`` (default) keeps all ``k``: scores do not separate a user's true facts from
+            unrelated ones (measured in docs/cli.md), so a cutoff drops facts it should keep.
 
     Recalled memories go into the system message best-last (nearest the question: small
     models attend to it most). New memories are encoded after the very text that precedes
@@ -107,7 +110,7 @@ class ChatSession:
         remember: bool = True,
         remember_replies: bool = False,
         remember_questions: bool = False,
-        min_score: float | None = 0.25,
+        min_score: float | None = None,
         **sampling: Any,
     ) -> None:
         if k < 0 or history_turns < 0:
@@ -200,7 +203,8 @@ class ChatSession:
             recalled = used
             break
         assert result is not None
-        self.history.append((text, result.text.strip()))
+        if keep_in_history(text, result.text, [reply for _, reply in self.history[-self.history_turns:]]):
+            self.history.append((text, result.text.strip()))
         self.last = TurnResult(text, result.text, result, list(recalled), [], messages)
         self.last.stored = self._store_turn(text, result.text)
 
@@ -241,6 +245,17 @@ class ChatSession:
             items += self.store.add([{"role": "assistant", "content": reply.strip()}], user_id=self.user_id, metadata=meta, context=ctx)
         return items
 
+    def why(self) -> list[str]:
+        """What the last turn's reply was given, for ``/why``."""
+        if self.last is None:
+            return ["(no turn yet)"]
+        lines = [f"{len(self.last.recalled)} memor{'y' if len(self.last.recalled) == 1 else 'ies'} recalled "
+                 f"(best last; cutoff {self.min_score if self.min_score is not None else 'none'}):"]
+        lines += [f"  {m.score:.3f}  {m.memory}" if m.score is not None else f"  {m.memory}" for m in self.last.recalled]
+        turns = sum(m["role"] == "assistant" for m in self.last.messages)
+        lines.append(f"{turns} recent turn{'' if turns == 1 else 's'} sent as messages")
+        return lines
+
     # ------------------------------------------------------------------ memory commands
 
     def remember_text(self, text: str) -> list[Any]:
@@ -271,6 +286,36 @@ class ChatSession:
         wait = getattr(self.store, "wait_for_encoding", None)
         if wait is not None:
             wait()
+
+
+#: Replies that, once in the recent-turn window, the next turns copy instead of the memories.
+_DERAILED = ("i'm sorry", "i am sorry", "as a helpful assistant", "as an ai", "i don't have personal",
+             "i do not have personal", "not equipped", "i cannot", "i can't")
+#: Common English words: a reply with none of them, to a message with some, is in another language.
+_ENGLISH = frozenset("the is are you your i my me to of and in it that this for what with have be".split())
+
+
+def keep_in_history(user_text: str, reply: str, window: Sequence[str] = ()) -> bool:
+    """Whether an exchange stays in the recent-turn window (the decision, issue 24).
+
+    Small models copy the window: one reply in another language or one refusal, kept, turned
+    every later reply the same way, and a reply that copies the opening of one in the window
+    starts a loop (SmolLM2 answered five questions in a row "You can take your ..."). So an
+    exchange is dropped when its reply is empty, refuses or apologises, opens with the same four
+    words as a reply in ``window``, or is in another language than the user's message. Dropped
+    exchanges only leave the window; the user's statement is still stored as a memory.
+    """
+    words = reply.lower().split()
+    if not words:
+        return False
+    if len(words) >= 4 and any(prev.lower().split()[:4] == words[:4] for prev in window):
+        return False
+    low = reply.lower()
+    if any(p in low for p in _DERAILED):
+        return False
+    user_words = {w.strip(".,!?'\"") for w in user_text.lower().split()}
+    reply_words = {w.strip(".,!?'\"") for w in words}
+    return not (len(words) >= 4 and user_words & _ENGLISH and not reply_words & _ENGLISH)
 
 
 def _chain(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
@@ -386,6 +431,9 @@ def _command(session: ChatSession, line: str, say: Any, style: _Style) -> str | 
                 raise ValueError("usage: /remember TEXT")
             for m in session.remember_text(arg.strip()):
                 say(f"remembered {m.id}: {m.memory}")
+        elif cmd == "/why":
+            for line in session.why():
+                say(line)
         elif cmd == "/clear":
             session.history.clear()
             say("history cleared (memories kept)")

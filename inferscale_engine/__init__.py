@@ -7,6 +7,11 @@ from typing import TYPE_CHECKING
 # takes effect when set before torch starts its thread pool, so it lives at package import.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from inferscale_engine.logs import configure_vllm_logging as _configure_vllm_logging  # noqa: E402
+
+# Before anything imports vLLM, which configures its logging (INFO, stdout) when imported.
+_configure_vllm_logging()
+
 from inferscale_engine.types import (  # noqa: E402  (after the environment setting above)
     FactSource,
     GenerationResult,

@@ -11,14 +11,16 @@ import queue
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
-from inferscale_engine.connector.bridge import Bridge, CaptureBuffer
-from inferscale_engine.connector.plan import CapturePlan, CaptureRange
-from inferscale_engine.kv import FactKV
-from inferscale_engine.loop import EngineLoop
+if TYPE_CHECKING:
+    # Runtime imports live in encode_windows: the store imports EncodeWindow, and store-only
+    # commands (`inferscale memory list`) must not pay for vLLM and torch.
+    from inferscale_engine.connector.bridge import Bridge
+    from inferscale_engine.kv import FactKV
+    from inferscale_engine.loop import EngineLoop
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,9 @@ def encode_windows(
 ) -> list[list[FactKV]]:
     """Run every window through vLLM in one batch; return the KV of each range, in order."""
     from vllm import SamplingParams
+
+    from inferscale_engine.connector.bridge import CaptureBuffer
+    from inferscale_engine.connector.plan import CapturePlan, CaptureRange
 
     for w in windows:
         if not w.ranges or any(n <= 0 for _, n in w.ranges):

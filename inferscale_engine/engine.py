@@ -50,6 +50,7 @@ from inferscale_engine.errors import (
 )
 from inferscale_engine.handles import split_on_handles
 from inferscale_engine.kv import FactKV, check_finite
+from inferscale_engine.logs import configure_vllm_logging
 from inferscale_engine.loop import EngineLoop
 from inferscale_engine.rope import RopeTable
 from inferscale_engine.types import (
@@ -89,6 +90,8 @@ class InferScaleEngine:
         model: a local model folder or an alias (``"smollm2"``).
         device: ``"cpu"`` or ``"cuda"``; detected when omitted.
         store_path: folder of the memory store (default under the user's data dir).
+        verbose: show vLLM's INFO and WARNING logs (on stdout, vLLM's default). None (default):
+            ``$INFERSCALE_VERBOSE``, else errors only, on stderr (:mod:`inferscale_engine.logs`).
         **options: any :class:`EngineConfig` field (``max_model_len``, ``window``, ``dtype``...);
             anything else is passed to vLLM's ``EngineArgs``.
     """
@@ -98,10 +101,12 @@ class InferScaleEngine:
         model: str = "smollm2",
         device: Literal["cpu", "cuda"] | None = None,
         store_path: str | os.PathLike | None = None,
+        verbose: bool | None = None,
         **options: Any,
     ) -> None:
         from inferscale_engine.models import resolve_model
 
+        configure_vllm_logging(verbose)
         self.config = EngineConfig.from_options(model=model, device=device, store_path=store_path, **options)
         self.model_path = resolve_model(self.config.model)
         _configure_vllm_environment(self.config)

@@ -86,3 +86,9 @@ def check_utf8(text: str, what: str) -> str:
     except UnicodeEncodeError as exc:
         raise ValueError(f"{what} is not valid UTF-8 text ({exc.reason} at position {exc.start})") from None
     return text
+
+
+class SharedUserWarning(InferScaleError, UserWarning):
+    """An integration class was built without ``user_id``: everyone using it shares the memories
+    of user ``"default"``. Warned once per class and process; filter it, or make it an error,
+    with :mod:`warnings` (as an error it is an InferScaleError)."""

@@ -103,8 +103,13 @@ class HandleCodec:
                 raise MalformedHandleError(f"not a single memory handle: {handle[:64]!r}")
             handle = found[0]
         if not hmac.compare_digest(handle.mac, self._mac(user_id, handle.fact_id)):
-            raise ForgedHandleError(
-                f"memory handle {handle.text} is not valid for this user "
-                "(forged, altered, or belongs to someone else)"
-            )
+            raise ForgedHandleError(forged_handle_message(handle.text, user_id))
         return handle.fact_id
+
+
+def forged_handle_message(handle: str, user_id: str) -> str:
+    # The owner is not named: over HTTP that would tell one tenant another's user id.
+    return (
+        f"memory handle {handle} was not issued to user_id {user_id!r}: it belongs to another user, or was "
+        "forged or altered. Give the LLM the same user_id as the memory (or retriever) that recalled it"
+    )

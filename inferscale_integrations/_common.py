@@ -18,9 +18,12 @@ reply): a hit on an answer brings its question along, so the model sees who said
 
 from __future__ import annotations
 
+import difflib
 import logging
+import sys
 import threading
 import uuid
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Self
@@ -43,6 +46,64 @@ ROLE_KEY = "role"  # "user" | "assistant" | "system" | "tool"
 TURN_KEY = "turn_id"  # facts of one conversation turn share it
 SESSION_KEY = "session_id"  # conversation (thread) the fact was said in
 SOURCE_KEY = "source"  # "langchain" | "llamaindex"
+
+#: The user of a class built without ``user_id``.
+DEFAULT_USER = "default"
+
+_WARNED_SHARED: set[str] = set()
+
+
+def check_arguments(cls: type, data: Any, fields: Iterable[str], *, user: bool = True) -> None:
+    """Reject a misspelled argument with the closest known name, and warn, once per class, when
+    ``user_id`` is missing (a multi-user app that forgot it would mix its users' memories)."""
+    if not isinstance(data, dict):
+        return
+    known = set(fields)
+    unknown = sorted(k for k in data if k not in known)
+    if unknown:
+        hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, known, n=1)) else repr(name)
+                 for name in unknown]
+        raise ValueError(f"{cls.__name__} got unknown argument{'s' if len(unknown) > 1 else ''} {', '.join(hints)}")
+    if user:
+        warn_if_shared_user(cls, data.get("user_id"))
+
+
+def warn_if_shared_user(cls: type, user_id: str | None) -> None:
+    if user_id is not None or cls.__name__ in _WARNED_SHARED:
+        return
+    from inferscale_engine.errors import SharedUserWarning
+
+    _WARNED_SHARED.add(cls.__name__)
+    warnings.warn(
+        f"{cls.__name__} was built without user_id, so it reads and writes the memories of the shared "
+        f"user {DEFAULT_USER!r}; pass user_id=... (one per end user) so users do not see each other's memories",
+        SharedUserWarning,
+        stacklevel=_caller_level(),
+    )
+
+
+_LIBRARY_PATHS = ("/pydantic/", "/inferscale_integrations/", "/langchain", "/llama_index/")
+
+
+def _caller_level() -> int:
+    """The stack level of the user's line that built the class (past pydantic and the frameworks)."""
+    level, frame = 2, sys._getframe(2)
+    while frame.f_back is not None and any(part in frame.f_code.co_filename for part in _LIBRARY_PATHS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def pydantic_fields(cls: Any) -> set[str]:
+    """A pydantic model's field names and aliases: what its constructor accepts."""
+    names = set()
+    for name, info in cls.model_fields.items():
+        names.add(name)
+        if isinstance(info.alias, str):
+            names.add(info.alias)
+        if isinstance(info.validation_alias, str):
+            names.add(info.validation_alias)
+    return names
+
 
 _ENGINES: dict[str, InferScaleEngine] = {}
 _ENGINES_LOCK = threading.Lock()
@@ -424,12 +485,10 @@ def expand_handles(text: str, *, store: MemoryStore, user_id: str) -> str:
 
 def fact_text(store: MemoryStore, handle: str, *, user_id: str) -> str:
     from inferscale_engine.errors import FactNotFoundError, ForgedHandleError
-    from inferscale_engine.handles import find_handles
+    from inferscale_engine.handles import find_handles, forged_handle_message
 
     (parsed,) = find_handles(handle)
-    forged = ForgedHandleError(
-        f"memory handle {parsed.text} is not valid for this user (forged, altered, or belongs to someone else)"
-    )
+    forged = ForgedHandleError(forged_handle_message(parsed.text, user_id))
     try:
         expected = store.handle(parsed.fact_id, user_id=user_id)
     except FactNotFoundError:

@@ -123,6 +123,7 @@ def test_memories_are_per_user_and_history_is_bounded():
     ChatSession(engine, user_id="bob").send("My dog is called Max.")
     chat = ChatSession(engine, user_id="alice", history_turns=1)
     for i in range(3):
+        engine.reply = f"Reply {i} to you."  # distinct: a reply copying one in the window is dropped
         chat.send(f"message {i}")
     chat.send("my dog?")
     sent = engine.calls[-1]
@@ -145,9 +146,9 @@ def test_remember_flags():
 def test_overflow_retries_with_less_context():
     engine = FakeEngine(overflow_over=120)
     chat = ChatSession(engine, user_id="u", history_turns=5, system_prompt="S" * 20)
-    chat.send("a" * 30)
-    chat.send("b" * 30)
-    chat.send("c" * 30)  # history makes the first attempt too long: retried without it
+    for c in "abc":  # distinct replies: a reply copying one in the window is dropped
+        engine.reply = f"Reply {c} to you."
+        chat.send(c * 30)  # at "c" history makes the first attempt too long: retried without it
     assert len(engine.calls[-1]) == 2 and chat.last.reply == engine.reply
     with pytest.raises(ContextOverflowError):
         chat.send("d" * 200)  # nothing left to drop
@@ -218,3 +219,36 @@ def test_cli_bad_model_is_a_clean_error(capsys, tmp_path):
     assert main(["chat", "--model", str(tmp_path / "nope"), "--store", str(tmp_path / "s")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("inferscale: error: Unknown model") and "Traceback" not in err
+
+
+def test_recent_turn_window_drops_replies_that_would_poison_the_next_turn():
+    from inferscale_apps.chat import keep_in_history
+
+    assert keep_in_history("My dog is called Rex.", "Nice! Rex is a great name for a dog.")
+    assert not keep_in_history("My dog is called Rex.", "O seu cão chama-se Rex, que nome bonito.")  # Portuguese
+    assert not keep_in_history("What colour is my bicycle?", "I'm sorry for your loss, but as a helpful assistant...")
+    assert not keep_in_history("hi", "  ")
+    assert keep_in_history("Olá, tudo bem?", "Tudo bem, obrigado!")  # the user's own language is kept
+    copied = ["You can take your coffee with you wherever you go."]
+    assert not keep_in_history("When is my dentist appointment?", "You can take your dentist appointment anytime.", copied)
+    assert keep_in_history("What is my cat's name?", "My cat is called Whiskers.", ["My dog is called Rex."])
+
+    engine = FakeEngine(reply="Olá! O seu cão chama-se Rex, que nome bonito.")
+    chat = ChatSession(engine, user_id="u", history_turns=2)
+    chat.send("My dog is called Rex.")
+    assert chat.history == [] and [i.memory for i in engine.memory.items] == ["My dog is called Rex."]
+    engine.reply = "Your dog is Rex."
+    chat.send("What is my dog's name?")
+    chat.send("And what is it again?")
+    assert [m["role"] for m in engine.calls[-1]] == ["system", "user", "assistant", "user"]
+
+
+def test_why_shows_what_the_last_reply_was_given():
+    engine = FakeEngine()
+    chat = ChatSession(engine, user_id="u")
+    out = io.StringIO()
+    run_repl(chat, stdin=io.StringIO("/why\nMy dog is called Rex.\nWhat is my dog called?\n/why\n"), stdout=out)
+    text = out.getvalue()
+    assert "(no turn yet)" in text
+    assert "1 memory recalled (best last; cutoff none):" in text and "My dog is called Rex." in text
+    assert "1 recent turn sent as messages" in text

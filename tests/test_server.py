@@ -323,7 +323,7 @@ def test_memory_lifecycle_and_scoping(http, client):
                                           "user_id": "alice", "metadata": {"source": "test"}})
     assert r.status_code == 200, r.text
     added = r.json()["results"]
-    assert [a["memory"] for a in added] == ["User: My dog is called Rex.", "User: I live in Lyon."]
+    assert [a["memory"] for a in added] == ["My dog is called Rex.", "I live in Lyon."]
     assert all(a["event"] == "ADD" and a["user_id"] == "alice" and a["handle"].startswith("<<mem:") for a in added)
     dog = added[0]
 
@@ -336,7 +336,7 @@ def test_memory_lifecycle_and_scoping(http, client):
     assert http.post("/v1/memories/search/", json={"query": "dog", "user_id": "bob"}).json()["results"] == []
 
     got = http.get(f"/v1/memories/{dog['id']}/", params={"user_id": "alice"})
-    assert got.status_code == 200 and got.json()["memory"] == "User: My dog is called Rex."
+    assert got.status_code == 200 and got.json()["memory"] == "My dog is called Rex."
     assert http.get(f"/v1/memories/{dog['id']}", params={"user_id": "alice"}).status_code == 200  # no slash too
 
     # another user's id: 404, whatever the verb
@@ -346,7 +346,7 @@ def test_memory_lifecycle_and_scoping(http, client):
     assert http.get(f"/v1/memories/{dog['id']}/history/", params={"user_id": "bob"}).status_code == 404
     assert http.get("/v1/memories/ffffffffffffffff/", params={"user_id": "alice"}).status_code == 404
     # without a user the API key is the scope (Mem0's per-id calls send none); naming one checks it
-    assert http.get(f"/v1/memories/{dog['id']}/").json()["memory"] == "User: My dog is called Rex."
+    assert http.get(f"/v1/memories/{dog['id']}/").json()["memory"] == "My dog is called Rex."
     assert http.get(f"/v1/memories/{dog['id']}/", headers={"X-User-Id": "bob"}).status_code == 404
     assert http.post("/v1/memories/", json={"messages": "x"}).status_code == 400
 

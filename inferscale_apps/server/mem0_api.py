@@ -4,7 +4,7 @@ Routes (every one with and without its trailing slash)::
 
     GET    /v1/ping/                          key check; the client's constructor calls it
     POST   /v1/memories/                      add (1.x client, which sends output_format; without
-                                              it InferScale's own contract: infer=false, "User: ...")
+                                              it InferScale's own contract: infer=false)
     POST   /v3/memories/add/                  add (2.x client; Mem0's default: infer=true)
     POST   /v1/memories/search/               search {query, user_id, limit}
     POST   /v2/memories/search/  /v3/memories/search/   search {query, filters | entity ids, top_k}
@@ -357,7 +357,7 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
                 out.append(memory_dict(before, event="DELETE"))
         return out
 
-    def do_add(body: dict[str, Any], *, infer_default: bool, role_prefix: bool) -> dict[str, Any] | list[Any]:
+    def do_add(body: dict[str, Any], *, infer_default: bool) -> dict[str, Any] | list[Any]:
         who = entities_from(body)
         if not who.any():
             raise bad("add needs at least one of user_id, agent_id, run_id, app_id", "user_id")
@@ -379,15 +379,6 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         context = body["context"] if "context" in body else default_context()
         if infer:
             results = add_inferred([f"{r.capitalize()}: {c}" for r, c in messages if c.strip()], who, meta, context)
-        elif role_prefix:
-            # InferScale's own contract on /v1/memories/: one fact per message, "User: ..." (speaker kept).
-            msgs = [{"role": r, "content": c} for r, c in messages]
-            if isinstance(body.get("messages"), list):
-                for m, src in zip(msgs, body["messages"]):
-                    if isinstance(src.get("name"), str):
-                        m["name"] = src["name"]
-            items = call(s.add, msgs, user_id=key, metadata=meta, context=context)
-            results = [memory_dict(i, event="ADD") for i in items]
         else:
             # Mem0 with infer=false stores each non-system message's content as it is.
             kept = [(r, c) for r, c in messages if r not in ("system", "developer") and c.strip()]
@@ -407,14 +398,14 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         body = await body_of(request)
         # ``output_format`` is a Mem0 platform parameter that the mem0ai clients always send: such
         # a request gets Mem0's semantics (infer defaults to true, contents stored as they are).
-        # Without it, InferScale's original contract: infer=false, one "Speaker: text" fact per message.
-        mem0 = "output_format" in body
-        return await _run(do_add, body, infer_default=mem0, role_prefix=not mem0)
+        # Without it, InferScale's original contract: infer=false. Either way a message's content is
+        # stored as PUT stores it, without a "User: " prefix (prefixed facts were recalled far worse).
+        return await _run(do_add, body, infer_default="output_format" in body)
 
     @route("POST", "/v3/memories/add/")
     async def add_v3(request: Request) -> Any:
         body = await body_of(request)
-        return await _run(do_add, body, infer_default=True, role_prefix=False)
+        return await _run(do_add, body, infer_default=True)
 
     # ------------------------------------------------------------------ search / list
 

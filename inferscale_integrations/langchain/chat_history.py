@@ -24,6 +24,7 @@ from langchain_core.messages import (
 )
 
 from inferscale_integrations._common import (
+    DEFAULT_USER,
     EncodeStyle,
     EngineRef,
     OnEngine,
@@ -34,6 +35,7 @@ from inferscale_integrations._common import (
     new_turn_id,
     role_of,
     save_messages,
+    warn_if_shared_user,
 )
 from inferscale_integrations.langchain._messages import message_role
 
@@ -97,7 +99,7 @@ class InferScaleChatMessageHistory(OnEngine, BaseChatMessageHistory):
 
     def __init__(
         self,
-        user_id: str = "default",
+        user_id: str | None = None,
         session_id: str | None = None,
         *,
         engine: InferScaleEngine | None = None,
@@ -108,7 +110,8 @@ class InferScaleChatMessageHistory(OnEngine, BaseChatMessageHistory):
         encode_style: EncodeStyle = "chat",
         prefixes: tuple[str, str] = ("Human", "AI"),
     ) -> None:
-        self.user_id = user_id
+        warn_if_shared_user(type(self), user_id)
+        self.user_id = user_id if user_id is not None else DEFAULT_USER
         self.encode_style: EncodeStyle = encode_style
         self.prefixes = prefixes
         self.session_id = session_id

@@ -30,9 +30,9 @@ from langchain_core.outputs import ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
 
-from inferscale_integrations._common import EngineRef
+from inferscale_integrations._common import EngineRef, check_arguments, pydantic_fields
 from inferscale_integrations.langchain._messages import (
     parse_tool_calls,
     to_engine_messages,
@@ -127,6 +127,12 @@ class ChatInferScale(BaseChatModel):
     """Accepted for ChatOpenAI compatibility; local generation is not retried."""
     api_key: SecretStr | None = None
     """Accepted for ChatOpenAI compatibility and ignored (there is no API)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_arguments(cls, data: Any) -> Any:
+        check_arguments(cls, data, pydantic_fields(cls))
+        return data
 
     _engine: EngineRef = PrivateAttr()
 

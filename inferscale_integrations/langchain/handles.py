@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 from langchain_core.messages import BaseMessage
 from langchain_core.prompt_values import ChatPromptValue, PromptValue, StringPromptValue
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
-from pydantic import ConfigDict, PrivateAttr
+from pydantic import ConfigDict, PrivateAttr, model_validator
 
-from inferscale_integrations._common import EngineRef, expand_handles
+from inferscale_integrations._common import EngineRef, check_arguments, expand_handles, pydantic_fields
 
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
@@ -33,6 +33,12 @@ class HandleExpander(RunnableSerializable[Any, Any]):
 
     model: str | None = None
     user_id: str = "default"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_arguments(cls, data: Any) -> Any:
+        check_arguments(cls, data, pydantic_fields(cls), user=False)
+        return data
 
     _engine: EngineRef = PrivateAttr()
 

@@ -18,10 +18,10 @@ from langchain_core.callbacks import (
 )
 from langchain_core.language_models.llms import LLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-from pydantic import ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from inferscale_engine.prompting import usage_dict
-from inferscale_integrations._common import EngineRef
+from inferscale_integrations._common import EngineRef, check_arguments, pydantic_fields
 from inferscale_integrations.langchain.chat_models import (
     identifying_params,
     ls_params,
@@ -65,6 +65,12 @@ class InferScaleLLM(LLM):
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra vLLM ``SamplingParams``."""
     streaming: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_arguments(cls, data: Any) -> Any:
+        check_arguments(cls, data, pydantic_fields(cls))
+        return data
 
     _engine: EngineRef = PrivateAttr()
 

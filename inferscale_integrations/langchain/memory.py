@@ -28,13 +28,15 @@ from typing import TYPE_CHECKING, Any
 from langchain_classic.memory.chat_memory import BaseChatMemory
 from langchain_classic.memory.utils import get_prompt_input_key
 from langchain_core.messages import BaseMessage, get_buffer_string
-from pydantic import ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr, model_validator
 
 from inferscale_integrations._common import (
     EngineRef,
     OnEngine,
     RecallMode,
+    check_arguments,
     check_mode,
+    pydantic_fields,
     recall_for,
 )
 from inferscale_integrations.langchain.chat_history import (
@@ -81,6 +83,12 @@ class InferScaleMemory(OnEngine, BaseChatMemory):
     """Most recent turns of the session always included (the running conversation)."""
     min_score: float | None = None
     """Drop search hits scoring below this."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_arguments(cls, data: Any) -> Any:
+        check_arguments(cls, data, pydantic_fields(cls))
+        return data
 
     _engine: EngineRef = PrivateAttr()
 

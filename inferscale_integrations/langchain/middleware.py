@@ -25,12 +25,14 @@ from langchain.agents.middleware import (
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 
 from inferscale_integrations._common import (
+    DEFAULT_USER,
     EngineRef,
     OnEngine,
     RecallMode,
     check_mode,
     recall_for,
     save_messages,
+    warn_if_shared_user,
 )
 from inferscale_integrations.langchain.chat_history import message_for
 
@@ -73,7 +75,7 @@ class InferScaleMemoryMiddleware(OnEngine, AgentMiddleware):
     def __init__(
         self,
         *,
-        user_id: str = "default",
+        user_id: str | None = None,
         session_id: str | None = None,
         engine: InferScaleEngine | None = None,
         model: str | None = None,
@@ -84,7 +86,8 @@ class InferScaleMemoryMiddleware(OnEngine, AgentMiddleware):
         engine_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.user_id = user_id
+        warn_if_shared_user(type(self), user_id)
+        self.user_id = user_id if user_id is not None else DEFAULT_USER
         self.session_id = session_id
         self.mode = check_mode(mode)
         self.k = k

@@ -18,15 +18,17 @@ from langchain_core.callbacks import (
 )
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from inferscale_integrations._common import (
     EngineRef,
     OnEngine,
     RecallMode,
+    check_arguments,
     check_mode,
     content_of,
     item_metadata,
+    pydantic_fields,
     search,
 )
 
@@ -54,6 +56,12 @@ class InferScaleRetriever(OnEngine, BaseRetriever):
     k: int = 4
     mode: RecallMode = "handles"
     min_score: float | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_arguments(cls, data: Any) -> Any:
+        check_arguments(cls, data, pydantic_fields(cls))
+        return data
 
     _engine: EngineRef = PrivateAttr()
 

@@ -23,14 +23,20 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
 from inferscale_engine.errors import MissingUserError
 from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_engine.prompting import engine_role, usage_dict
-from inferscale_integrations._common import EngineConstructors, EngineRef, model_name_of
+from inferscale_integrations._common import (
+    EngineConstructors,
+    EngineRef,
+    check_arguments,
+    model_name_of,
+    pydantic_fields,
+)
 from inferscale_integrations.llamaindex.retrievers import issued_to
 
 if TYPE_CHECKING:
@@ -88,6 +94,13 @@ class InferScaleLLM(EngineConstructors, CustomLLM):
     engine_options: dict[str, Any] = Field(default_factory=dict)
 
     _engine: EngineRef = PrivateAttr()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_arguments(cls, data: Any) -> Any:
+        # user_id=None has a rule of its own here: the user the recalled handles were issued to.
+        check_arguments(cls, data, pydantic_fields(cls), user=False)
+        return data
 
     def __init__(self, *, engine: InferScaleEngine | None = None, model: str | None = None, **kwargs: Any) -> None:
         if model is not None:

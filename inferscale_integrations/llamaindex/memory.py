@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
 from llama_index.core.memory.memory import BaseMemoryBlock
 from llama_index.core.memory.types import BaseMemory
 
@@ -28,8 +28,10 @@ from inferscale_integrations._common import (
     OnEngine,
     RecallMode,
     all_items,
+    check_arguments,
     check_mode,
     content_of,
+    pydantic_fields,
     recall,
     recall_for,
     role_of,
@@ -93,6 +95,12 @@ class InferScaleMemory(_OnEngine, BaseMemory):
 
     _engine: EngineRef = PrivateAttr()
     _pending: list[ChatMessage] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_arguments(cls, data: Any) -> Any:
+        check_arguments(cls, data, pydantic_fields(cls))
+        return data
 
 
     @classmethod
@@ -192,6 +200,12 @@ class InferScaleMemoryBlock(_OnEngine, BaseMemoryBlock[list[ChatMessage]]):
     k: int = Field(default=4)
     min_score: float | None = Field(default=None)
     engine_options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_arguments(cls, data: Any) -> Any:
+        check_arguments(cls, data, pydantic_fields(cls))
+        return data
 
     _engine: EngineRef = PrivateAttr()
 

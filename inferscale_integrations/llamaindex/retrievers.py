@@ -25,6 +25,7 @@ from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from inferscale_integrations._common import (
+    DEFAULT_USER,
     EngineConstructors,
     EngineRef,
     OnEngine,
@@ -33,6 +34,7 @@ from inferscale_integrations._common import (
     content_of,
     item_metadata,
     search,
+    warn_if_shared_user,
 )
 
 if TYPE_CHECKING:
@@ -94,7 +96,7 @@ class InferScaleRetriever(OnEngine, EngineConstructors, BaseRetriever):
     def __init__(
         self,
         *,
-        user_id: str = "default",
+        user_id: str | None = None,
         engine: InferScaleEngine | None = None,
         model: str | None = None,
         similarity_top_k: int = 4,
@@ -105,7 +107,8 @@ class InferScaleRetriever(OnEngine, EngineConstructors, BaseRetriever):
         verbose: bool = False,
     ) -> None:
         super().__init__(callback_manager=callback_manager, verbose=verbose)
-        self.user_id = user_id
+        warn_if_shared_user(type(self), user_id)
+        self.user_id = user_id if user_id is not None else DEFAULT_USER
         self.similarity_top_k = similarity_top_k
         self.mode = check_mode(mode)
         self.min_score = min_score
