@@ -55,6 +55,10 @@ class ModelPreparationError(InferScaleError, RuntimeError):
     """A model cannot be prepared (missing source, bad output)."""
 
 
+class NonFiniteKVError(InferScaleError, ValueError):
+    """KV holding NaN or infinity: it must never reach vLLM's paged cache."""
+
+
 class MissingUserError(InferScaleError, RuntimeError):
     """A request carries memory handles but names no user to check them against. A
     ``RuntimeError``, not a ``ValueError``: LlamaIndex's response synthesizers swallow the latter

@@ -12,7 +12,7 @@ from inferscale_engine import errors
 from inferscale_engine.errors import InferScaleError
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("inferscale_engine", "inferscale_integrations")
+PACKAGES = ("inferscale_engine", "inferscale_integrations", "inferscale_apps")
 _BUILTIN_ERRORS = {
     name for name, obj in vars(builtins).items() if isinstance(obj, type) and issubclass(obj, BaseException)
 }

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from inferscale_engine.errors import KVMissingError, StaleKVError
-from inferscale_engine.kv import FactKV, NonFiniteKVError, check_finite
+from inferscale_engine.errors import NonFiniteKVError
+from inferscale_engine.kv import FactKV, check_finite
 
 logger = logging.getLogger(__name__)
 
