@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from inferscale_engine.errors import NonFiniteKVError
+
 #: :meth:`FactKV.layout`: ``(addresses, dtype, is_cuda, num_layers)``. ``addresses`` holds six
 #: native int64s, K and V base addresses, K and V layer strides, K and V row strides (strides in
 #: elements), as bytes: hundreds of spans' join into one numpy array at C speed, where tuples of
@@ -19,10 +21,6 @@ import torch
 KVLayout = tuple[bytes | None, torch.dtype | None, bool, int]
 
 _ADDRESSES = struct.Struct("=6q")
-
-
-class NonFiniteKVError(ValueError):
-    """KV holding NaN or infinity: it must never reach vLLM's paged cache."""
 
 
 def check_finite(k: torch.Tensor, v: torch.Tensor, what: str) -> None:
