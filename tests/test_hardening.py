@@ -267,13 +267,15 @@ def test_full_or_read_only_disk_is_a_typed_error(http, engine, monkeypatch):
     assert _listed(http, user) == []
 
 
-def test_a_kv_write_that_fails_never_fails_the_handle(http, engine, monkeypatch):
+@pytest.mark.parametrize("code", ["ENOSPC", "EROFS"])  # a full disk; a store read-only since the start
+def test_a_kv_write_that_fails_never_fails_the_handle(http, engine, monkeypatch, code):
     import errno
+    import os
 
     from inferscale_engine.memory.disk_tier import DiskTier
 
     def no_space(self, *a, **k):
-        raise OSError(errno.ENOSPC, "No space left on device")
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
 
     monkeypatch.setattr(DiskTier, "put", no_space)
     user = uid("nospace")

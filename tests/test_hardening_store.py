@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from inferscale_engine.errors import ForgedHandleError
+from inferscale_engine.errors import ForgedHandleError, SecretError
 from inferscale_engine.memory import MemoryStore
-from inferscale_engine.memory.folder import SecretError
 
 
 @pytest.fixture(scope="module")

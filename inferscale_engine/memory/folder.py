@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from inferscale_engine.errors import InferScaleError
+from inferscale_engine.errors import InferScaleError, SecretError
 
 SECRET_FILE = "secret.key"
 DB_FILE = "memory.sqlite3"
@@ -23,10 +23,6 @@ if TYPE_CHECKING:
 
 #: Key, in the database's meta table, of a digest of the secret the store's handles were made with.
 SECRET_CHECK = "secret_check"
-
-
-class SecretError(InferScaleError):
-    """The handle secret is missing or is not the one the store's handles were made with."""
 
 
 def secret_check(secret: bytes) -> str:
