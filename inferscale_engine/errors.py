@@ -65,9 +65,6 @@ class MissingUserError(InferScaleError, RuntimeError):
     into an empty answer."""
 
 
-class NonFiniteKVError(InferScaleError, ValueError):
-    """KV holding NaN or infinity: it must never reach vLLM's paged cache."""
-
 
 class SecretError(InferScaleError):
     """A store's handle secret is missing or is not the one its handles were made with."""
