@@ -13,13 +13,18 @@ Simpler still: build the memory/retriever with ``mode="text"``.
 
 from __future__ import annotations
 
+import warnings
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import BaseMessage
 from langchain_core.prompt_values import ChatPromptValue, PromptValue, StringPromptValue
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
+from langchain_core.tracers.context import register_configure_hook
 from pydantic import ConfigDict, Field, model_validator
 
+from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_integrations._common import check_arguments, expand_handles, pydantic_fields, resolve_engine
 
 if TYPE_CHECKING:
@@ -69,3 +74,42 @@ class HandleExpander(RunnableSerializable[Any, Any]):
         if isinstance(input, list):
             return [self._message(m) if isinstance(m, BaseMessage) else m for m in input]
         raise TypeError(f"HandleExpander takes a string, a prompt value or messages, not {type(input).__name__}")
+
+
+class HandleGuard(BaseCallbackHandler):
+    """Warns, once per model class, when memory handles reach a model that is not InferScale.
+
+    Registered for every LangChain run in the process (a configure hook, like LangChain's own
+    tracers), because such a model receives the raw ``<<mem:…>>`` strings without a word.
+    """
+
+    raise_error = False
+    _INFERSCALE = frozenset({"ChatInferScale", "InferScaleLLM"})
+
+    def __init__(self) -> None:
+        self.warned: set[str] = set()
+
+    def on_llm_start(self, serialized: dict[str, Any], prompts: list[str], **kwargs: Any) -> None:
+        self._check(serialized, prompts)
+
+    def on_chat_model_start(self, serialized: dict[str, Any], messages: list[list[BaseMessage]], **kwargs: Any) -> None:
+        self._check(serialized, [str(m.content) for batch in messages for m in batch])
+
+    def _check(self, serialized: dict[str, Any] | None, texts: list[str]) -> None:
+        ids = (serialized or {}).get("id") or [(serialized or {}).get("name") or "an LLM"]
+        name = str(ids[-1])
+        if name in self._INFERSCALE or name in self.warned or not any(HANDLE_PATTERN.search(t) for t in texts):
+            return
+        self.warned.add(name)
+        warnings.warn(
+            f"{name} received memory handles (<<mem:…>>), which only an InferScale model resolves: it sees "
+            "the raw strings. Put HandleExpander(engine=..., user_id=...) before it, or build the memory or "
+            "retriever with mode='text'",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+# A default, not .set(): the one guard then serves every thread and task, which .set() would not reach.
+_guard: ContextVar[HandleGuard | None] = ContextVar("inferscale_handle_guard", default=HandleGuard())  # noqa: B039
+register_configure_hook(_guard, inheritable=True)
