@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_options(p)
     p.add_argument("--user", default=os.environ.get("INFERSCALE_USER", "default"), help="whose memories (default: $INFERSCALE_USER or 'default')")
     p.add_argument("--k", type=int, default=5, help="memories recalled per turn (default 5; 0 = none)")
-    # No cutoff by default: in scripts/recall_bench.py a true fact scored 0.24-0.26 (two topics in
-    # one line) while unrelated ones reached 0.59, so a cutoff dropped facts, not distractors.
+    # No cutoff by default: in scripts/recall_bench.py true facts scored as low as 0.24-0.26 (two
+    # topics in one line) while unrelated ones reached 0.50-0.59: a cutoff drops facts, not distractors.
     p.add_argument("--min-score", type=float, default=-1.0, metavar="S", help="recall only memories at least this similar (cosine; default -1: all k)")
     p.add_argument("--history", type=int, default=2, metavar="N", help="previous exchanges sent as plain messages (default 2)")
     p.add_argument("--max-tokens", type=int, default=256, help="reply length cap (default 256)")
