@@ -148,3 +148,21 @@ def test_handles_sent_to_another_langchain_model_warn_once():
         warnings.simplefilter("error")
         llm.invoke(f"again {handle}")  # once per model class
         llm.invoke("no handle here")
+
+
+def test_handles_sent_to_another_llamaindex_llm_warn_once():
+    import warnings
+
+    import pytest
+    from llama_index.core.base.llms.types import ChatMessage
+    from llama_index.core.llms import MockLLM
+
+    import inferscale_integrations.llamaindex  # noqa: F401  (registers the guard)
+
+    handle = "<<mem:" + "c" * 16 + ":" + "d" * 16 + ">>"
+    llm = MockLLM(max_tokens=4)
+    with pytest.warns(UserWarning, match=r"MockLLM received memory handles .*expand_handles"):
+        llm.chat([ChatMessage(role="system", content=f"You remember:\n{handle}"), ChatMessage(role="user", content="Hi")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        llm.complete(f"again {handle}")  # once per LLM class

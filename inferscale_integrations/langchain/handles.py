@@ -13,7 +13,6 @@ Simpler still: build the memory/retriever with ``mode="text"``.
 
 from __future__ import annotations
 
-import warnings
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
@@ -24,8 +23,13 @@ from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from langchain_core.tracers.context import register_configure_hook
 from pydantic import ConfigDict, Field, model_validator
 
-from inferscale_engine.handles import HANDLE_PATTERN
-from inferscale_integrations._common import check_arguments, expand_handles, pydantic_fields, resolve_engine
+from inferscale_integrations._common import (
+    check_arguments,
+    expand_handles,
+    pydantic_fields,
+    resolve_engine,
+    warn_foreign_handles,
+)
 
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
@@ -77,17 +81,14 @@ class HandleExpander(RunnableSerializable[Any, Any]):
 
 
 class HandleGuard(BaseCallbackHandler):
-    """Warns, once per model class, when memory handles reach a model that is not InferScale.
+    """Warns when memory handles reach a model that is not InferScale (once per model class).
 
-    Registered for every LangChain run in the process (a configure hook, like LangChain's own
-    tracers), because such a model receives the raw ``<<mem:…>>`` strings without a word.
+    Registered for every LangChain run in the process (a configure hook, as LangChain's own
+    tracers are), because such a model receives the raw ``<<mem:…>>`` strings without a word.
     """
 
     raise_error = False
     _INFERSCALE = frozenset({"ChatInferScale", "InferScaleLLM"})
-
-    def __init__(self) -> None:
-        self.warned: set[str] = set()
 
     def on_llm_start(self, serialized: dict[str, Any], prompts: list[str], **kwargs: Any) -> None:
         self._check(serialized, prompts)
@@ -97,17 +98,8 @@ class HandleGuard(BaseCallbackHandler):
 
     def _check(self, serialized: dict[str, Any] | None, texts: list[str]) -> None:
         ids = (serialized or {}).get("id") or [(serialized or {}).get("name") or "an LLM"]
-        name = str(ids[-1])
-        if name in self._INFERSCALE or name in self.warned or not any(HANDLE_PATTERN.search(t) for t in texts):
-            return
-        self.warned.add(name)
-        warnings.warn(
-            f"{name} received memory handles (<<mem:…>>), which only an InferScale model resolves: it sees "
-            "the raw strings. Put HandleExpander(engine=..., user_id=...) before it, or build the memory or "
-            "retriever with mode='text'",
-            UserWarning,
-            stacklevel=2,
-        )
+        if str(ids[-1]) not in self._INFERSCALE:
+            warn_foreign_handles(str(ids[-1]), texts, "Put HandleExpander(engine=..., user_id=...) before it")
 
 
 # A default, not .set(): the one guard then serves every thread and task, which .set() would not reach.
