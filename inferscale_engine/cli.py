@@ -369,7 +369,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     with _step("Preparing the model", interactive), _quiet_stderr(quiet):
         from inferscale_engine.models import resolve_model
 
-        resolve_model(args.model)  # converts an alias once (~30 s), then a cached folder
+        resolve_model(args.model)  # converts an alias once (SmolLM2 ~30 s, Qwen ~80 s), then a cached folder
     with _step("Starting the engine (vLLM)", interactive), _quiet_stderr(quiet):
         engine = _make_engine(args)
     try:
