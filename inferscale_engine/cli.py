@@ -366,10 +366,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise ValueError("--k and --history must be >= 0 and --max-tokens >= 1")
     interactive = sys.stdin.isatty()
     quiet = interactive and not args.verbose
-    with _step("Preparing the model", interactive), _quiet_stderr(quiet):
-        from inferscale_engine.models import resolve_model
+    from inferscale_engine.models import MODEL_ALIASES, is_prepared, model_cache_dir, resolve_model
 
-        resolve_model(args.model)  # converts an alias once (SmolLM2 ~30 s, Qwen ~80 s), then a cached folder
+    alias = args.model.strip().lower()
+    first = alias in MODEL_ALIASES and not is_prepared(model_cache_dir(alias))
+    with _step(f"Preparing {args.model}" + (" (first start: converted once, 1-2 min)" if first else ""), interactive), \
+            _quiet_stderr(quiet):
+        resolve_model(args.model)
     with _step("Starting the engine (vLLM)", interactive), _quiet_stderr(quiet):
         engine = _make_engine(args)
     try:
