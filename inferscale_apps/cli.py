@@ -23,9 +23,11 @@ from inferscale_engine.config import engine_option
 
 PROG = "inferscale"
 
-#: The commands' model. Chosen by scripts/recall_bench.py on a 2-core CPU (docs/cli.md): it
-#: recalled 22 of 22 facts across a restart at ~6 tok/s; SmolLM2-135M recalled about half.
-DEFAULT_MODEL = "qwen2.5-coder-0.5b"
+#: The chatbot's model (chat, and memory add, which fills the same store). Chosen by
+#: scripts/recall_bench.py on a 2-core CPU (docs/cli.md): it recalled 22 of 22 facts across a
+#: restart at ~5 tok/s; SmolLM2-135M recalled half. serve and import-locomo keep SmolLM2, the
+#: model their clients and measurements name.
+CHAT_MODEL = "qwen2.5-coder-0.5b"
 
 MAIN_EPILOG = """\
 examples:
@@ -91,9 +93,10 @@ examples:
 # ---------------------------------------------------------------------- parser
 
 
-def _engine_options(p: argparse.ArgumentParser) -> None:
+def _engine_options(p: argparse.ArgumentParser, model: str = "smollm2") -> None:
     g = p.add_argument_group("model and store")
-    g.add_argument("--model", default=DEFAULT_MODEL, help=f"local model folder or alias: {DEFAULT_MODEL} (default), smollm2 (faster, forgets more)")
+    g.add_argument("--model", default=model, help=f"local model folder or alias (default: {model}; qwen2.5-coder-0.5b "
+                   "remembers better, smollm2 is faster)")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present, else cpu")
     g.add_argument("--store", default=None, metavar="DIR", help="memory store folder (default: $INFERSCALE_HOME/store or the user data dir)")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length (default: the model's, 8192 for smollm2)")
@@ -120,11 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     # chat
     p = sub.add_parser("chat", help="terminal chatbot with long-term memory", description="Chat in the terminal; memories persist across sessions.", epilog=CHAT_EPILOG, formatter_class=fmt)
-    _engine_options(p)
+    _engine_options(p, CHAT_MODEL)
     p.add_argument("--user", default=os.environ.get("INFERSCALE_USER", "default"), help="whose memories (default: $INFERSCALE_USER or 'default')")
     p.add_argument("--k", type=int, default=5, help="memories recalled per turn (default 5; 0 = none)")
-    # No cutoff by default: in scripts/recall_bench.py a true fact scored 0.24-0.26 (two topics in
-    # one line) while unrelated ones reached 0.59, so a cutoff dropped facts, not distractors.
+    # No cutoff by default: in scripts/recall_bench.py true facts scored as low as 0.24-0.26 (two
+    # topics in one line) while unrelated ones reached 0.50-0.59: a cutoff drops facts, not distractors.
     p.add_argument("--min-score", type=float, default=-1.0, metavar="S", help="recall only memories at least this similar (cosine; default -1: all k)")
     p.add_argument("--history", type=int, default=2, metavar="N", help="previous exchanges sent as plain messages (default 2)")
     p.add_argument("--max-tokens", type=int, default=256, help="reply length cap (default 256)")
@@ -174,10 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("memory", help="add, search, list, delete and import memories", description="Manage the memory store (same store as chat and serve).", epilog=MEMORY_EPILOG, formatter_class=fmt)
     msub = p.add_subparsers(dest="memory_command", metavar="ACTION")
 
-    def mem_parser(name: str, help: str, user: bool = True, model: bool = True) -> argparse.ArgumentParser:
+    def mem_parser(name: str, help: str, user: bool = True, model: str | None = CHAT_MODEL) -> argparse.ArgumentParser:
         q = msub.add_parser(name, help=help, description=help, formatter_class=fmt)
         if model:  # adding encodes KV with the model; reading and deleting need no model
-            _engine_options(q)
+            _engine_options(q, model)
         else:
             q.add_argument("--store", default=None, metavar="DIR", help="memory store folder (default: $INFERSCALE_HOME/store or the user data dir)")
         if user:
@@ -189,20 +192,20 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("texts", nargs="+", metavar="TEXT")
     q.add_argument("--metadata", default=None, metavar="JSON", help='e.g. \'{"source": "cli"}\'')
     q.set_defaults(func=cmd_memory_add)
-    q = mem_parser("search", "memories most relevant to QUERY", model=False)
+    q = mem_parser("search", "memories most relevant to QUERY", model=None)
     q.add_argument("query")
     q.add_argument("--k", type=int, default=5, help="how many (default 5)")
     q.set_defaults(func=cmd_memory_search)
-    q = mem_parser("list", "all memories of a user", model=False)
+    q = mem_parser("list", "all memories of a user", model=None)
     q.set_defaults(func=cmd_memory_list)
-    q = mem_parser("delete", "delete memories by id, or --all", model=False)
+    q = mem_parser("delete", "delete memories by id, or --all", model=None)
     q.add_argument("ids", nargs="*", metavar="ID")
     q.add_argument("--all", action="store_true", help="delete all of the user's memories")
     q.set_defaults(func=cmd_memory_delete)
     q = mem_parser("rotate-secret", "issue a new handle secret (after secret.key was lost or leaked); "
-                   "every handle given out so far stops working", user=False, model=False)
+                   "every handle given out so far stops working", user=False, model=None)
     q.set_defaults(func=cmd_memory_rotate_secret)
-    q = mem_parser("import-locomo", "import LoCoMo conversations: one user per speaker", user=False)
+    q = mem_parser("import-locomo", "import LoCoMo conversations: one user per speaker", user=False, model="smollm2")
     q.add_argument("path", help="locomo10.json")
     q.add_argument("--conversations", type=int, default=None, metavar="N", help="only the first N conversations")
     q.add_argument("--user-prefix", default="locomo", help="users are PREFIX-<sample_id>-<speaker> (default 'locomo')")
@@ -367,10 +370,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
         raise ValueError("--k and --history must be >= 0 and --max-tokens >= 1")
     interactive = sys.stdin.isatty()
     quiet = interactive and not args.verbose
-    with _step("Preparing the model", interactive), _quiet_stderr(quiet):
-        from inferscale_engine.models import resolve_model
+    from inferscale_engine.models import MODEL_ALIASES, is_prepared, model_cache_dir, resolve_model
 
-        resolve_model(args.model)  # converts an alias once (~30 s), then a cached folder
+    alias = args.model.strip().lower()
+    first = alias in MODEL_ALIASES and not is_prepared(model_cache_dir(alias))
+    with _step(f"Preparing {args.model}" + (" (first start: converted once, 1-2 min)" if first else ""), interactive), \
+            _quiet_stderr(quiet):
+        resolve_model(args.model)
     with _step("Starting the engine (vLLM)", interactive), _quiet_stderr(quiet):
         engine = _make_engine(args)
     try:

@@ -93,6 +93,25 @@ def _caller_level() -> int:
     return level
 
 
+_WARNED_FOREIGN: set[str] = set()
+
+
+def warn_foreign_handles(model: str, texts: Iterable[str], fix: str) -> None:
+    """Warn, once per model class, that memory handles reached a model that is not InferScale:
+    it would otherwise get the raw ``<<mem:…>>`` strings without a word."""
+    from inferscale_engine.handles import HANDLE_PATTERN
+
+    if model in _WARNED_FOREIGN or not any(HANDLE_PATTERN.search(t) for t in texts):
+        return
+    _WARNED_FOREIGN.add(model)
+    warnings.warn(
+        f"{model} received memory handles (<<mem:…>>), which only an InferScale model resolves: it sees the "
+        f"raw strings. {fix}, or build the memory or retriever with mode='text'",
+        UserWarning,
+        stacklevel=_caller_level(),
+    )
+
+
 def pydantic_fields(cls: Any) -> set[str]:
     """A pydantic model's field names and aliases: what its constructor accepts."""
     names = set()

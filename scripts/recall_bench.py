@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 #: (what the user says, what they ask after a restart, words a right answer contains).
 #: Phrased the ways people tell a chatbot things: plain statements, "please remember", facts
@@ -57,9 +58,10 @@ PAIRS: list[tuple[str, str, tuple[str, ...]]] = [
 ]
 
 
-def _session(args: argparse.Namespace, store: str) -> tuple[object, object, float]:
-    from inferscale_apps.chat import ChatSession, warm_up
+def _session(args: argparse.Namespace, store: str) -> tuple[Any, Any, float]:
+    from inferscale_apps.chat import ChatSession
     from inferscale_engine.engine import InferScaleEngine
+    from inferscale_engine.runtime import warm_up
 
     start = time.perf_counter()
     engine = InferScaleEngine(model=args.model, store_path=store, max_model_len=2048)
@@ -73,8 +75,8 @@ def tell(args: argparse.Namespace, store: str) -> dict:
     engine, session, startup = _session(args, store)
     with engine:
         for said, _, _ in PAIRS:
-            session.remember_text(said)  # type: ignore[attr-defined]
-        session.close()  # type: ignore[attr-defined]
+            session.remember_text(said)
+        session.close()
     return {"startup_s": startup}
 
 
@@ -83,9 +85,9 @@ def ask(args: argparse.Namespace, store: str) -> dict:
     rows = []
     with engine:
         for said, question, expect in PAIRS:
-            hits = engine.memory.search(question, user_id="bench", k=session.k)  # type: ignore[attr-defined]
+            hits = engine.memory.search(question, user_id="bench", k=session.k)
             rank = next((i for i, h in enumerate(hits) if h.memory == said), None)
-            turn = session.send(question)  # type: ignore[attr-defined]
+            turn = session.send(question)
             r = turn.result
             gen_s = r.latency_s - r.ttft_s
             rows.append({

@@ -130,3 +130,39 @@ def test_a_missing_user_id_warns_once_per_class():
     assert [str(w.message).split()[0] for w in shared] == ["ChatInferScale", "InferScaleChatMessageHistory"]
     assert "pass user_id=" in str(shared[0].message)
     assert history.user_id == _common.DEFAULT_USER
+
+
+def test_handles_sent_to_another_langchain_model_warn_once():
+    import warnings
+
+    import pytest
+    from langchain_core.language_models.fake_chat_models import FakeListChatModel
+
+    import inferscale_integrations.langchain  # noqa: F401  (registers the guard)
+
+    handle = "<<mem:" + "a" * 16 + ":" + "b" * 16 + ">>"
+    llm = FakeListChatModel(responses=["ok", "ok", "ok"])
+    with pytest.warns(UserWarning, match=r"FakeListChatModel received memory handles .*HandleExpander"):
+        llm.invoke(f"You remember:\n{handle}\nWhat is my dog's name?")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        llm.invoke(f"again {handle}")  # once per model class
+        llm.invoke("no handle here")
+
+
+def test_handles_sent_to_another_llamaindex_llm_warn_once():
+    import warnings
+
+    import pytest
+    from llama_index.core.base.llms.types import ChatMessage
+    from llama_index.core.llms import MockLLM
+
+    import inferscale_integrations.llamaindex  # noqa: F401  (registers the guard)
+
+    handle = "<<mem:" + "c" * 16 + ":" + "d" * 16 + ">>"
+    llm = MockLLM(max_tokens=4)
+    with pytest.warns(UserWarning, match=r"MockLLM received memory handles .*expand_handles"):
+        llm.chat([ChatMessage(role="system", content=f"You remember:\n{handle}"), ChatMessage(role="user", content="Hi")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        llm.complete(f"again {handle}")  # once per LLM class

@@ -13,14 +13,23 @@ Simpler still: build the memory/retriever with ``mode="text"``.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
+from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import BaseMessage
 from langchain_core.prompt_values import ChatPromptValue, PromptValue, StringPromptValue
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
+from langchain_core.tracers.context import register_configure_hook
 from pydantic import ConfigDict, PrivateAttr, model_validator
 
-from inferscale_integrations._common import EngineRef, check_arguments, expand_handles, pydantic_fields
+from inferscale_integrations._common import (
+    EngineRef,
+    check_arguments,
+    expand_handles,
+    pydantic_fields,
+    warn_foreign_handles,
+)
 
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
@@ -75,3 +84,30 @@ class HandleExpander(RunnableSerializable[Any, Any]):
         if isinstance(input, list):
             return [self._message(m) if isinstance(m, BaseMessage) else m for m in input]
         raise TypeError(f"HandleExpander takes a string, a prompt value or messages, not {type(input).__name__}")
+
+
+class HandleGuard(BaseCallbackHandler):
+    """Warns when memory handles reach a model that is not InferScale (once per model class).
+
+    Registered for every LangChain run in the process (a configure hook, as LangChain's own
+    tracers are), because such a model receives the raw ``<<mem:…>>`` strings without a word.
+    """
+
+    raise_error = False
+    _INFERSCALE = frozenset({"ChatInferScale", "InferScaleLLM"})
+
+    def on_llm_start(self, serialized: dict[str, Any], prompts: list[str], **kwargs: Any) -> None:
+        self._check(serialized, prompts)
+
+    def on_chat_model_start(self, serialized: dict[str, Any], messages: list[list[BaseMessage]], **kwargs: Any) -> None:
+        self._check(serialized, [str(m.content) for batch in messages for m in batch])
+
+    def _check(self, serialized: dict[str, Any] | None, texts: list[str]) -> None:
+        ids = (serialized or {}).get("id") or [(serialized or {}).get("name") or "an LLM"]
+        if str(ids[-1]) not in self._INFERSCALE:
+            warn_foreign_handles(str(ids[-1]), texts, "Put HandleExpander(engine=..., user_id=...) before it")
+
+
+# A default, not .set(): the one guard then serves every thread and task, which .set() would not reach.
+_guard: ContextVar[HandleGuard | None] = ContextVar("inferscale_handle_guard", default=HandleGuard())  # noqa: B039
+register_configure_hook(_guard, inheritable=True)

@@ -9,12 +9,14 @@ See docs/llamaindex.md.
 """
 
 from inferscale_integrations._common import get_engine, register_engine
-from inferscale_integrations.llamaindex.llms import InferScaleLLM
+from inferscale_integrations.llamaindex.llms import InferScaleLLM, register_handle_guard
 from inferscale_integrations.llamaindex.memory import (
     InferScaleMemory,
     InferScaleMemoryBlock,
 )
 from inferscale_integrations.llamaindex.retrievers import InferScaleRetriever
+
+register_handle_guard()
 
 __all__ = [
     "InferScaleLLM",

@@ -24,6 +24,10 @@ from llama_index.core.base.llms.types import (
     MessageRole,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events import BaseEvent
+from llama_index.core.instrumentation.events.llm import LLMChatStartEvent, LLMCompletionStartEvent
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
@@ -36,6 +40,7 @@ from inferscale_integrations._common import (
     check_arguments,
     model_name_of,
     pydantic_fields,
+    warn_foreign_handles,
 )
 from inferscale_integrations.llamaindex.retrievers import issued_to
 
@@ -272,3 +277,30 @@ class InferScaleLLM(EngineConstructors, CustomLLM):
                 yield self._completion_response(text, delta.result, delta.text)
 
         return gen()
+
+
+class HandleGuard(BaseEventHandler):
+    """Warns when memory handles reach an LLM that is not InferScale (once per LLM class): such
+    an LLM (``MockLLM``, ``OpenAI``…) receives the raw ``<<mem:…>>`` strings without a word."""
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "InferScaleHandleGuard"
+
+    def handle(self, event: BaseEvent, **kwargs: Any) -> None:
+        if isinstance(event, LLMChatStartEvent):
+            texts = [str(m.content) for m in event.messages]
+        elif isinstance(event, LLMCompletionStartEvent):
+            texts = [event.prompt]
+        else:
+            return
+        name = str(event.model_dict.get("class_name") or "an LLM")
+        if name != InferScaleLLM.class_name():
+            warn_foreign_handles(name, texts, "Expand them first (inferscale_integrations.expand_handles)")
+
+
+def register_handle_guard() -> None:
+    """Watch every LLM call of the process (LlamaIndex's root instrumentation dispatcher)."""
+    dispatcher = get_dispatcher()
+    if not any(isinstance(h, HandleGuard) for h in dispatcher.event_handlers):
+        dispatcher.add_event_handler(HandleGuard())
