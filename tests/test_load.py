@@ -62,7 +62,7 @@ def report(engine, tmp_path_factory) -> dict[str, Any]:
         proc = subprocess.run(  # noqa: PLW1510 - the exit code is checked below
             # The file itself rather than ``-m``: the same main(), without importing the package's
             # engine (torch, vLLM) into a process that only speaks HTTP.
-            [sys.executable, str(REPO / "inferscale_engine" / "bench" / "load.py"), "--url", url, "--users", str(LOAD_USERS),
+            [sys.executable, str(REPO / "inferscale_apps" / "bench" / "load.py"), "--url", url, "--users", str(LOAD_USERS),
              "--duration", str(LOAD_SECONDS), "--api-key", API_KEY, "--max-tokens", "8", "--request-timeout", "60",
              "--keep", "--json", str(out)],
             cwd=REPO, capture_output=True, text=True, timeout=LOAD_SECONDS + 180,
