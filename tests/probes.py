@@ -6,6 +6,7 @@ are listed in one place, under a name that says what the test needs.
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
@@ -94,3 +95,27 @@ def slab_of(tiers: Any) -> Any:
 def out_stream(tiers: Any) -> Any:
     """The CUDA stream evictions copy to the host on."""
     return tiers._out_stream()
+
+
+@contextmanager
+def logged(logger_name: str, level: int = logging.WARNING) -> Iterator[list[str]]:
+    """Messages ``logger_name`` emits at ``level`` or above inside the block, caught by a handler
+    on that logger itself: what earlier tests in the process did to propagation or to the levels
+    of its ancestors cannot hide them."""
+    messages: list[str] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logger = logging.getLogger(logger_name)
+    handler, old_level, old_disabled = _Collect(level), logger.level, logger.disabled
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.disabled = False
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+        logger.disabled = old_disabled

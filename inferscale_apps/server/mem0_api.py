@@ -385,10 +385,10 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
             if not kept:
                 raise bad("nothing to remember: infer=false stores user and assistant messages, and there are none",
                           "messages")
-            results = []
-            for role, content in kept:
-                for i in call(s.add, content, user_id=key, metadata={**meta, "role": role}, context=context):
-                    results.append(memory_dict(i, event="ADD"))
+            # One call, one transaction: a crash keeps the request's messages all or none.
+            items = call(s.add_texts, [c for _, c in kept], user_id=key,
+                         metadata=[{**meta, "role": r} for r, _ in kept], context=context)
+            results = [memory_dict(i, event="ADD") for i in items]
         if body.get("output_format") == "v1.0":
             return results
         return {"results": results}

@@ -233,6 +233,26 @@ class MemoryStore:
             return infer_facts(self, self.generate, texts, user_id=user_id, metadata=meta)
         return self._insert(texts, user_id, [meta] * len(texts), explicit=ctx, progress=progress)
 
+    def add_texts(
+        self,
+        texts: Sequence[str],
+        *,
+        user_id: str,
+        metadata: Sequence[dict[str, Any] | None] | None = None,
+        context: list[str] | None = None,
+    ) -> list[MemoryItem]:
+        """Store each text as it is (no role prefix), each with its own metadata, in one
+        transaction: a crash keeps all of them or none, as :meth:`add` does for its messages."""
+        self._check_open()
+        user_id = check_user(user_id)
+        if isinstance(texts, str) or not texts:
+            raise ValueError("add_texts() takes a non-empty list of texts")
+        checked = [check_text(t) for t in texts]
+        metas = [check_metadata(m) for m in (metadata if metadata is not None else [None] * len(checked))]
+        if len(metas) != len(checked):
+            raise ValueError(f"{len(checked)} texts but {len(metas)} metadata entries")
+        return self._insert(checked, user_id, metas, explicit=check_context(context))
+
     def search(self, query: str, *, user_id: str, k: int = 5) -> list[MemoryItem]:
         """The ``k`` facts of ``user_id`` most similar to ``query``, best first (``.score`` = cosine)."""
         self._check_open()
