@@ -139,6 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remember-replies", action="store_true", help="also store the assistant's replies as memories")
     p.add_argument("--remember-questions", action="store_true", help="also store messages ending in '?' (default: only statements)")
     p.add_argument("--no-remember", action="store_true", help="do not store new memories (read-only chat)")
+    p.add_argument("--no-split", action="store_true", help="store each message as one memory (default: one per "
+                   "independent fact: 'My dog is Rex and I live in Lisbon.' becomes two)")
     p.set_defaults(func=cmd_chat)
 
     # serve
@@ -398,6 +400,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             remember_replies=args.remember_replies,
             remember_questions=args.remember_questions,
             min_score=None if args.min_score < -0.99 else args.min_score,
+            split=not args.no_split,
         )
         n = len(session.memories()) if interactive else 0
         banner = (

@@ -51,6 +51,9 @@ class FakeStore:
             out.append(item)
         return out
 
+    def add_texts(self, texts, *, user_id, metadata=None, **_):
+        return [i for t, m in zip(texts, metadata or [None] * len(texts)) for i in self.add(t, user_id=user_id, metadata=m)]
+
     def search(self, query, *, user_id, k=5):
         words = set(query.lower().strip("?.!").split())
         hits = [FakeItem(i.id, i.memory, i.user_id, score=len(words & set(i.memory.lower().strip(".").split())))
