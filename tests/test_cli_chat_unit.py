@@ -146,6 +146,19 @@ def test_remember_flags():
     assert engine.memory.items[-1].memory == "What is my dog's name?"
 
 
+def test_a_two_topic_message_is_stored_as_two_memories():
+    engine = FakeEngine()
+    session = ChatSession(engine, user_id="u")
+    turn = session.send("My dog is called Rex and I live in Lisbon. Where should I eat?")
+    # Each fact on its own; the question between them is not a fact about the user.
+    assert [m.memory for m in turn.stored] == ["My dog is called Rex.", "I live in Lisbon."]
+    assert [m.memory for m in session.remember_text("I am a nurse; my husband is a pilot.")] == \
+        ["I am a nurse.", "My husband is a pilot."]
+    whole = ChatSession(FakeEngine(), user_id="u", split=False)
+    assert [m.memory for m in whole.send("My dog is called Rex and I live in Lisbon.").stored] == \
+        ["My dog is called Rex and I live in Lisbon."]
+
+
 def test_overflow_retries_with_less_context():
     engine = FakeEngine(overflow_over=120)
     chat = ChatSession(engine, user_id="u", history_turns=5, system_prompt="S" * 20)

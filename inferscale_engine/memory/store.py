@@ -62,6 +62,7 @@ from inferscale_engine.memory.folder import (
     SECRET_FILE,
     acquire_lock,
     open_secret,
+    record_url,
     release_lock,
 )
 from inferscale_engine.memory.index import IndexKind
@@ -381,6 +382,12 @@ class MemoryStore:
         if self._keeper is None:
             raise InferScaleError("this memory store has no engine (encoder), so it has no KV to serve")
         return self._keeper.spans(facts)
+
+    def advertise(self, url: str) -> None:
+        """Record in the store's lock file that ``url`` serves this store over HTTP: a command
+        the lock refuses (``inferscale memory list``...) then uses that API instead."""
+        self._check_open()
+        record_url(self._lock_fd, url)
 
     def wait_for_encoding(self, timeout: float | None = None) -> None:
         """Block until every queued fact has been encoded (or failed); ``TimeoutError`` after ``timeout``."""
