@@ -78,7 +78,7 @@ def _session(args: argparse.Namespace, store: str) -> tuple[Any, Any, float]:
     warm_up(engine.memory)
     startup = time.perf_counter() - start
     kwargs = {} if args.min_score is None else {"min_score": None if args.min_score < -0.99 else args.min_score}
-    session = ChatSession(engine, user_id="bench", max_tokens=args.max_tokens, split=not args.no_split, **kwargs)
+    session = ChatSession(engine, user_id="bench", max_tokens=args.max_tokens, split=not args.no_split, k=args.k, **kwargs)
     return engine, session, startup
 
 
@@ -117,7 +117,7 @@ def run_model(args: argparse.Namespace, model: str) -> dict:
     out = {}
     for phase in ("tell", "ask"):
         cmd = [sys.executable, __file__, "--phase", phase, "--store", store, "--model", model,
-               "--max-tokens", str(args.max_tokens)] + (["--no-split"] if args.no_split else [])
+               "--max-tokens", str(args.max_tokens), "--k", str(args.k)] + (["--no-split"] if args.no_split else [])
         if args.min_score is not None:
             cmd += ["--min-score", str(args.min_score)]
         t = time.perf_counter()
@@ -136,6 +136,7 @@ def run_model(args: argparse.Namespace, model: str) -> dict:
         "recall_pct": round(100 * sum(t["recalled"] for t in turns) / len(turns)),
         "mixed_recall": f"{sum(t['recalled'] for t in turns if t['mixed'])}/{sum(t['mixed'] for t in turns)}",
         "retrieved_pct": round(100 * sum(t["fact_rank"] is not None for t in turns) / len(turns)),
+        "first_pct": round(100 * sum(t["fact_rank"] == 0 for t in turns) / len(turns)),
         "in_prompt_pct": round(100 * sum(t["in_prompt"] for t in turns) / len(turns)),
         "min_fact_score": round(min(t["fact_score"] for t in turns if t["fact_score"] is not None), 3),
         "turns": turns,
@@ -147,6 +148,7 @@ def main() -> None:
     p.add_argument("--model", action="append", help="alias or folder (repeatable; default smollm2)")
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--min-score", type=float, default=None, help="chat's recall cutoff (default: chat's; -1 = none)")
+    p.add_argument("--k", type=int, default=5, help="memories recalled per question (default 5, chat's)")
     p.add_argument("--no-split", action="store_true", help="store each line as one memory (chat's --no-split)")
     p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--phase", choices=["tell", "ask"], help=argparse.SUPPRESS)
@@ -161,7 +163,8 @@ def main() -> None:
     for r in results:
         missed = [f"{t['question']} -> {t['reply'][:70]!r} (fact rank {t['fact_rank']})" for t in r["turns"] if not t["recalled"]]
         print(f"{r['model']}: start-up {r['startup_s']} s, TTFT {r['ttft_ms']} ms, {r['decode_tok_s']} tok/s, "
-              f"recall {r['recall_pct']}% ({len(r['turns'])} questions; two-topic lines {r['mixed_recall']}), fact in top-k {r['retrieved_pct']}%, "
+              f"recall {r['recall_pct']}% ({len(r['turns'])} questions; two-topic lines {r['mixed_recall']}), "
+              f"fact in top-k {r['retrieved_pct']}%, ranked first {r['first_pct']}%, "
               f"in the prompt {r['in_prompt_pct']}%, "
               f"lowest fact score {r['min_fact_score']}")
         for m in missed:
