@@ -55,7 +55,7 @@ PAIRS: list[tuple[str, str, tuple[str, ...]]] = [
     # Two topics in one line: the search score of "where do I live?" is lower (issue 24: 0.236).
     ("My parrot is called Kiwi and I live in Porto.", "Where do I live?", ("porto",)),
     ("I support the football club Benfica.", "Which football club do I support?", ("benfica",)),
-    ("My husband is a pilot and I drive a green Volvo.", "What is my husband's job?", ("pilot",)),
+    ("My husband is a pilot and I own a small sailing boat.", "What is my husband's job?", ("pilot",)),
     ("I collect old stamps, but my brother Tom lives in Madrid.", "Where does my brother live?", ("madrid",)),
     ("My mother is called Ines; I grow tomatoes on my balcony.", "What do I grow on my balcony?", ("tomato",)),
     ("I have a dentist fear and my favourite band is Queen.", "What is my favourite band?", ("queen",)),
