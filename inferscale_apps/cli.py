@@ -49,8 +49,9 @@ Models are a local Hugging Face folder or an alias (qwen2.5-coder-0.5b, smollm2)
 CHAT_EPILOG = """\
 Each turn searches your memories for the message (top --k), puts their handles into the
 system message (their KV is injected, not prefilled), adds the last --history exchanges,
-streams the reply, then stores your message as a new memory (questions are not stored unless
---remember-questions). Memories survive restarts.
+streams the reply, then stores your message as new memories, one per independent fact
+("My dog is Rex and I live in Lyon." is two; --no-split keeps it whole; questions are not
+stored unless --remember-questions). Memories survive restarts.
 
 in the chat:
   /memories  /remember TEXT  /forget ID|all  /clear  /help  /quit   (Ctrl-D also quits)
