@@ -551,9 +551,9 @@ def cmd_memory_add(args: argparse.Namespace) -> int:
     metadata = json.loads(args.metadata) if args.metadata else None
     if metadata is not None and not isinstance(metadata, dict):
         raise ValueError("--metadata must be a JSON object")
-    facts = [f for t in args.texts for f in ([t] if args.no_split else split_facts(t))]
-    if not all(f.strip() for f in facts):
+    if not all(t.strip() for t in args.texts):
         raise ValueError("a memory text is empty")
+    facts = [f for t in args.texts for f in ([t] if args.no_split else split_facts(t))]
     with _memories(args, encode=True) as memories:
         # One transaction: all of the command's facts are stored, or none.
         items = memories.add_texts(facts, user_id=args.user, metadata=[metadata] * len(facts))

@@ -18,6 +18,8 @@ from inferscale_engine.memory.splitting import split_facts
     ("I went to Paris and then I flew to Rome.", ["I went to Paris.", "I flew to Rome."]),
     ("My dog is Rex. I live in Lisbon. I am a nurse.", ["My dog is Rex.", "I live in Lisbon.", "I am a nurse."]),
     ("My dog is Rex. What's the weather like?", ["My dog is Rex.", "What's the weather like?"]),
+    ("Please remember that my dog is Rex and I live in Lisbon.",
+     ["Please remember that my dog is Rex.", "I live in Lisbon."]),
 ])
 def test_two_topics_become_two_facts(text, parts):
     assert split_facts(text) == parts

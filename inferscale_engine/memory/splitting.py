@@ -44,7 +44,7 @@ _VERBS = frozenset("""
     write writes wrote watch watches watched visit visits visited support supports supported turned turns
     became become becomes started start starts finished has collect collects collected ride rides rode wear
     wears wore grew grow grows bought buy buys sold sell sells met meet meets married lost won feel feels felt
-    think thinks thought believe believes remember remembers allergic
+    think thinks thought believe believes remember remembers
 """.split())
 _CONTRACTIONS = ("'m", "'re", "'ve", "'ll", "'d", "’m", "’re", "’ve", "’ll", "’d")
 
@@ -54,8 +54,17 @@ _CONJUNCTION = re.compile(r",?\s+(?:and|but)\s+(?:(?:also|then|besides|now),?\s+
 _WORD = re.compile(r"[\w'’]+")
 
 
+#: "that" after these introduces what follows ("remember that my ..."), it points back to nothing.
+_SAYING = frozenset("remember know think note believe mind say said sure forget".split())
+
+
 def _words(text: str) -> list[str]:
     return [w.lower() for w in _WORD.findall(text)]
+
+
+def _pointers(words: list[str]) -> set[str]:
+    """The words of ``words`` that point back to something said before."""
+    return {w for i, w in enumerate(words) if w in _REFERS_BACK and not (w == "that" and i and words[i - 1] in _SAYING)}
 
 
 def _has_verb(words: list[str]) -> bool:
@@ -76,12 +85,12 @@ def _has_verb(words: list[str]) -> bool:
 def _stands_alone(clause: str) -> bool:
     """A fact by itself: a verb, at least three words, and no word pointing back."""
     words = _words(clause)
-    return len(words) >= 3 and words[0] not in _ANAPHORIC and not _REFERS_BACK & set(words) and _has_verb(words)
+    return len(words) >= 3 and words[0] not in _ANAPHORIC and not _pointers(words) and _has_verb(words)
 
 
 def _points_back(sentence: str) -> bool:
     words = _words(sentence)
-    return bool(words) and (words[0] in _ANAPHORIC or bool(_REFERS_BACK & set(words)))
+    return bool(words) and (words[0] in _ANAPHORIC or bool(_pointers(words)))
 
 
 def _own_subject(clause: str) -> bool:
