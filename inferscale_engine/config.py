@@ -37,7 +37,6 @@ def store_location(location: str | os.PathLike | None) -> Path | str:
 def default_replica_path(url: str) -> Path:
     """Where the replicas of the store at ``url`` on this machine keep their KV (a slot each)."""
     import hashlib
-
     from urllib.parse import urlsplit
 
     parts = urlsplit(url)  # the password is no part of which database it is
