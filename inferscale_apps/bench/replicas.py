@@ -39,8 +39,10 @@ def _replica(model: str, store: str, home: Path, extra: list[str], timeout: floa
     port = _free_port()
     home.mkdir(parents=True, exist_ok=True)
     log = (home / "server.log").open("w")
+    # --recompute 0: every memory of an ask is injected, so the load generator's check that each
+    # ask injects KV holds (the default prefills a prompt's last memories as text).
     cmd = [sys.executable, "-m", "inferscale_apps.cli", "serve", "--model", model, "--port", str(port),
-           "--store", store, "--log-level", "warning", *extra]
+           "--store", store, "--log-level", "warning", "--recompute", "0", *extra]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "INFERSCALE_HOME": str(home)})
     base = f"http://127.0.0.1:{port}"
     try:
