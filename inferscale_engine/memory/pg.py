@@ -125,12 +125,11 @@ class PostgresDB(MetaDB):
         except ImportError:
             raise InferScaleError("a postgresql:// store needs psycopg: pip install 'psycopg[binary]'") from None
         self.location = redact(url)
+        self._url = url
+        self._psycopg = psycopg
         self.lock = threading.RLock()
         self._cursor = 0  # the last change stamp this process has seen
-        try:
-            self.conn = psycopg.connect(url, autocommit=True)
-        except psycopg.Error as exc:
-            raise InferScaleError(f"cannot connect to the memory store {self.location}: {exc}".strip()) from None
+        self.conn = self._connect()
         try:
             with self._writing() as c:  # the lock: replicas starting together create the schema once
                 c.execute(_SCHEMA)
@@ -144,10 +143,28 @@ class PostgresDB(MetaDB):
             self.conn.close()
             raise
 
+    def _connect(self) -> Any:
+        try:
+            return self._psycopg.connect(self._url, autocommit=True)
+        except self._psycopg.Error as exc:
+            raise InferScaleError(f"cannot connect to the memory store {self.location}: {exc}".strip()) from None
+
+    @contextmanager
+    def _session(self) -> Iterator[Any]:
+        """The connection, under the lock: a new one if the server dropped it (a restart, a
+        failover); a database error comes out as an InferScaleError that names the store."""
+        with self.lock:
+            if self.conn.broken:
+                self.conn = self._connect()
+            try:
+                yield self.conn
+            except self._psycopg.OperationalError as exc:
+                raise InferScaleError(f"memory store {self.location}: {exc}".strip()) from exc
+
     @contextmanager
     def _transaction(self) -> Iterator[Any]:
-        with self.lock, self.conn.transaction():
-            yield self.conn
+        with self._session() as c, c.transaction():
+            yield c
 
     @contextmanager
     def _writing(self) -> Iterator[Any]:
@@ -163,8 +180,8 @@ class PostgresDB(MetaDB):
     # ------------------------------------------------------------------ meta
 
     def get_meta(self, key: str) -> str | None:
-        with self.lock:
-            row = self.conn.execute("SELECT value FROM meta WHERE key=%s", (key,)).fetchone()
+        with self._session() as c:
+            row = c.execute("SELECT value FROM meta WHERE key=%s", (key,)).fetchone()
         return None if row is None else row[0]
 
     def set_meta(self, key: str, value: str) -> None:
@@ -185,20 +202,20 @@ class PostgresDB(MetaDB):
     # ------------------------------------------------------------------ facts
 
     def count_facts(self) -> int:
-        with self.lock:
-            return int(self.conn.execute("SELECT COUNT(*) FROM facts WHERE NOT deleted").fetchone()[0])
+        with self._session() as c:
+            return int(c.execute("SELECT COUNT(*) FROM facts WHERE NOT deleted").fetchone()[0])
 
     def load_live_facts(self) -> list[FactRow]:
         # One snapshot for the rows and the stamp they are current to.
-        with self.lock, self.conn.transaction():
-            self.conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
-            self._cursor = int(self.conn.execute("SELECT COALESCE(MAX(change_seq), 0) FROM facts").fetchone()[0])
-            rows = self.conn.execute(f"SELECT {_COLUMNS} FROM facts WHERE NOT deleted ORDER BY seq").fetchall()
+        with self._transaction() as c:
+            c.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            self._cursor = int(c.execute("SELECT COALESCE(MAX(change_seq), 0) FROM facts").fetchone()[0])
+            rows = c.execute(f"SELECT {_COLUMNS} FROM facts WHERE NOT deleted ORDER BY seq").fetchall()
         return [_row(r) for r in rows]
 
     def changes(self) -> Changes:
-        with self.lock:
-            rows = self.conn.execute(
+        with self._session() as c:
+            rows = c.execute(
                 f"SELECT {_COLUMNS}, deleted, change_seq FROM facts WHERE change_seq > %s ORDER BY change_seq",
                 (self._cursor,),
             ).fetchall()
@@ -208,8 +225,8 @@ class PostgresDB(MetaDB):
         return Changes(live=live, deleted=[r[1] for r in rows if r[-2]])
 
     def live_versions(self, fact_ids: Sequence[str], user_id: str) -> dict[str, int]:
-        with self.lock:
-            rows = self.conn.execute(
+        with self._session() as c:
+            rows = c.execute(
                 "SELECT id, version FROM facts WHERE id = ANY(%s) AND user_id=%s AND NOT deleted",
                 (list(fact_ids), user_id),
             ).fetchall()
@@ -305,8 +322,8 @@ class PostgresDB(MetaDB):
                       (json.dumps(metadata), now, fact_id))
 
     def history(self, memory_id: str) -> list[dict[str, Any]]:
-        with self.lock:
-            rows = self.conn.execute(
+        with self._session() as c:
+            rows = c.execute(
                 "SELECT id, memory_id, user_id, event, old_memory, new_memory, created_at FROM history "
                 "WHERE memory_id=%s ORDER BY seq",
                 (memory_id,),
