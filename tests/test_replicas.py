@@ -107,6 +107,23 @@ def test_explicit_kv_folder_is_still_one_process(url, tmp_path):
         a.close()
 
 
+def test_database_restart_fails_one_call_then_reconnects(cluster, tmp_path):
+    from inferscale_engine.errors import InferScaleError
+    from inferscale_engine.memory import MemoryStore
+
+    a = MemoryStore(None, cluster.new_database(), kv_path=tmp_path / "kv")
+    try:
+        [fact] = a.add("My dog is called Rex.", user_id="alice")
+        cluster.restart()
+        with pytest.raises(InferScaleError, match="memory store postgresql://"):
+            a.get_all(user_id="alice")  # the call in flight when the connection dropped
+        assert [m.id for m in a.get_all(user_id="alice")] == [fact.id]
+        a.update(fact.id, "My dog is called Max.", user_id="alice")
+        assert a.get(fact.id).memory == "My dog is called Max."
+    finally:
+        a.close()
+
+
 def test_bad_database_url_is_a_clear_error(cluster, tmp_path):
     from inferscale_engine.errors import InferScaleError
     from inferscale_engine.memory import MemoryStore

@@ -19,7 +19,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +45,11 @@ def _free_port() -> int:
 class Cluster:
     folder: Path
     port: int
+    _pg_ctl: Callable[..., None]
+
+    def restart(self) -> None:
+        """Stop the server at once (dropping every connection) and start it again."""
+        self._pg_ctl("restart", "-m", "immediate")
 
     @property
     def admin_url(self) -> str:
@@ -81,15 +86,19 @@ def throwaway_cluster() -> Iterator[Cluster]:
             tail = log.read_text()[-2000:] if log.exists() else ""
             raise RuntimeError(f"{' '.join(cmd[:2])} failed: {done.stdout[-2000:]}{done.stderr[-2000:]}{tail}")
 
+    options = f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
+
+    def pg_ctl(action: str, *args: str) -> None:
+        run(str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w", "-t", "60", *args, action)
+
     started = False
     try:
         run(str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
-        options = f"-p {port} -k {folder} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
-        run(str(bindir / "pg_ctl"), "-D", str(data), "-l", str(log), "-o", options, "-w", "-t", "60", "start")
+        pg_ctl("start")
         started = True
-        yield Cluster(folder, port)
+        yield Cluster(folder, port, pg_ctl)
     finally:
         if started:
             with contextlib.suppress(Exception):
-                run(str(bindir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop")
+                pg_ctl("stop", "-m", "immediate")
         shutil.rmtree(folder, ignore_errors=True)
