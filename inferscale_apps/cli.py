@@ -105,7 +105,7 @@ def _engine_options(p: argparse.ArgumentParser, model: str = "smollm2") -> None:
     g.add_argument("--model", default=model, help=f"local model folder or alias (default: {model}; qwen2.5-coder-0.5b "
                    "remembers better, smollm2 is faster)")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present, else cpu")
-    g.add_argument("--store", default=None, metavar="DIR", help="memory store folder (default: $INFERSCALE_HOME/store or the user data dir)")
+    g.add_argument("--store", default=None, metavar="DIR|URL", help="memory store folder, or a postgresql:// URL that replicas share (default: $INFERSCALE_HOME/store or the user data dir)")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length (default: the model's, 8192 for smollm2)")
     g.add_argument("--dtype", default=None, help="weights/activations dtype, e.g. bfloat16, float32 (default: the model's)")
     g.add_argument("--window", type=int, default=None, metavar="W", help="turns of context each memory is encoded after (default 5)")
@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         if model:  # adding encodes KV with the model; reading and deleting need no model
             _engine_options(q, model)
         else:
-            q.add_argument("--store", default=None, metavar="DIR", help="memory store folder (default: $INFERSCALE_HOME/store or the user data dir)")
+            q.add_argument("--store", default=None, metavar="DIR|URL", help="memory store folder, or a postgresql:// URL that replicas share (default: $INFERSCALE_HOME/store or the user data dir)")
         if user:
             q.add_argument("--user", required=True, help="whose memories")
             g = q.add_argument_group("through a running server")
@@ -420,7 +420,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         n = len(session.memories()) if interactive else 0
         banner = (
             f"InferScale chat: {args.model} on {engine.config.device}, user '{args.user}', "
-            f"{n} memor{'y' if n == 1 else 'ies'} in {engine.config.store_path}. /help for commands, /quit to leave."
+            f"{n} memor{'y' if n == 1 else 'ies'} in {engine.memory.location}. /help for commands, /quit to leave."
         )
         return run_repl(
             session,
@@ -596,9 +596,12 @@ def cmd_memory_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_memory_rotate_secret(args: argparse.Namespace) -> int:
-    from inferscale_engine.config import default_store_path
+    from inferscale_engine.config import default_store_path, is_database_url
     from inferscale_engine.memory.folder import SECRET_FILE, rotate_secret
 
+    if is_database_url(args.store):
+        raise ValueError("rotate-secret works on a store folder; a postgresql:// store keeps its secret in the "
+                         "database (meta key handle_secret), shared by every replica")
     folder = pathlib.Path(args.store or default_store_path()).expanduser()
     if not folder.is_dir():
         raise ValueError(f"no memory store at {folder}")

@@ -1,4 +1,5 @@
-"""The folder of a memory store: its files, its handle secret and the lock that keeps it to one process."""
+"""The folder of a memory store: its files, its handle secret and the lock that keeps it to one process
+(for a store in PostgreSQL: the folder of one replica's KV)."""
 
 from __future__ import annotations
 
@@ -67,11 +68,11 @@ def open_secret(path: Path, db: MetaDB) -> bytes:
 def rotate_secret(folder: Path) -> int:
     """Give the store in ``folder`` a new handle secret; returns how many live memories get new
     handles (the old ones stop working). The store must not be open elsewhere."""
-    from inferscale_engine.memory.db import MetaDB
+    from inferscale_engine.memory.db import SQLiteDB
 
     lock = acquire_lock(folder / LOCK_FILE)
     try:
-        db = MetaDB(folder / DB_FILE)
+        db = SQLiteDB(folder / DB_FILE)
         try:
             secret = secrets.token_bytes(32)
             path = folder / SECRET_FILE
@@ -190,6 +191,25 @@ def _read_holder(fd: int) -> LockHolder:
         return LockHolder(None)
     url = lines[2].strip() if len(lines) > 2 and lines[2].strip() else None
     return LockHolder(int(lines[0]), lines[1].strip() if len(lines) > 1 else "", url)
+
+
+def acquire_replica_folder(base: Path, explicit: bool) -> tuple[Path, int]:
+    """The local KV folder of one replica of a shared store, and its held lock.
+
+    The database is shared, the KV folder is not: each replica needs its own. An ``explicit``
+    folder is taken or refused; under the default one, replicas on one machine take the first
+    free numbered slot (``base/0``, ``base/1``...), so starting two needs no extra flag."""
+    if explicit:
+        base.mkdir(parents=True, exist_ok=True)
+        return base, acquire_lock(base / LOCK_FILE)
+    for slot in range(256):
+        folder = base / str(slot)
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            return folder, acquire_lock(folder / LOCK_FILE)
+        except InferScaleError:
+            continue
+    raise InferScaleError(f"every KV folder under {base} is taken by a running replica; give one with kv_path=")
 
 
 def release_lock(fd: int) -> None:

@@ -42,15 +42,16 @@ from pathlib import Path
 from typing import Any
 
 
-from inferscale_engine.config import MemoryConfig
+from inferscale_engine.config import MemoryConfig, default_replica_path, is_database_url
 from inferscale_engine.errors import (
     EngineClosedError,
+    FactNotFoundError,
     InferScaleError,
     check_utf8,
 )
 from inferscale_engine.handles import Handle, HandleCodec
 from inferscale_engine.memory.context import Chunk, Context, ContextBuilder
-from inferscale_engine.memory.db import FactRow, MetaDB, utc_now
+from inferscale_engine.memory.db import FactRow, open_db, utc_now
 from inferscale_engine.memory.embedder import Embedder
 from inferscale_engine.memory.encoding import ChatGenerate, Encoder, device_of, kv_fingerprint
 from inferscale_engine.memory.extraction import infer_facts
@@ -61,6 +62,7 @@ from inferscale_engine.memory.folder import (
     LOCK_FILE,
     SECRET_FILE,
     acquire_lock,
+    acquire_replica_folder,
     open_secret,
     record_url,
     release_lock,
@@ -69,6 +71,7 @@ from inferscale_engine.memory.index import IndexKind
 from inferscale_engine.memory.item import MemoryItem
 from inferscale_engine.memory.kv_keeper import KVKeeper
 from inferscale_engine.memory.load import load_facts
+from inferscale_engine.memory.replica import apply_changes
 from inferscale_engine.memory.tiers import KVTiers
 from inferscale_engine.types import Span, TextFact
 from inferscale_engine.memory.validation import (
@@ -94,7 +97,10 @@ class MemoryStore:
     Args:
         encoder: the :class:`~inferscale_engine.memory.encoding.Encoder` (the serving engine)
             whose model encodes the facts; ``None`` gives a retrieval-only store (no tokens, no KV).
-        path: folder of the store (``memory.sqlite3``, ``secret.key``, ``kv/``); created.
+        path: folder of the store (``memory.sqlite3``, ``secret.key``, ``kv/``; created), or the
+            ``postgresql://`` URL of a database that replicas share (see ``docs/scaling.md``).
+        kv_path: with a database ``path``, this process's own KV folder (default: a free slot
+            under :func:`~inferscale_engine.config.default_replica_path`).
         generate: the model that extracts facts for ``add(..., infer=True)``
             (:func:`~inferscale_engine.memory.encoding.engine_generate`); ``None``: no extraction.
         the others: the :class:`~inferscale_engine.config.MemoryConfig` fields of the same
@@ -119,6 +125,7 @@ class MemoryStore:
         encode_batch: int = 32,
         encode_batch_tokens: int | None = None,
         resolve_timeout: float = 60.0,
+        kv_path: str | os.PathLike | None = None,
     ) -> None:
         check_store_options(window, index, encode_queue, encode_batch, encode_batch_tokens)
         self.device: str = device or device_of(encoder)
@@ -126,7 +133,10 @@ class MemoryStore:
             encode_batch_tokens = 4096 if self.device == "cuda" else 256
         self.encoder = encoder
         self.generate = generate
-        self.path = Path(path).expanduser()
+        #: Where the facts live: the store folder, or the database URL (without its password).
+        self.location: str
+        #: This process's folder: the store's own, or (shared store) this replica's KV folder.
+        self.path: Path
         self.window = window
         self.context_prefix = check_utf8(str(context_prefix), "context_prefix")
         self.index_kind: IndexKind = index
@@ -143,12 +153,20 @@ class MemoryStore:
         self._lock = self.table.lock
         self._facts = self.table.by_id
 
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = acquire_lock(self.path / LOCK_FILE)
+        if is_database_url(path):
+            # Replicas share the database; the lock guards only this process's KV folder.
+            base = Path(kv_path).expanduser() if kv_path else default_replica_path(str(path))
+            self.path, self._lock_fd = acquire_replica_folder(base, explicit=kv_path is not None)
+        else:
+            self.path = Path(path).expanduser()
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = acquire_lock(self.path / LOCK_FILE)
         try:
-            self._db = MetaDB(self.path / DB_FILE)
+            self._db = open_db(str(path) if is_database_url(path) else self.path / DB_FILE)
+            self.location = self._db.location if self._db.shared else str(self.path)
             try:
-                self._codec = HandleCodec(open_secret(self.path / SECRET_FILE, self._db))
+                secret = self._db.handle_secret() if self._db.shared else open_secret(self.path / SECRET_FILE, self._db)
+                self._codec = HandleCodec(secret)
             except BaseException:
                 self._db.close()
                 raise
@@ -179,6 +197,7 @@ class MemoryStore:
             device_kv_bytes=config.device_kv_bytes, host_kv_bytes=config.host_kv_bytes,
             page_tokens=config.page_tokens, encode_queue=config.encode_queue, encode_batch=config.encode_batch,
             encode_batch_tokens=config.encode_batch_tokens, resolve_timeout=config.resolve_timeout,
+            kv_path=config.kv_path,
         )
 
     @property
@@ -260,6 +279,7 @@ class MemoryStore:
         user_id = check_user(user_id)
         query = check_text(query, "query")
         k = check_k(k)
+        self._follow()
         with self._lock:
             if not self.table.has_facts(user_id):
                 return []
@@ -270,6 +290,7 @@ class MemoryStore:
     def get(self, fact_id: str, *, user_id: str | None = None) -> MemoryItem:
         """One fact; :class:`FactNotFoundError` if it does not exist or belongs to another user."""
         self._check_open()
+        self._follow()
         with self._lock:
             return self._item(self.table.lookup(fact_id, user_id))
 
@@ -277,12 +298,14 @@ class MemoryStore:
         """Every live fact of ``user_id``, in insertion order."""
         self._check_open()
         user_id = check_user(user_id)
+        self._follow()
         with self._lock:
             return [self._item(f) for f in self.table.of_user(user_id)]
 
     def user_ids(self) -> list[str]:
         """Every user that has live facts (what an HTTP ``users`` listing needs)."""
         self._check_open()
+        self._follow()
         with self._lock:
             return [u for u, ids in self.table.ids_by_user().items() if ids]
 
@@ -291,6 +314,7 @@ class MemoryStore:
         self._check_open()
         meta = check_metadata(metadata)
         now = utc_now()
+        self._follow()
         with self._lock:
             self._check_open()
             old = self.table.lookup(fact_id, user_id)
@@ -305,6 +329,7 @@ class MemoryStore:
         """
         self._check_open()
         text = check_text(text)
+        self._follow()
         with self._lock:
             self.table.lookup(fact_id, user_id)
         token_ids = self.contexts.fact_tokens(text) if self.contexts is not None else None
@@ -314,8 +339,9 @@ class MemoryStore:
             self._check_open()
             old = self.table.lookup(fact_id, user_id)
             new = retexted(old, text, token_ids, self.contexts, now)
-            version = new.kv_version
-            self._db.update_text(old, new, vec)
+            version = self._db.update_text(old, new, vec)  # a shared store's may be further on
+            if version != new.kv_version:
+                new = dataclasses.replace(new, kv_version=version)
             self.table.replace(new, vec)
             if self._keeper is not None:
                 self._keeper.retire(fact_id)
@@ -329,6 +355,7 @@ class MemoryStore:
     def delete(self, fact_id: str, *, user_id: str | None = None) -> None:
         """Delete a fact: gone from search and resolution, its KV freed in every tier."""
         self._check_open()
+        self._follow()
         with self._lock:
             self._check_open()
             fact = self.table.lookup(fact_id, user_id)
@@ -339,6 +366,7 @@ class MemoryStore:
         """Delete every fact of ``user_id``; returns how many."""
         self._check_open()
         user_id = check_user(user_id)
+        self._follow()
         with self._lock:
             self._check_open()
             facts = self.table.of_user(user_id)
@@ -358,6 +386,7 @@ class MemoryStore:
         """The handle string of a fact of ``user_id``, to put in a prompt in place of its text."""
         self._check_open()
         user_id = check_user(user_id)
+        self._follow()
         with self._lock:
             self.table.lookup(fact_id, user_id)
         return self._codec.make(user_id, fact_id)
@@ -377,6 +406,18 @@ class MemoryStore:
         self._check_open()
         user_id = check_user(user_id)
         fact_ids = [self._codec.verify(h, user_id) for h in handles]
+        if self._db.shared:
+            # Another replica may have added, updated or deleted them: one query for the current
+            # versions; any this process does not hold (or holds older) is caught up first, so
+            # KV of an older version is never served.
+            current = self._db.live_versions(fact_ids, user_id)
+            with self._lock:
+                behind = any(current.get(i) != getattr(self._facts.get(i), "kv_version", None) for i in fact_ids)
+            if behind:
+                self._follow()
+            for i in fact_ids:
+                if i not in current:
+                    raise FactNotFoundError(f"memory {i} does not exist (never did, or was deleted)")
         with self._lock:
             facts = self.table.snapshot(fact_ids, user_id)
         if self._keeper is None:
@@ -474,7 +515,19 @@ class MemoryStore:
         self.close()
 
     def __repr__(self) -> str:
-        return f"MemoryStore(path={str(self.path)!r}, window={self.window}, facts={len(self._facts)})"
+        return f"MemoryStore(location={self.location!r}, window={self.window}, facts={len(self._facts)})"
+
+    def _follow(self) -> None:
+        """A shared store: take in what the other replicas wrote since this one last looked."""
+        if not self._db.shared:
+            return
+        with self._lock:
+            self._check_open()
+            stale, gone = apply_changes(self._db.changes(), self.table, self._keeper, self.embedder, self.contexts)
+        for key in stale:
+            self.tiers.delete_key(key)
+        for fact_id in gone:
+            self.tiers.delete(fact_id)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -514,6 +567,7 @@ class MemoryStore:
         vecs = self.embedder.embed(texts, progress=progress)
         now = utc_now()
         chunks: list[Chunk] = []
+        self._follow()  # a shared store: the window before these facts includes other replicas' facts
         with self._lock:
             self._check_open()
             kind = "explicit" if explicit is not None else "window"
