@@ -58,13 +58,13 @@ class RemoteMemory:
         """One memory of ``user_id``; :class:`FactNotFoundError` if there is none with that id."""
         try:
             return self._item(self._call("GET", f"/v1/memories/{_quote(fact_id)}/", query={"user_id": user_id}))
-        except _NotFound:
+        except FactNotFoundError:
             raise FactNotFoundError(f"no memory {fact_id!r} for user {user_id!r}") from None
 
     def delete(self, fact_id: str, *, user_id: str) -> None:
         try:
             self._call("DELETE", f"/v1/memories/{_quote(fact_id)}/", query={"user_id": user_id})
-        except _NotFound:
+        except FactNotFoundError:
             raise FactNotFoundError(f"no memory {fact_id!r} for user {user_id!r}") from None
 
     def delete_all(self, *, user_id: str) -> int:
@@ -97,7 +97,7 @@ class RemoteMemory:
         except urllib.error.HTTPError as exc:
             message = _error_message(exc)
             if exc.code == 404:
-                raise _NotFound(message) from None
+                raise FactNotFoundError(message) from None
             if exc.code == 401:
                 raise InferScaleError(f"the server at {self.url} needs its API key: pass --api-key KEY or set "
                                       "INFERSCALE_API_KEY") from None
@@ -113,10 +113,6 @@ class RemoteMemory:
         return MemoryItem(id=m["id"], memory=m["memory"], user_id=m.get("user_id") or "", handle=m.get("handle", ""),
                           score=m.get("score"), metadata=dict(m.get("metadata") or {}),
                           created_at=m.get("created_at") or "", updated_at=m.get("updated_at") or "")
-
-
-class _NotFound(Exception):
-    pass
 
 
 def _quote(part: str) -> str:
