@@ -17,9 +17,10 @@ Decisions (see docs/llamaindex.md, "Ingesting documents"):
   id (``ref_doc_id``) and its metadata go in the fact's metadata.
 * **Chunks fit the model.** A node longer than ``chunk_tokens`` model tokens (default 256) is
   split by LlamaIndex's ``SentenceSplitter`` (``chunk_overlap`` tokens shared) into several
-  facts, whatever node parser ran before: LlamaIndex's default chunk (1024 tokens of another
-  tokenizer) would leave room for one chunk in a small model's context. At 256, the query
-  engine's default two chunks, its prompt and the answer fit in SmolLM2's 2048 tokens.
+  facts, whatever node parser ran before (LlamaIndex's default is 1024 tokens of another
+  tokenizer). The store's embedder (all-MiniLM-L6-v2) reads at most 256 word pieces, so a
+  longer chunk's tail could never be found; and each fact is encoded after the ``window``
+  facts before it, which keeps a chunk's encode near 1.5k tokens of prefill.
 * **The store embeds.** ``stores_text = True`` and ``is_embedding_query = False``: the memory
   store embeds facts and queries with its own model (all-MiniLM-L6-v2 by default), and
   ``query`` searches with the query text. LlamaIndex still embeds nodes at ingestion with the
