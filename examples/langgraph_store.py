@@ -47,7 +47,6 @@ class Context:
 
 def build(engine: Any = None) -> Any:
     """The agent graph, compiled with its store."""
-    llm = ChatInferScale(engine=engine, model=MODEL, max_tokens=32)  # ★ the model (user per call)
     # store = InMemoryStore(index={"embed": embeddings, "dims": 1536})  # the stock recipe
     store = InferScaleStore(engine=engine, model=MODEL)  # ★ the store
 
@@ -62,7 +61,8 @@ def build(engine: Any = None) -> Any:
         memories = runtime.store.search(namespace, query=last, limit=2)
         info = "\n".join(m.value["text"] for m in memories)
         system = f"You are a helpful assistant. What you know about the user:\n{info}\nAnswer in a few words."
-        reply = llm.invoke([{"role": "system", "content": system}, *state["messages"]], user_id=user_id)
+        llm = ChatInferScale(engine=engine, model=MODEL, user_id=user_id, max_tokens=32)  # ★ the model
+        reply = llm.invoke([{"role": "system", "content": system}, *state["messages"]])
         return {"messages": [reply]}
 
     builder = StateGraph(MessagesState, context_schema=Context)
