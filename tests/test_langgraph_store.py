@@ -216,6 +216,10 @@ def test_items_persist_across_processes(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------ on SmolLM2
 
 
+def handles_in(text: str) -> list[str]:
+    return [m.group(0) for m in HANDLE_PATTERN.finditer(text)]
+
+
 @pytest.fixture(scope="module")
 def engine(smollm2_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     # One engine per module, closed at the end: vLLM keeps the first live engine's KV-connector
@@ -252,7 +256,7 @@ def test_langgraph_agent_gets_injected_memories(engine: Any) -> None:
     graph = StateGraph(MessagesState).add_node("call_model", call_model).add_edge(START, "call_model")
     app = graph.compile(store=store)
     state = app.invoke({"messages": [{"role": "user", "content": "What is my dog's name?"}]})
-    (handle,) = HANDLE_PATTERN.findall(prompts[-1])
+    (handle,) = handles_in(prompts[-1])
     assert engine.memory.resolve(handle, user).text == "My dog is called Rex."  # retrieval found the dog
     usage = state["messages"][-1].usage_metadata
     assert usage["input_token_details"]["injected"] >= len(engine.tokenize("My dog is called Rex."))
@@ -270,7 +274,7 @@ def test_example_langgraph_store(engine: Any) -> None:
     assert len(answers) == 2
     assert rec.handles_seen >= 2 and rec.injected > 0
     # Each question's prompt held the handles of the facts retrieved for it, the right one among them.
-    first, second = (HANDLE_PATTERN.findall(p) for p in rec.prompts)
+    first, second = (handles_in(p) for p in rec.prompts)
     user = next(u for u in engine.memory.user_ids() if u.startswith("user-"))
     assert "My dog's name is Rex." in [engine.memory.resolve(h, user).text for h in first]
     assert "I live in Lisbon." in [engine.memory.resolve(h, user).text for h in second]
