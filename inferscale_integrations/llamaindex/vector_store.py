@@ -20,7 +20,7 @@ Decisions (see docs/llamaindex.md, "Ingesting documents"):
   facts, whatever node parser ran before (LlamaIndex's default is 1024 tokens of another
   tokenizer). The store's embedder (all-MiniLM-L6-v2) reads at most 256 word pieces, so a
   longer chunk's tail could never be found; and each fact is encoded after the ``window``
-  facts before it, which keeps a chunk's encode near 1.5k tokens of prefill.
+  facts before it, which keeps a chunk's encode at most 6 × 256 tokens of prefill.
 * **The store embeds.** ``stores_text = True`` and ``is_embedding_query = False``: the memory
   store embeds facts and queries with its own model (all-MiniLM-L6-v2 by default), and
   ``query`` searches with the query text. LlamaIndex still embeds nodes at ingestion with the
