@@ -93,8 +93,10 @@ def main(engine: Any = None, scripted: list[str] | None = None) -> list[str]:
         state = graph.invoke({"messages": [{"role": "user", "content": text}]}, context=context)
         reply = state["messages"][-1]
         injected = (reply.usage_metadata or {}).get("input_token_details", {}).get("injected", 0)
-        if not text.lower().startswith("remember"):
-            answers.append(reply.text.strip())
+        if text.lower().startswith("remember"):
+            print(f"agent> {reply.text.strip()}")
+            continue
+        answers.append(reply.text.strip())
         print(f"agent> {reply.text.strip()}   [memory tokens injected: {injected}]")
     return answers
 
