@@ -239,9 +239,10 @@ class InferScaleStore(EngineConstructors, BaseStore):
         try:
             return namespace[self.user_index]
         except IndexError:
+            need = self.user_index + 1 if self.user_index >= 0 else -self.user_index
             raise InvalidNamespaceError(
                 f"namespace {namespace!r} has no label at user_index={self.user_index}, the user the item "
-                f"belongs to: put items under namespaces such as {('alice', 'memories') if self.user_index >= 0 else ('memories', 'alice')!r}"
+                f"belongs to: this store needs namespaces of at least {need} labels"
             ) from None
 
     def _users_under(self, prefix: Namespace) -> list[str]:
