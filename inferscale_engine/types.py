@@ -6,7 +6,7 @@ name them without importing vLLM (seconds) or the engine's internals.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from inferscale_engine.handles import Handle
     from inferscale_engine.kv import FactKV
 
-__all__ = ["FactSource", "GenerationResult", "Messages", "Mode", "Segment", "Span", "StreamDelta", "Usage"]
+__all__ = ["ColdFact", "FactSource", "MemoryMix", "GenerationResult", "Messages", "Mode", "Segment", "Span", "StreamDelta", "Usage"]
 
 Mode = Literal["inject", "prompt"]
 Messages = Sequence[dict[str, str]]
@@ -40,6 +40,26 @@ class TextFact(list[int]):
     is prefilled too (injected KV is a prefix)."""
 
 
+class ColdFact(TextFact):
+    """A memory whose KV is on disk, read in the background since the request resolved it.
+
+    The engine's cost model (:mod:`inferscale_engine.planner`) either waits for the read and
+    injects the KV (:attr:`load` returns its span), or prefills the memory as text, which is
+    what a :class:`TextFact` is (so anything that does not plan treats it that way); the read
+    then finishes in the background and leaves the KV in a memory tier for the next request.
+    """
+
+    def __init__(self, token_ids: Sequence[int], *, nbytes: int, started: float,
+                 load: Callable[[], Span | TextFact]) -> None:
+        super().__init__(token_ids)
+        #: Bytes of its KV file, and ``time.perf_counter()`` when its read was queued.
+        self.nbytes = nbytes
+        self.started = started
+        #: Waits for the read; the span to inject, or a ``TextFact`` when the file turned out
+        #: unusable and the KV is being re-encoded elsewhere.
+        self.load = load
+
+
 Segment = Span | Sequence[int]
 
 
@@ -50,13 +70,23 @@ class FactSource(Protocol):
     def resolve_many(self, handles: Sequence[Handle], user_id: str) -> Sequence[Span | TextFact]: ...
 
 
+@dataclass(frozen=True)
+class MemoryMix:
+    """Where a request's memories came from (the cost model's choice, see docs/engine.md)."""
+
+    injected: int = 0  # KV injected from the device or host tier (or a warm disk file)
+    from_disk: int = 0  # KV read from a cold disk file for this request, then injected
+    recomputed: int = 0  # prefilled as text: chosen by the cost model or the quality knob, or not encoded yet
+
+
 @dataclass
 class Usage:
     prompt_tokens: int
     completion_tokens: int
     injected_tokens: int  # prompt tokens whose KV was injected instead of prefilled
     cached_tokens: int  # prompt tokens vLLM's prefix cache already held
-    memories_as_text: int = 0  # memories prefilled as text: their KV was not encoded yet
+    memories_as_text: int = 0  # memories prefilled as text: their KV was not encoded yet, or was cold
+    memory_mix: MemoryMix | None = None  # per memory: injected, read from disk, or recomputed
 
     @property
     def total_tokens(self) -> int:
