@@ -36,12 +36,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from inferscale_engine.types import ColdFact, MemoryMix, Segment, Span, TextFact
-
-if TYPE_CHECKING:
-    from inferscale_engine.engine import InferScaleEngine
 
 logger = logging.getLogger(__name__)
 
@@ -156,9 +153,10 @@ def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rat
 
 class Calibration:
     """The engine's :class:`Rates`, measured in the background when a store is attached; the
-    prefill curve is cached on disk per engine fingerprint and machine."""
+    prefill curve is cached on disk per engine fingerprint and machine. ``engine`` is the
+    :class:`~inferscale_engine.engine.InferScaleEngine` (untyped here: it imports this module)."""
 
-    def __init__(self, engine: InferScaleEngine, store: Any, *, refresh: bool = False) -> None:
+    def __init__(self, engine: Any, store: Any, *, refresh: bool = False) -> None:
         self._engine = engine
         #: The store whose tier speeds these are.
         self.store = store
@@ -187,7 +185,7 @@ class Calibration:
                 "could not measure the cost model's rates (%s); cold memories are read from disk", exc)
 
 
-def prefill_curve(engine: InferScaleEngine, *, refresh: bool = False) -> tuple[tuple[int, float], ...]:
+def prefill_curve(engine: Any, *, refresh: bool = False) -> tuple[tuple[int, float], ...]:
     """Seconds to first token of plain prompts of :data:`PREFILL_POINTS` tokens on ``engine``
     (fresh random tokens each, so no cache serves them; the best of two after a warm-up), read
     from the cache when measured on this machine for this engine in the last week."""
@@ -199,15 +197,16 @@ def prefill_curve(engine: InferScaleEngine, *, refresh: bool = False) -> tuple[t
         return tuple((int(n), float(t)) for n, t in hit["points"])
     rng = random.Random(0)
     hi = min(engine.vocab_size, 32000) - 1
+    lo = min(1000, hi // 2)  # past the low ids, where special tokens usually live
     cap = engine.max_model_len - 2
     # A CPU prefill of thousands of tokens takes seconds: past 512 the curve is extrapolated.
     largest = 512 if engine.config.device == "cpu" else cap
     sizes = [n for n in PREFILL_POINTS if n <= min(cap, largest)] or [cap]
     points = []
-    engine.generate_segments([[rng.randint(1000, hi) for _ in range(sizes[0])]], max_tokens=1, mode="prompt",
+    engine.generate_segments([[rng.randint(lo, hi) for _ in range(sizes[0])]], max_tokens=1, mode="prompt",
                              user_id="inferscale-calibration")
     for n in sizes:
-        best = min(engine.generate_segments([[rng.randint(1000, hi) for _ in range(n)]], max_tokens=1, mode="prompt",
+        best = min(engine.generate_segments([[rng.randint(lo, hi) for _ in range(n)]], max_tokens=1, mode="prompt",
                                             user_id="inferscale-calibration").ttft_s for _ in range(2))
         points.append((n, best))
     # A measurement is noisy; the curve the model interpolates must not go down.
@@ -224,7 +223,7 @@ def _cache_path() -> Path:
     return Path(base) / "prefill-calibration.json"
 
 
-def _curve_key(engine: InferScaleEngine) -> str:
+def _curve_key(engine: Any) -> str:
     """Engine and machine: what the prefill time of a prompt depends on."""
     import torch
 
