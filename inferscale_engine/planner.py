@@ -10,12 +10,12 @@ layout as the quality knob ``recompute=R``, whose last ``R`` memories are always
 (the split never goes past ``k - R``). Order is never changed, so every mix is the same prompt;
 with exact-context KV every mix gives the same answer.
 
-For each split the model adds the wait for the cold reads in the prefix (queued in prompt order
-when the request resolved its handles: ``latency + bytes / bandwidth - time already spent``) and
-the time to prefill everything after the split (a curve of measured prefill times), and takes
-the cheapest; ties go to injecting more (prefill is compute every other request shares). Cold
-reads of recomputed memories go on in the background and leave their KV in a memory tier:
-the next request injects them.
+For each split the model adds the time to read the cold files in the prefix (in parallel:
+``latency + bytes / bandwidth``) and the time to prefill everything after the split (a curve of
+measured prefill times), and takes the cheapest; ties go to injecting more (prefill is compute
+every other request shares). Only then do reads start: the prefix's on the request pool, the
+recomputed memories' on a small background pool (their Python work would otherwise compete for
+the GIL with the request) that leaves their KV in the host tier: the next request injects them.
 
 Rates are measured, never assumed: prefill time of this engine at a few prompt lengths (cached
 per engine and machine, since it takes seconds on a CPU) and the store's disk and host-to-device
@@ -91,8 +91,7 @@ class Plan:
     prompt_s: float  # what prefilling every memory would cost (the bound never to exceed)
 
 
-def plan(segments: Sequence[Segment], recompute: int, rates: Rates | None,
-         now: float | None = None) -> tuple[list[Segment], MemoryMix]:
+def plan(segments: Sequence[Segment], recompute: int, rates: Rates | None) -> tuple[list[Segment], MemoryMix]:
     """Segments with the cold memories the cost model injects loaded (waited for), and the
     mix of the request. The rest stay text (``TextFact``) and, with the quality knob's last
     ``recompute`` memories, form the prefilled tail laid out by the engine."""
@@ -106,23 +105,27 @@ def plan(segments: Sequence[Segment], recompute: int, rates: Rates | None,
         if rates is None:  # nothing measured (no store speeds): load, as before the cost model
             split = limit
         else:
-            split = choose(segments, facts, limit, rates, time.perf_counter() if now is None else now).injected
+            split = choose(segments, facts, limit, rates).injected
     else:
         split = limit
     out = list(segments)
-    for j in cold:
-        if j >= split:
-            break
-        loaded = segments[facts[j]].load()  # type: ignore[union-attr]
+    prefix = [j for j in cold if j < split]
+    for j in prefix:  # queued together: read in parallel
+        segments[facts[j]].read.start()  # type: ignore[union-attr]
+    for j in prefix:
+        loaded = segments[facts[j]].read.wait()  # type: ignore[union-attr]
         out[facts[j]] = loaded
         if not isinstance(loaded, Span):  # the file was unusable: the prefix ends here
             split = j
             break
+    for j in cold:
+        if j >= split:  # prefilled now; in a memory tier for the next request
+            segments[facts[j]].read.promote()  # type: ignore[union-attr]
     from_disk = sum(1 for j in cold if j < split)
     return out, MemoryMix(injected=split - from_disk, from_disk=from_disk, recomputed=len(facts) - split)
 
 
-def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rates, now: float) -> Plan:
+def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rates) -> Plan:
     """The cheapest split ``j <= limit`` (see the module docstring)."""
     lengths = [len(s.token_ids) if isinstance(s, Span) else len(s) for s in segments]
     total = sum(lengths)
@@ -138,14 +141,12 @@ def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rat
             after.append(tail)
             end = next(ends, None)
     best_j, best_s = 0, rates.prefill_s(after[0])
-    cold_bytes, started = 0, None
+    cold_bytes = 0
     for j in range(1, limit + 1):
         seg = segments[facts[j - 1]]
         if isinstance(seg, ColdFact):
-            cold_bytes += seg.nbytes
-            started = seg.started if started is None else min(started, seg.started)
-        wait = 0.0 if started is None else max(0.0, rates.disk_s(cold_bytes) - (now - started))
-        cost = wait + rates.prefill_s(after[j])
+            cold_bytes += seg.read.nbytes
+        cost = (rates.disk_s(cold_bytes) if cold_bytes else 0.0) + rates.prefill_s(after[j])
         if cost <= best_s:
             best_j, best_s = j, cost
     return Plan(best_j, len(facts), best_s, rates.prefill_s(after[0]))

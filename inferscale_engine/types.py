@@ -6,7 +6,7 @@ name them without importing vLLM (seconds) or the engine's internals.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from inferscale_engine.handles import Handle
     from inferscale_engine.kv import FactKV
 
-__all__ = ["ColdFact", "FactSource", "MemoryMix", "GenerationResult", "Messages", "Mode", "Segment", "Span", "StreamDelta", "Usage"]
+__all__ = ["ColdFact", "ColdRead", "FactSource", "MemoryMix", "GenerationResult", "Messages", "Mode", "Segment", "Span", "StreamDelta", "Usage"]
 
 Mode = Literal["inject", "prompt"]
 Messages = Sequence[dict[str, str]]
@@ -40,24 +40,37 @@ class TextFact(list[int]):
     is prefilled too (injected KV is a prefix)."""
 
 
-class ColdFact(TextFact):
-    """A memory whose KV is on disk, read in the background since the request resolved it.
+class ColdRead(Protocol):
+    """The read of one cold memory's KV file (the memory store makes them)."""
 
-    The engine's cost model (:mod:`inferscale_engine.planner`) either waits for the read and
-    injects the KV (:attr:`load` returns its span), or prefills the memory as text, which is
-    what a :class:`TextFact` is (so anything that does not plan treats it that way); the read
-    then finishes in the background and leaves the KV in a memory tier for the next request.
+    #: Bytes of the file.
+    nbytes: int
+
+    def start(self) -> None:
+        """Queue the read now, on the pool that serves requests (reads started together run in
+        parallel); idempotent."""
+
+    def wait(self) -> Span | TextFact:
+        """The span to inject once read (started if it was not); a ``TextFact`` when the file
+        turned out unusable and the KV is being re-encoded."""
+
+    def promote(self) -> None:
+        """Read it in the background into a memory tier, for the next request (the memory is
+        prefilled in this one)."""
+
+
+class ColdFact(TextFact):
+    """A memory whose KV is only in a disk file outside the page cache.
+
+    The engine's cost model (:mod:`inferscale_engine.planner`) either reads it and injects the
+    KV, or prefills the memory as text, which is what a :class:`TextFact` is (so anything that
+    does not plan treats it that way) and promotes it: read in the background into a memory
+    tier, so the next request injects it.
     """
 
-    def __init__(self, token_ids: Sequence[int], *, nbytes: int, started: float,
-                 load: Callable[[], Span | TextFact]) -> None:
+    def __init__(self, token_ids: Sequence[int], read: ColdRead) -> None:
         super().__init__(token_ids)
-        #: Bytes of its KV file, and ``time.perf_counter()`` when its read was queued.
-        self.nbytes = nbytes
-        self.started = started
-        #: Waits for the read; the span to inject, or a ``TextFact`` when the file turned out
-        #: unusable and the KV is being re-encoded elsewhere.
-        self.load = load
+        self.read = read
 
 
 Segment = Span | Sequence[int]

@@ -14,7 +14,8 @@ all of them other facts, so the promotion first evicts ``k`` facts to the host.
 cost model (:mod:`inferscale_engine.planner`, rates calibrated at the start of the run) waits for
 the first ``j`` facts and prefills the rest as text, ``j`` its choice; ``mix`` says how many
 facts were injected from memory / read from disk / recomputed (the most common mix over the
-repeats; the reads of recomputed facts finish before the next request). ``after-prefetch`` is
+repeats; the facts are in a fresh order each repeat, so vLLM's prefix cache cannot serve what is
+prefilled; the background reads of recomputed facts finish before the next request). ``after-prefetch`` is
 the disk tier after a prefetch (``tiers.prefetch``, as ``MemoryStore.prefetch(user_id)`` starts
 it) moved the facts to the host tier; ``prefetch_ms`` is how long that took.
 
@@ -25,7 +26,6 @@ it) moved the facts to the host tier; ``prefetch_ms`` is how long that took.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import shutil
@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from inferscale_apps.bench.common import SyntheticWorkload, median, percentile
 from inferscale_engine.kv import FactKV
+from inferscale_engine.memory.tiers import KVTiers
 from inferscale_engine.types import Span
 
 if TYPE_CHECKING:
@@ -53,8 +54,25 @@ COST_MODEL = "disk-cost-model"
 AFTER_PREFETCH = "after-prefetch"
 
 
-def _span(key: str, ids: list[int], read: Future[FactKV]) -> Span:
-    return Span(key, tuple(ids), read.result())
+class _Read:
+    """A cold fact's read, as the store makes them (``ColdRead``), on the bench's own tiers."""
+
+    def __init__(self, tiers: KVTiers, fingerprint: str, key: tuple[str, int], span_key: str, ids: list[int]) -> None:
+        self.tiers, self.fingerprint, self.key, self.span_key, self.ids = tiers, fingerprint, key, span_key, ids
+        self.nbytes = tiers.path(key).stat().st_size
+        self.future: Future[FactKV] | None = None
+
+    def start(self) -> None:
+        if self.future is None:
+            self.future = self.tiers.read_async([self.key], self.fingerprint)[0]
+
+    def wait(self) -> Span:
+        self.start()
+        return Span(self.span_key, tuple(self.ids), self.future.result())  # type: ignore[union-attr]
+
+    def promote(self) -> None:
+        if self.future is None:
+            self.tiers.prefetch([self.key], self.fingerprint)
 
 
 def _drop_page_cache(path: os.PathLike) -> None:
@@ -95,7 +113,6 @@ def run_tiers(
 
     from inferscale_engine import planner
     from inferscale_engine.memory.bandwidth import measure
-    from inferscale_engine.memory.tiers import KVTiers
     from inferscale_engine.types import ColdFact, TextFact
 
     kmax = max(ks)
@@ -182,18 +199,20 @@ def run_tiers(
                     if tier == COST_MODEL:
                         move_to("disk", picked_keys)
                         serial += 1
+                        # A fresh order each repeat, as the prompt row: vLLM's prefix cache must
+                        # not serve the facts this request prefills.
+                        order_i = work.rng.sample(range(k), k)
                         t0 = time.perf_counter()
-                        futures = tiers.read_async(picked_keys, fp)
-                        cold = [ColdFact(ids, nbytes=tiers.path(key).stat().st_size, started=t0,
-                                         load=functools.partial(_span, f"tiers:{serial}:{i}", ids, f))
-                                for i, (key, ids, f) in enumerate(zip(picked_keys, picked_ids, futures))]
+                        cold = [ColdFact(picked_ids[i], _Read(tiers, fp, picked_keys[i], f"tiers:{serial}:{i}",
+                                                              picked_ids[i])) for i in order_i]
                         segs, mix = planner.plan([work.head, *cold, question], 0, rates)
                         # What the engine would prefill (its planner sees no cold fact left).
                         segs = [TextFact(s) if isinstance(s, ColdFact) else s for s in segs]
                         t_promote = time.perf_counter() - t0
                         result = engine.generate_segments(segs, max_tokens=1, mode="inject", first_logprobs=5)
-                        for f in futures:  # reads of recomputed facts finish in the background
-                            f.result()
+                        # Promotions of the prefilled facts finish before the next request.
+                        while any(t == "disk" for t in tiers.where_many(picked_keys)):
+                            time.sleep(0.0005)
                         # Recomputed facts are prefilled after the injected ones, their KV is not
                         # the w=0 KV of the other rows: its answer is not compared with theirs.
                         if rep >= warmup:

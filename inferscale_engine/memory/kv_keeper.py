@@ -14,7 +14,6 @@ the encoding state and the encode queue.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import threading
 import time
@@ -62,6 +61,32 @@ class _Pending:
         self.state: str = state
         self.event = threading.Event()
         self.error: BaseException | None = None
+
+
+class _ColdRead:
+    """:class:`~inferscale_engine.types.ColdRead` of one fact version's KV file."""
+
+    def __init__(self, keeper: KVKeeper, fact: FactRow, key: KVKey) -> None:
+        self._keeper = keeper
+        self._fact = fact
+        self._key = key
+        self._future: Future[FactKV] | None = None
+        try:
+            self.nbytes = keeper.tiers.disk.path(key).stat().st_size
+        except OSError:
+            self.nbytes = 0
+
+    def start(self) -> None:
+        if self._future is None:
+            self._future = self._keeper.tiers.read_async([self._key], self._keeper.fingerprint)[0]
+
+    def wait(self) -> Span | TextFact:
+        self.start()
+        return self._keeper._load_cold(self._future, self._fact)  # type: ignore[arg-type]
+
+    def promote(self) -> None:
+        if self._future is None:
+            self._keeper.tiers.prefetch([self._key], self._keeper.fingerprint)
 
 
 class KVKeeper:
@@ -193,26 +218,13 @@ class KVKeeper:
         return self.tiers.prefetch(keys, self.fingerprint) if keys else 0
 
     def _cold(self, facts: list[FactRow]) -> dict[int, ColdFact]:
-        """The facts (by position) whose KV is in a disk file the page cache does not hold, their
-        reads queued in prompt order, as :class:`ColdFact`."""
+        """The facts (by position) whose KV is only in a disk file the page cache does not hold,
+        as :class:`ColdFact` (nothing read yet: the engine's cost model starts what it needs)."""
         ready = [i for i, f in enumerate(facts) if f.fingerprint == self.fingerprint]
         keys: list[KVKey] = [(facts[i].id, facts[i].kv_version) for i in ready]  # type: ignore[misc]
-        picked = [(i, key) for i, key, tier in zip(ready, keys, self.tiers.where_many(keys))
-                  if tier == "disk" and not self.tiers.disk.cached(key)]
-        if not picked:
-            return {}
-        started = time.perf_counter()
-        futures = self.tiers.read_async([key for _, key in picked], self.fingerprint)
-        out = {}
-        for (i, key), future in zip(picked, futures):
-            f = facts[i]
-            try:
-                nbytes = self.tiers.disk.path(key).stat().st_size
-            except OSError:
-                nbytes = 0
-            out[i] = ColdFact(f.token_ids or (), nbytes=nbytes, started=started,
-                              load=functools.partial(self._load_cold, future, f))
-        return out
+        return {i: ColdFact(facts[i].token_ids or (), _ColdRead(self, facts[i], key))
+                for i, key, tier in zip(ready, keys, self.tiers.where_many(keys))
+                if tier == "disk" and not self.tiers.disk.cached(key)}
 
     def _load_cold(self, future: Future[FactKV], f: FactRow) -> Span | TextFact:
         """A cold fact's span once its read is done; a file that turned out unusable goes the

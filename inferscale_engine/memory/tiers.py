@@ -106,6 +106,9 @@ class KVTiers:
         # deep queue; the checksum and finiteness checks release the GIL), and reads for facts a
         # request recomputes instead, or prefetches, finish in the background.
         self._pool: ThreadPoolExecutor | None = None
+        # Prefetches and promotions of facts a request prefilled: a few threads, so that their
+        # Python work (GIL) barely slows the requests running meanwhile.
+        self._background: ThreadPoolExecutor | None = None
         self._reading: dict[KVKey, Future[None]] = {}  # background reads into a memory tier
         self._lock = threading.RLock()
         self._geometry: tuple[int, int, int, torch.dtype] | None = None  # layers, kv heads, head dim, dtype
@@ -215,7 +218,7 @@ class KVTiers:
             for key in keys:
                 if key in self._device or key in self._host or key in self._reading:
                     continue
-                future = self._readers().submit(self._read_to_host, key, fingerprint)
+                future = self._background_readers().submit(self._read_to_host, key, fingerprint)
                 self._reading[key] = future
                 future.add_done_callback(lambda _, key=key: self._done_reading(key))  # type: ignore[misc]
                 started += 1
@@ -230,15 +233,23 @@ class KVTiers:
 
     def close(self) -> None:
         """Stop the reader pool; reads already running finish."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        for pool in (self._pool, self._background):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        self._pool = self._background = None
 
     def _readers(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="inferscale-disk")
             return self._pool
+
+    def _background_readers(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._background is None:
+                self._background = ThreadPoolExecutor(min(4, self.read_threads),
+                                                      thread_name_prefix="inferscale-disk-background")
+            return self._background
 
     def _after(self, reading: Future[None], key: KVKey, fingerprint: str) -> FactKV:
         """``key``'s KV once the prefetch reading it is done (from the tier it put it in)."""
