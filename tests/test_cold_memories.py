@@ -164,3 +164,13 @@ def test_prefetch_moves_a_users_memories_up(engine, prompt, reference):
     after = _ask(engine, prompt)
     assert after.usage.memory_mix == MemoryMix(injected=len(FACTS), from_disk=0, recomputed=0), after.usage
     assert after.token_ids == reference.token_ids
+
+
+def test_search_prefetches_what_it_finds(engine):
+    keys = _keys(engine)
+    _disk(engine, None)
+    _to_cold_disk(engine, keys)
+    found = engine.memory.search("Where does Tom live?", user_id=USER, k=2)
+    picked = [(item.id, 1) for item in found]
+    _wait_in_memory(engine, picked)  # the handles are about to be resolved: their KV moved up
+    assert set(engine.memory.tiers.where_many([k for k in keys if k not in picked])) == {"disk"}
