@@ -434,7 +434,7 @@ class InferScaleEngine:
             source = self.fact_source or self.memory
             many = getattr(source, "resolve_many", None)
             if many is not None and getattr(source, "defers_cold", False):
-                spans = many(handles, user_id, defer_cold=True)  # cold reads start; _prepare plans
+                spans = many(handles, user_id, defer_cold=True)  # cold ones: _prepare plans them
             elif many is not None:
                 spans = many(handles, user_id)
             else:  # a source with only resolve() (see FactSource)
