@@ -43,9 +43,10 @@ from pathlib import Path
 from typing import Any
 
 
-from inferscale_engine.config import MemoryConfig
+from inferscale_engine.config import MemoryConfig, default_replica_path, is_database_url
 from inferscale_engine.errors import (
     EngineClosedError,
+    FactNotFoundError,
     InferScaleError,
     check_utf8,
 )
@@ -53,7 +54,7 @@ from inferscale_engine.handles import Handle, HandleCodec
 from inferscale_engine.memory.bandwidth import TierSpeeds
 from inferscale_engine.memory.bandwidth import measure as measure_tiers
 from inferscale_engine.memory.context import Chunk, Context, ContextBuilder
-from inferscale_engine.memory.db import FactRow, MetaDB, utc_now
+from inferscale_engine.memory.db import FactRow, open_db, utc_now
 from inferscale_engine.memory.embedder import Embedder
 from inferscale_engine.memory.encoding import ChatGenerate, Encoder, device_of, kv_fingerprint
 from inferscale_engine.memory.extraction import infer_facts
@@ -64,13 +65,16 @@ from inferscale_engine.memory.folder import (
     LOCK_FILE,
     SECRET_FILE,
     acquire_lock,
+    acquire_replica_folder,
     open_secret,
+    record_url,
     release_lock,
 )
 from inferscale_engine.memory.index import IndexKind
 from inferscale_engine.memory.item import MemoryItem
 from inferscale_engine.memory.kv_keeper import KVKeeper
 from inferscale_engine.memory.load import load_facts
+from inferscale_engine.memory.replica import apply_changes
 from inferscale_engine.memory.tiers import KVTiers
 from inferscale_engine.types import Span, TextFact
 from inferscale_engine.memory.validation import (
@@ -96,7 +100,10 @@ class MemoryStore:
     Args:
         encoder: the :class:`~inferscale_engine.memory.encoding.Encoder` (the serving engine)
             whose model encodes the facts; ``None`` gives a retrieval-only store (no tokens, no KV).
-        path: folder of the store (``memory.sqlite3``, ``secret.key``, ``kv/``); created.
+        path: folder of the store (``memory.sqlite3``, ``secret.key``, ``kv/``; created), or the
+            ``postgresql://`` URL of a database that replicas share (see ``docs/scaling.md``).
+        kv_path: with a database ``path``, this process's own KV folder (default: a free slot
+            under :func:`~inferscale_engine.config.default_replica_path`).
         generate: the model that extracts facts for ``add(..., infer=True)``
             (:func:`~inferscale_engine.memory.encoding.engine_generate`); ``None``: no extraction.
         the others: the :class:`~inferscale_engine.config.MemoryConfig` fields of the same
@@ -121,6 +128,7 @@ class MemoryStore:
         encode_batch: int = 32,
         encode_batch_tokens: int | None = None,
         resolve_timeout: float = 60.0,
+        kv_path: str | os.PathLike | None = None,
         disk_read_threads: int = 16,
         disk_read_bps: float | None = None,
     ) -> None:
@@ -130,7 +138,10 @@ class MemoryStore:
             encode_batch_tokens = 4096 if self.device == "cuda" else 256
         self.encoder = encoder
         self.generate = generate
-        self.path = Path(path).expanduser()
+        #: Where the facts live: the store folder, or the database URL (without its password).
+        self.location: str
+        #: This process's folder: the store's own, or (shared store) this replica's KV folder.
+        self.path: Path
         self.window = window
         self.context_prefix = check_utf8(str(context_prefix), "context_prefix")
         self.index_kind: IndexKind = index
@@ -149,12 +160,20 @@ class MemoryStore:
         self._lock = self.table.lock
         self._facts = self.table.by_id
 
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = acquire_lock(self.path / LOCK_FILE)
+        if is_database_url(path):
+            # Replicas share the database; the lock guards only this process's KV folder.
+            base = Path(kv_path).expanduser() if kv_path else default_replica_path(str(path))
+            self.path, self._lock_fd = acquire_replica_folder(base, explicit=kv_path is not None)
+        else:
+            self.path = Path(path).expanduser()
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = acquire_lock(self.path / LOCK_FILE)
         try:
-            self._db = MetaDB(self.path / DB_FILE)
+            self._db = open_db(str(path) if is_database_url(path) else self.path / DB_FILE)
+            self.location = self._db.location if self._db.shared else str(self.path)
             try:
-                self._codec = HandleCodec(open_secret(self.path / SECRET_FILE, self._db))
+                secret = self._db.handle_secret() if self._db.shared else open_secret(self.path / SECRET_FILE, self._db)
+                self._codec = HandleCodec(secret)
             except BaseException:
                 self._db.close()
                 raise
@@ -186,7 +205,8 @@ class MemoryStore:
             device_kv_bytes=config.device_kv_bytes, host_kv_bytes=config.host_kv_bytes,
             page_tokens=config.page_tokens, encode_queue=config.encode_queue, encode_batch=config.encode_batch,
             encode_batch_tokens=config.encode_batch_tokens, resolve_timeout=config.resolve_timeout,
-            disk_read_threads=config.disk_read_threads, disk_read_bps=config.disk_read_bps,
+            kv_path=config.kv_path, disk_read_threads=config.disk_read_threads,
+            disk_read_bps=config.disk_read_bps,
         )
 
     @property
@@ -268,6 +288,7 @@ class MemoryStore:
         user_id = check_user(user_id)
         query = check_text(query, "query")
         k = check_k(k)
+        self._follow()
         with self._lock:
             if not self.table.has_facts(user_id):
                 return []
@@ -308,6 +329,7 @@ class MemoryStore:
     def get(self, fact_id: str, *, user_id: str | None = None) -> MemoryItem:
         """One fact; :class:`FactNotFoundError` if it does not exist or belongs to another user."""
         self._check_open()
+        self._follow()
         with self._lock:
             return self._item(self.table.lookup(fact_id, user_id))
 
@@ -315,12 +337,14 @@ class MemoryStore:
         """Every live fact of ``user_id``, in insertion order."""
         self._check_open()
         user_id = check_user(user_id)
+        self._follow()
         with self._lock:
             return [self._item(f) for f in self.table.of_user(user_id)]
 
     def user_ids(self) -> list[str]:
         """Every user that has live facts (what an HTTP ``users`` listing needs)."""
         self._check_open()
+        self._follow()
         with self._lock:
             return [u for u, ids in self.table.ids_by_user().items() if ids]
 
@@ -329,6 +353,7 @@ class MemoryStore:
         self._check_open()
         meta = check_metadata(metadata)
         now = utc_now()
+        self._follow()
         with self._lock:
             self._check_open()
             old = self.table.lookup(fact_id, user_id)
@@ -343,6 +368,7 @@ class MemoryStore:
         """
         self._check_open()
         text = check_text(text)
+        self._follow()
         with self._lock:
             self.table.lookup(fact_id, user_id)
         token_ids = self.contexts.fact_tokens(text) if self.contexts is not None else None
@@ -352,8 +378,9 @@ class MemoryStore:
             self._check_open()
             old = self.table.lookup(fact_id, user_id)
             new = retexted(old, text, token_ids, self.contexts, now)
-            version = new.kv_version
-            self._db.update_text(old, new, vec)
+            version = self._db.update_text(old, new, vec)  # a shared store's may be further on
+            if version != new.kv_version:
+                new = dataclasses.replace(new, kv_version=version)
             self.table.replace(new, vec)
             if self._keeper is not None:
                 self._keeper.retire(fact_id)
@@ -367,6 +394,7 @@ class MemoryStore:
     def delete(self, fact_id: str, *, user_id: str | None = None) -> None:
         """Delete a fact: gone from search and resolution, its KV freed in every tier."""
         self._check_open()
+        self._follow()
         with self._lock:
             self._check_open()
             fact = self.table.lookup(fact_id, user_id)
@@ -377,6 +405,7 @@ class MemoryStore:
         """Delete every fact of ``user_id``; returns how many."""
         self._check_open()
         user_id = check_user(user_id)
+        self._follow()
         with self._lock:
             self._check_open()
             facts = self.table.of_user(user_id)
@@ -396,6 +425,7 @@ class MemoryStore:
         """The handle string of a fact of ``user_id``, to put in a prompt in place of its text."""
         self._check_open()
         user_id = check_user(user_id)
+        self._follow()
         with self._lock:
             self.table.lookup(fact_id, user_id)
         return self._codec.make(user_id, fact_id)
@@ -422,11 +452,29 @@ class MemoryStore:
         self._check_open()
         user_id = check_user(user_id)
         fact_ids = [self._codec.verify(h, user_id) for h in handles]
+        if self._db.shared:
+            # Another replica may have added, updated or deleted them: one query for the current
+            # versions; any this process does not hold (or holds older) is caught up first, so
+            # KV of an older version is never served.
+            current = self._db.live_versions(fact_ids, user_id)
+            with self._lock:
+                behind = any(current.get(i) != getattr(self._facts.get(i), "kv_version", None) for i in fact_ids)
+            if behind:
+                self._follow()
+            for i in fact_ids:
+                if i not in current:
+                    raise FactNotFoundError(f"memory {i} does not exist (never did, or was deleted)")
         with self._lock:
             facts = self.table.snapshot(fact_ids, user_id)
         if self._keeper is None:
             raise InferScaleError("this memory store has no engine (encoder), so it has no KV to serve")
         return self._keeper.spans(facts, defer_cold=defer_cold)
+
+    def advertise(self, url: str) -> None:
+        """Record in the store's lock file that ``url`` serves this store over HTTP: a command
+        the lock refuses (``inferscale memory list``...) then uses that API instead."""
+        self._check_open()
+        record_url(self._lock_fd, url)
 
     def wait_for_encoding(self, timeout: float | None = None) -> None:
         """Block until every queued fact has been encoded (or failed); ``TimeoutError`` after ``timeout``."""
@@ -514,7 +562,19 @@ class MemoryStore:
         self.close()
 
     def __repr__(self) -> str:
-        return f"MemoryStore(path={str(self.path)!r}, window={self.window}, facts={len(self._facts)})"
+        return f"MemoryStore(location={self.location!r}, window={self.window}, facts={len(self._facts)})"
+
+    def _follow(self) -> None:
+        """A shared store: take in what the other replicas wrote since this one last looked."""
+        if not self._db.shared:
+            return
+        with self._lock:
+            self._check_open()
+            stale, gone = apply_changes(self._db.changes(), self.table, self._keeper, self.embedder, self.contexts)
+        for key in stale:
+            self.tiers.delete_key(key)
+        for fact_id in gone:
+            self.tiers.delete(fact_id)
 
     @property
     def closed(self) -> bool:
@@ -559,6 +619,7 @@ class MemoryStore:
         vecs = self.embedder.embed(texts, progress=progress)
         now = utc_now()
         chunks: list[Chunk] = []
+        self._follow()  # a shared store: the window before these facts includes other replicas' facts
         with self._lock:
             self._check_open()
             kind = "explicit" if explicit is not None else "window"
