@@ -105,7 +105,10 @@ def plan(segments: Sequence[Segment], recompute: int, rates: Rates | None) -> tu
         if rates is None:  # nothing measured (no store speeds): load, as before the cost model
             split = limit
         else:
-            split = choose(segments, facts, limit, rates).injected
+            chosen = choose(segments, facts, limit, rates)
+            split = chosen.injected
+            logger.debug("cost model: %d of %d memories injected (%d cold), expected %.1f ms, all prefilled %.1f ms",
+                         split, len(facts), len(cold), 1e3 * chosen.expected_s, 1e3 * chosen.prompt_s)
     else:
         split = limit
     out = list(segments)
