@@ -447,8 +447,8 @@ class MemoryStore:
                      defer_cold: bool = False) -> list[Span | TextFact]:
         """:meth:`resolve` for every handle of one request, reading their KV in one batch.
         ``defer_cold``: facts whose KV is only in a cold disk file come back as
-        :class:`~inferscale_engine.types.ColdFact`, their reads under way (the engine decides
-        whether to wait for them or prefill them)."""
+        :class:`~inferscale_engine.types.ColdFact`, nothing read yet (the engine's cost model
+        reads them, or prefills them and has them promoted)."""
         self._check_open()
         user_id = check_user(user_id)
         fact_ids = [self._codec.verify(h, user_id) for h in handles]
