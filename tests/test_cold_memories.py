@@ -129,6 +129,7 @@ def test_mixed_injected_and_recomputed_give_the_same_answer(engine, prompt, refe
     mixed = _ask(engine, prompt)
     assert mixed.usage.memory_mix == MemoryMix(injected=3, from_disk=0, recomputed=3), mixed.usage
     assert mixed.token_ids == reference.token_ids
+    _wait_in_memory(engine, keys[3:])  # promoted in the background
 
 
 def test_fast_disk_is_read_and_answers_match(engine, prompt, reference):
