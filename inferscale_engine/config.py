@@ -164,6 +164,12 @@ class MemoryConfig:
     encode_batch_tokens: int | None = None
     #: Seconds ``resolve`` waits for a fact that is being encoded.
     resolve_timeout: float = 60.0
+    #: Threads reading KV files at once (a request's cold facts, prefetches): NVMe drives need a
+    #: deep queue to reach their bandwidth.
+    disk_read_threads: int = 16
+    #: Cap on disk reads, bytes a second for all readers together: a store on a slower volume
+    #: than the one it sits on (a network disk), or a test of the cost model. ``None``: no cap.
+    disk_read_bps: float | None = None
     #: Tokens the extraction model may answer with (``add(..., infer=True)``).
     extraction_max_tokens: int = 512
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import pydantic
 import torch
 
-from inferscale_engine import cuda_graphs
+from inferscale_engine import cuda_graphs, planner
 from inferscale_engine.config import EngineConfig, check_recompute
 from inferscale_engine.connector import compat
 from inferscale_engine.connector.bridge import drop_bridge, new_bridge
@@ -54,8 +54,10 @@ from inferscale_engine.logs import configure_vllm_logging
 from inferscale_engine.loop import EngineLoop
 from inferscale_engine.rope import RopeTable
 from inferscale_engine.types import (
+    ColdFact,
     FactSource,
     GenerationResult,
+    MemoryMix,
     Messages,
     Mode,
     Segment,
@@ -81,6 +83,7 @@ class _Prepared:
     staged: list[Span]
     started: float  # perf_counter() when preparation began: TTFT counts the layout and plan too
     memories_as_text: int = 0
+    memory_mix: MemoryMix | None = None
 
 
 class InferScaleEngine:
@@ -122,6 +125,7 @@ class InferScaleEngine:
         self._stage_refs: dict[str, int] = {}
         self._stage_lock = threading.Lock()
         self._memory: MemoryStore | None = None
+        self._calibration: planner.Calibration | None = None
         self.fact_source: FactSource | None = None
         self._closed = False
         full_graphs = cuda_graphs.wanted(self.config)
@@ -254,6 +258,7 @@ class InferScaleEngine:
             from inferscale_engine.runtime import build_memory
 
             self._memory = build_memory(self)
+            self._calibration = planner.Calibration(self, self._memory)
         return self._memory
 
     @memory.setter
@@ -261,6 +266,30 @@ class InferScaleEngine:
         if self._memory is not None and self._memory is not store:
             self._memory.close()
         self._memory = store
+        self._calibration = planner.Calibration(self, store)
+
+    def prefetch(self, user_id: str, *, limit: int = 256) -> int:
+        """Start moving ``user_id``'s most recent memories' KV from disk to memory in the
+        background, for a session about to start: its first request then injects them instead
+        of reading cold files. Returns how many reads started (see ``MemoryStore.prefetch``)."""
+        source = self.fact_source or self.memory
+        prefetch = getattr(source, "prefetch", None)
+        return prefetch(user_id, limit=limit) if prefetch is not None else 0
+
+    def calibrate(self, *, refresh: bool = False) -> planner.Rates | None:
+        """The cost model's measured rates (prefill times, the store's disk and host-to-device
+        speeds), waiting for the start-up measurement; ``refresh`` measures everything again."""
+        if refresh or self._calibration is None:
+            self._calibration = planner.Calibration(self, self.memory, refresh=refresh)
+        return self._calibration.rates()
+
+    def _rates(self) -> planner.Rates | None:
+        source = self.fact_source or self._memory
+        if source is None or not hasattr(source, "tier_speeds"):
+            return None
+        if self._calibration is None or self._calibration.store is not source:
+            self._calibration = planner.Calibration(self, source)
+        return self._calibration.rates()
 
     # ------------------------------------------------------------------ tokens
 
@@ -404,7 +433,9 @@ class InferScaleEngine:
         if handles:
             source = self.fact_source or self.memory
             many = getattr(source, "resolve_many", None)
-            if many is not None:
+            if many is not None and getattr(source, "defers_cold", False):
+                spans = many(handles, user_id, defer_cold=True)  # cold ones: _prepare plans them
+            elif many is not None:
                 spans = many(handles, user_id)
             else:  # a source with only resolve() (see FactSource)
                 spans = [source.resolve(h, user_id) for h in handles]  # type: ignore[attr-defined]
@@ -471,6 +502,12 @@ class InferScaleEngine:
                 f"prompt of {n} tokens ({sum(len(s.token_ids) for s in segments if isinstance(s, Span))} from memory) "
                 f"plus max_tokens={max_tokens} exceeds the model's context of {self.max_model_len}"
             )
+        mix = None
+        if mode == "inject":
+            # Cold memories: wait for their reads or prefill them, whichever the cost model expects
+            # to be faster (planner.py); the layout then injects the prefix it leaves as spans.
+            cold = any(isinstance(s, ColdFact) for s in segments)
+            segments, mix = planner.plan(segments, recompute, self._rates() if cold else None)
         spans, tail = self._layout(segments, recompute, user_id)
         token_ids = [*itertools.chain.from_iterable(s.token_ids for s in spans), *tail]
         extra: dict[str, Any] = {}
@@ -507,7 +544,7 @@ class InferScaleEngine:
         staged = spans if plan else []
         self._stage(staged)
         as_text = sum(isinstance(s, TextFact) for s in segments)
-        return _Prepared(prompt, plan, staged, started, as_text), params
+        return _Prepared(prompt, plan, staged, started, as_text, mix), params
 
     def _layout(self, segments: Sequence[Segment], recompute: int = 0,
                 user_id: str = "default") -> tuple[list[Span], list[int]]:
@@ -516,10 +553,10 @@ class InferScaleEngine:
         The last ``recompute`` facts belong to the tail: vLLM prefills them, with the separators
         and text around them, after the injected prefix (the connector loads only a prefix).
         """
-        facts = [i for i, s in enumerate(segments) if isinstance(s, Span)]
+        facts = [i for i, s in enumerate(segments) if isinstance(s, (Span, TextFact))]
         last = facts[len(facts) - recompute - 1] if recompute < len(facts) else -1
         as_text = next((i for i, s in enumerate(segments) if isinstance(s, TextFact)), None)
-        if as_text is not None and as_text < last:  # injected KV is a prefix: stop before it
+        if as_text is not None and as_text <= last:  # injected KV is a prefix: stop before it
             last = max((i for i in facts if i < as_text), default=-1)
         head: Sequence[int] = ()
         spans: list[Span] = []
@@ -590,6 +627,7 @@ class _Accumulator:
                 injected_tokens=injected_tokens(out.kv_transfer_params),
                 cached_tokens=int(out.num_cached_tokens or 0),
                 memories_as_text=self.prepared.memories_as_text,
+                memory_mix=self.prepared.memory_mix,
             ),
             ttft_s=self.ttft if self.ttft is not None else t,
             latency_s=t,

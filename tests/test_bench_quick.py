@@ -123,11 +123,16 @@ def test_tiers_quick(tmp_path, tiny_llama):
     data = _run(tmp_path, "tiers", [*_tiny(tiny_llama), "--k", "4", "--repeats", "2", "--fact-tokens", "20",
                                     "--plot", str(plot)])
     rows = {r["tier"]: r for r in data["results"]}
-    assert set(rows) == {"device", "host", "disk", "host-slab-full", "prompt"}
+    assert set(rows) == {"device", "host", "disk", "host-slab-full", "disk-cost-model", "after-prefetch", "prompt"}
     for tier, r in rows.items():
         assert r["k"] == 4 and r["device"] == "cpu"
         assert _finite_positive(r["ttft_ms_p50"]) and r["ttft_ms_p50"] >= r["promote_ms_p50"]
         assert _finite_positive(r["promote_ms_p50"]) if tier != "prompt" else r["promote_ms_p50"] == 0.0
+        # injected from memory / read from disk / recomputed: every fact accounted for
+        assert sum(map(int, r["mix"].split("/"))) == 4
+    assert rows["device"]["mix"] == "4/0/0" and rows["prompt"]["mix"] == "0/0/4"
+    assert _finite_positive(rows["after-prefetch"]["prefetch_ms_p50"])
+    assert _finite_positive(rows["disk"]["rates"]["disk_bytes_per_s"])
     assert _is_png(plot)
 
 

@@ -37,6 +37,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,8 @@ from inferscale_engine.errors import (
     check_utf8,
 )
 from inferscale_engine.handles import Handle, HandleCodec
+from inferscale_engine.memory.bandwidth import TierSpeeds
+from inferscale_engine.memory.bandwidth import measure as measure_tiers
 from inferscale_engine.memory.context import Chunk, Context, ContextBuilder
 from inferscale_engine.memory.db import FactRow, open_db, utc_now
 from inferscale_engine.memory.embedder import Embedder
@@ -126,6 +129,8 @@ class MemoryStore:
         encode_batch_tokens: int | None = None,
         resolve_timeout: float = 60.0,
         kv_path: str | os.PathLike | None = None,
+        disk_read_threads: int = 16,
+        disk_read_bps: float | None = None,
     ) -> None:
         check_store_options(window, index, encode_queue, encode_batch, encode_batch_tokens)
         self.device: str = device or device_of(encoder)
@@ -148,6 +153,8 @@ class MemoryStore:
             encoder.tokenize, encoder.max_model_len, window=window, prefix=self.context_prefix)
 
         self._closed = False  # the API refuses calls
+        self._speeds: TierSpeeds | None = None
+        self._speeds_lock = threading.Lock()
         #: The live facts in memory (read-only outside the store, like ``tiers``).
         self.table = FactTable(index_kind=index, device=self.device)
         self._lock = self.table.lock
@@ -173,7 +180,8 @@ class MemoryStore:
             self.embedder = embedder if isinstance(embedder, Embedder) else Embedder(embedder, device=self.device)
             self.tiers = KVTiers(
                 self.path / KV_DIR, device=self.device, device_bytes=device_kv_bytes,
-                host_bytes=host_kv_bytes, page_tokens=page_tokens,
+                host_bytes=host_kv_bytes, page_tokens=page_tokens, read_threads=disk_read_threads,
+                disk_read_bps=disk_read_bps,
             )
             load_facts(self._db, self.table, self.embedder, self.contexts, self.tiers,
                        self.encoder and self.encoder.fingerprint, self.fingerprint)
@@ -197,7 +205,8 @@ class MemoryStore:
             device_kv_bytes=config.device_kv_bytes, host_kv_bytes=config.host_kv_bytes,
             page_tokens=config.page_tokens, encode_queue=config.encode_queue, encode_batch=config.encode_batch,
             encode_batch_tokens=config.encode_batch_tokens, resolve_timeout=config.resolve_timeout,
-            kv_path=config.kv_path,
+            kv_path=config.kv_path, disk_read_threads=config.disk_read_threads,
+            disk_read_bps=config.disk_read_bps,
         )
 
     @property
@@ -285,7 +294,37 @@ class MemoryStore:
                 return []
         vec = self.embedder.embed([query])[0]
         with self._lock:
-            return [self._item(f, score=score) for f, score in self.table.search(user_id, vec, k)]
+            found = self.table.search(user_id, vec, k)
+            items = [self._item(f, score=score) for f, score in found]
+        if self._keeper is not None:
+            # Their handles are about to be resolved: KV only on disk starts moving up now.
+            self._keeper.prefetch([f for f, _ in found])
+        return items
+
+    def prefetch(self, user_id: str, *, limit: int = 256) -> int:
+        """Start moving the KV of ``user_id``'s ``limit`` most recent facts from disk to the host
+        tier in the background, for a session that is about to start (its first request then
+        injects from memory instead of reading cold files); returns how many reads started.
+        :meth:`search` does the same for the facts it returns."""
+        self._check_open()
+        user_id = check_user(user_id)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit must be an integer >= 0, got {limit!r}")
+        if self._keeper is None or not limit:
+            return 0
+        with self._lock:
+            facts = self.table.of_user(user_id)[-limit:]
+        return self._keeper.prefetch(facts[::-1])
+
+    def tier_speeds(self, *, refresh: bool = False) -> TierSpeeds:
+        """Measured disk and host-to-device speeds of this store's KV tiers (the engine's cost
+        model weighs cold reads by them); measured on first call (a fraction of a second) or
+        with ``refresh``."""
+        self._check_open()
+        with self._speeds_lock:
+            if self._speeds is None or refresh:
+                self._speeds = measure_tiers(self.tiers)
+            return self._speeds
 
     def get(self, fact_id: str, *, user_id: str | None = None) -> MemoryItem:
         """One fact; :class:`FactNotFoundError` if it does not exist or belongs to another user."""
@@ -401,8 +440,15 @@ class MemoryStore:
         """
         return self.resolve_many([handle], user_id)[0]
 
-    def resolve_many(self, handles: Sequence[Handle | str], user_id: str) -> list[Span | TextFact]:
-        """:meth:`resolve` for every handle of one request, reading their KV in one batch."""
+    #: ``resolve_many(..., defer_cold=True)`` works (what the engine's cost model needs).
+    defers_cold = True
+
+    def resolve_many(self, handles: Sequence[Handle | str], user_id: str, *,
+                     defer_cold: bool = False) -> list[Span | TextFact]:
+        """:meth:`resolve` for every handle of one request, reading their KV in one batch.
+        ``defer_cold``: facts whose KV is only in a cold disk file come back as
+        :class:`~inferscale_engine.types.ColdFact`, nothing read yet (the engine's cost model
+        reads them, or prefills them and has them promoted)."""
         self._check_open()
         user_id = check_user(user_id)
         fact_ids = [self._codec.verify(h, user_id) for h in handles]
@@ -422,7 +468,7 @@ class MemoryStore:
             facts = self.table.snapshot(fact_ids, user_id)
         if self._keeper is None:
             raise InferScaleError("this memory store has no engine (encoder), so it has no KV to serve")
-        return self._keeper.spans(facts)
+        return self._keeper.spans(facts, defer_cold=defer_cold)
 
     def advertise(self, url: str) -> None:
         """Record in the store's lock file that ``url`` serves this store over HTTP: a command
@@ -446,6 +492,7 @@ class MemoryStore:
                 return
             self._closed = True
         dropped = self._keeper.stop() if self._keeper is not None else 0
+        self.tiers.close()
         with self._lock:
             if self._keeper is not None:
                 self._keeper.close()
@@ -528,6 +575,11 @@ class MemoryStore:
             self.tiers.delete_key(key)
         for fact_id in gone:
             self.tiers.delete(fact_id)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
 
     def _check_open(self) -> None:
         if self._closed:
