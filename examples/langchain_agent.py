@@ -8,11 +8,13 @@ Two agents, each the stock recipe with one swap (the lines marked ★):
 * ``graph``: LangChain v1 ``create_agent`` (a LangGraph graph). Memory is middleware there;
   adding ``InferScaleMemoryMiddleware`` stores each finished turn and gives the model the
   recalled turns as handles. The chat model is ``ChatInferScale`` (handles need an InferScale
-  model), with prompt-based tool calling.
+  model), with native tool calling: Qwen2.5's chat template renders the tools and the model's
+  ``<tool_call>`` answers become ``tool_calls``.
 
-SmolLM2-135M is far too small to drive tools reliably: expect odd tool use. What this example
-shows is the plumbing: memory handles reach the engine and their KV is injected (the
-``injected`` count printed after each answer).
+The model is Qwen2.5-Coder-0.5B-Instruct (SmolLM2-135M cannot drive tools). A 0.5B model needs
+help to finish: each tool answers in a sentence that restates the question ("12 * 7 = 84"),
+not a bare value, which it would otherwise take for a new call's arguments; the ``injected``
+count printed after each answer shows the memory reached the model as KV.
 
 Run:
     python examples/langchain_agent.py --demo              # both agents, scripted
@@ -36,7 +38,7 @@ from inferscale_integrations.langchain import ChatInferScale, InferScaleMemory
 
 warnings.filterwarnings("ignore", message=".*was deprecated.*")  # AgentExecutor is a classic API
 
-MODEL = "smollm2"
+MODEL = "qwen2.5-coder-0.5b"
 DEMO = [
     "My dog's name is Rex.",
     "What is 12 times 7?",
@@ -67,19 +69,28 @@ def _arith(node: ast.AST) -> float:
     raise ValueError("only numbers and + - * / ( ) are allowed")
 
 
+#: Every tool call of this process, as ``"name(argument) -> result"`` (the tests read it).
+TOOL_LOG: list[str] = []
+
+
 @tool
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression such as '12 * 7' or '(3 + 4) / 2'."""
     try:
-        return str(_arith(ast.parse(expression, mode="eval")))
+        value = _arith(ast.parse(expression, mode="eval"))
+        result = f"{expression} = {int(value) if float(value).is_integer() else value}"
     except (SyntaxError, ValueError, ZeroDivisionError) as exc:  # reported to the agent, not raised
-        return f"error: {exc}"
+        result = f"error: {exc}"
+    TOOL_LOG.append(f"calculator({expression!r}) -> {result}")
+    return result
 
 
 @tool
 def today() -> str:
     """Today's date, as YYYY-MM-DD."""
-    return _dt.date.today().isoformat()
+    result = f"Today is {_dt.date.today().isoformat()}."
+    TOOL_LOG.append(f"today() -> {result}")
+    return result
 
 
 TOOLS = [calculator, today]
@@ -136,7 +147,10 @@ def build_classic(engine: Any = None, user_id: str = "demo-user") -> Any:
 
 # ------------------------------------------------------------------------------ create_agent
 
-SYSTEM = "You are a helpful assistant. Use the tools when they help. Answer briefly."
+SYSTEM = (
+    "You are a helpful assistant. Use the tools when they help. Once a tool has answered, reply to "
+    "the user in one short sentence with its result."
+)
 
 
 def build_graph(engine: Any = None, user_id: str = "demo-user") -> Any:
