@@ -150,10 +150,39 @@ def parse_tool_calls(text: str, names: Sequence[str]) -> tuple[str, list[ToolCal
         if calls:
             kept.append(text[cursor:])
             return "".join(kept).strip(), calls
-    whole = _calls_in(_loads(text, whole=True), known)
+    whole = _calls_in(_json_values(text), known)
     if whole:
-        return "", whole
+        return "", _unique(whole)
     return text.strip(), []
+
+
+def _json_values(text: str) -> Any:
+    """The JSON value ``text`` is, or the list of values it holds one after another (JSON lines:
+    small models write parallel calls that way, and repeat one call so); None if it is not JSON."""
+    decoder, values, at, text = json.JSONDecoder(), [], 0, text.strip()
+    while at < len(text):
+        try:
+            value, at = decoder.raw_decode(text, at)
+        except ValueError:
+            # A last value cut off by max_tokens does not void the ones before it.
+            return None if not values or text[at] not in "{[" else values
+        values.append(value)
+        while at < len(text) and text[at].isspace():
+            at += 1
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+def _unique(calls: list[ToolCall]) -> list[ToolCall]:
+    seen: set[str] = set()
+    kept = []
+    for call in calls:
+        key = json.dumps([call.name, call.arguments], sort_keys=True)
+        if key not in seen:
+            seen.add(key)
+            kept.append(call)
+    return kept
 
 
 def _calls_in(payload: Any, known: set[str]) -> list[ToolCall]:

@@ -34,13 +34,20 @@ def test_calls_are_read_in_every_form_small_models_write(text: str, visible: str
 
 @pytest.mark.parametrize("text", [
     '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',  # not a bound tool
-    '{"name": "add", "arguments": {"a": 2}}\n{"name": "add", "arguments": {"a": 5}}',  # not one JSON value
+    '{"name": "add", "arguments": {"a": 2}}\n{"name": "sub", "arguments": {"a": 5}}',  # one of them is no bound tool
     '```python\nprint(1)\n```',
     "The answer is 5.",
 ])
 def test_anything_else_stays_text(text: str) -> None:
     shown, calls = tc.parse_tool_calls(text, ["add"])
     assert calls == [] and shown == text.strip()
+
+
+def test_json_lines_are_parallel_calls_and_repeats_count_once() -> None:
+    text = '{"name": "add", "arguments": {"a": 1, "b": 2}}\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n' \
+           '{"name": "add", "arguments": {"a": 3, "b": 4}}\n{"name": "add", "argu'  # cut off by max_tokens
+    shown, calls = tc.parse_tool_calls(text, ["add"])
+    assert shown == "" and [c.arguments for c in calls] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
 
 
 def test_stream_shows_text_until_a_call_may_start() -> None:

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 PROVIDER = "inferscale"
 #: kwargs LangChain itself may pass down to ``_generate`` that are not sampling parameters.
-_FRAMEWORK_KWARGS = ("ls_structured_output_format", "parallel_tool_calls", "strict")
+_FRAMEWORK_KWARGS = ("ls_structured_output_format", "strict")
 
 
 def usage_metadata(result: GenerationResult) -> UsageMetadata:
@@ -157,6 +157,7 @@ class ChatInferScale(InferScaleModelBase, BaseChatModel):
         model = kwargs.pop("model", None)
         tools = list(kwargs.pop("tools", None) or [])
         tool_choice = kwargs.pop("tool_choice", None)
+        parallel = kwargs.pop("parallel_tool_calls", None) is not False
         structured = _structured(kwargs.pop("response_format", None))
         engine = self.get_engine(model)
         sampling = sampling_options(self, stop, kwargs)
@@ -176,6 +177,7 @@ class ChatInferScale(InferScaleModelBase, BaseChatModel):
             messages=to_engine_messages(messages, tools=tools, native_tools=native),
             tools=tools if native and tools else None,
             names=tc.tool_names(tools),
+            parallel=parallel,
             sampling=sampling,
             model_name=model or self._engine.model_name,
         )
@@ -311,6 +313,7 @@ class _Request:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None  # for the chat template (None: none, or listed in a message)
     names: list[str]  # bound tools: the answer is read for calls to these
+    parallel: bool  # False: only the answer's first call is kept (parallel_tool_calls=False)
     sampling: dict[str, Any]
     model_name: str
 
@@ -332,6 +335,8 @@ class _Chunker:
         if self.calls is not None:
             rest, found = self.calls.finish()
             text += rest
+            if not self.req.parallel:
+                found = found[:1]
         message = AIMessageChunk(
             content=text,
             tool_call_chunks=langchain_call_chunks(found),
