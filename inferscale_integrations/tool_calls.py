@@ -159,7 +159,8 @@ def parse_tool_calls(text: str, names: Sequence[str]) -> tuple[str, list[ToolCal
 def _json_values(text: str) -> Any:
     """The JSON value ``text`` is, or the list of values it holds one after another (JSON lines:
     small models write parallel calls that way, and repeat one call so); None if it is not JSON."""
-    decoder, values, at, text = json.JSONDecoder(), [], 0, text.strip()
+    decoder, at, text = json.JSONDecoder(), 0, text.strip()
+    values: list[Any] = []
     while at < len(text):
         try:
             value, at = decoder.raw_decode(text, at)
