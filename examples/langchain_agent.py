@@ -41,7 +41,7 @@ warnings.filterwarnings("ignore", message=".*was deprecated.*")  # AgentExecutor
 MODEL = "qwen2.5-coder-0.5b"
 DEMO = [
     "My dog's name is Rex.",
-    "What is 12 times 7?",
+    "What is 1234 times 5678?",
     "I live in Lisbon.",
     "What is my dog's name?",
 ]
@@ -111,7 +111,7 @@ class InjectionCounter(BaseCallbackHandler):
 
 # ------------------------------------------------------------------------------ classic agent
 
-REACT_PROMPT = """Answer the question. You can use these tools:
+REACT_PROMPT = """Answer the question. Use a tool for arithmetic and for dates. You can use these tools:
 
 {tools}
 
@@ -139,7 +139,10 @@ def build_classic(engine: Any = None, user_id: str = "demo-user") -> Any:
     llm = ChatInferScale(engine=engine, model=MODEL, user_id=user_id, max_tokens=64)
     agent = create_react_agent(llm, TOOLS, PromptTemplate.from_template(REACT_PROMPT))
     # memory = ConversationBufferMemory(memory_key="chat_history")                   # classic
-    memory = InferScaleMemory(engine=engine, model=MODEL, user_id=user_id, memory_key="chat_history")  # ★
+    # The earlier turns read as earlier questions and final answers, so the model, continuing the
+    # pattern, ends with "Final Answer:" (with the default "Human:"/"AI:" it writes "AI: ...").
+    memory = InferScaleMemory(engine=engine, model=MODEL, user_id=user_id, memory_key="chat_history",  # ★
+                              human_prefix="Question", ai_prefix="Final Answer")
     return AgentExecutor(
         agent=agent, tools=TOOLS, memory=memory, handle_parsing_errors=True, max_iterations=3
     )
@@ -148,9 +151,31 @@ def build_classic(engine: Any = None, user_id: str = "demo-user") -> Any:
 # ------------------------------------------------------------------------------ create_agent
 
 SYSTEM = (
-    "You are a helpful assistant. Use the tools when they help. Once a tool has answered, reply to "
-    "the user in one short sentence with its result."
+    "You are a friendly assistant with a good memory. Reply in one short sentence. Call a tool only "
+    "when the user asks for arithmetic or for today's date."
 )
+
+
+#: A reply in words: one line that starts with a letter and holds no JSON (guided decoding).
+IN_WORDS = {"regex": r"[A-Za-z][^{}<>\n]*"}
+
+
+def answer_after_tools() -> Any:
+    """Middleware: once the tools have answered, the next model call replies in words: no tools
+    (``tool_choice="none"``) and an answer constrained to a line of text. One round of tools per
+    turn, which is what a 0.5B model can do: left alone, it calls the tool again with the result
+    as the argument, or writes the call out as text."""
+    from langchain.agents.middleware import AgentMiddleware
+    from langchain_core.messages import ToolMessage
+
+    class AnswerAfterTools(AgentMiddleware):
+        def wrap_model_call(self, request: Any, handler: Any) -> Any:
+            if request.messages and isinstance(request.messages[-1], ToolMessage):
+                settings = {**request.model_settings, "structured": IN_WORDS}
+                request = request.override(tool_choice="none", model_settings=settings)
+            return handler(request)
+
+    return AnswerAfterTools()
 
 
 def build_graph(engine: Any = None, user_id: str = "demo-user") -> Any:
@@ -163,7 +188,10 @@ def build_graph(engine: Any = None, user_id: str = "demo-user") -> Any:
         llm,
         tools=TOOLS,
         system_prompt=SYSTEM,
-        middleware=[InferScaleMemoryMiddleware(engine=engine, model=MODEL, user_id=user_id)],  # ★ memory
+        middleware=[
+            InferScaleMemoryMiddleware(engine=engine, model=MODEL, user_id=user_id),  # ★ memory
+            answer_after_tools(),
+        ],
     )
 
 
