@@ -132,11 +132,21 @@ Question: {input}
 Thought:{agent_scratchpad}"""
 
 
+def react_format(tools: list[Any]) -> dict[str, str]:
+    """Guided decoding of the ReAct format: after "Thought:", a thought, then either an action
+    with one line of input or the final answer. A 0.5B model writes the format loosely
+    ("Action: calculator(expression: '1 + 2')", a thought with no action), which AgentExecutor
+    can only answer with a parsing error until it hits its iteration limit."""
+    names = "|".join(t.name for t in tools)
+    return {"regex": rf"[^\n]*\n(Action: ({names})\nAction Input: [^\n]+|Final Answer: [^\n]+)"}
+
+
 def build_classic(engine: Any = None, user_id: str = "demo-user") -> Any:
     from langchain_classic.agents import AgentExecutor, create_react_agent
     from langchain_core.prompts import PromptTemplate
 
-    llm = ChatInferScale(engine=engine, model=MODEL, user_id=user_id, max_tokens=64)
+    llm = ChatInferScale(engine=engine, model=MODEL, user_id=user_id, max_tokens=64,
+                         model_kwargs={"structured": react_format(TOOLS)})
     agent = create_react_agent(llm, TOOLS, PromptTemplate.from_template(REACT_PROMPT))
     # memory = ConversationBufferMemory(memory_key="chat_history")                   # classic
     # The earlier turns read as earlier questions and final answers, so the model, continuing the
@@ -152,7 +162,8 @@ def build_classic(engine: Any = None, user_id: str = "demo-user") -> Any:
 
 SYSTEM = (
     "You are a friendly assistant with a good memory. Reply in one short sentence. Call a tool only "
-    "when the user asks for arithmetic or for today's date."
+    "when the user asks for arithmetic or for today's date. Once a tool has answered, reply to the "
+    "user with its result."
 )
 
 
@@ -161,10 +172,10 @@ IN_WORDS = {"regex": r"[A-Za-z][^{}<>\n]*"}
 
 
 def answer_after_tools() -> Any:
-    """Middleware: once the tools have answered, the next model call replies in words: no tools
-    (``tool_choice="none"``) and an answer constrained to a line of text. One round of tools per
-    turn, which is what a 0.5B model can do: left alone, it calls the tool again with the result
-    as the argument, or writes the call out as text."""
+    """Middleware: once the tools have answered, the next model call replies in words: its answer
+    is constrained to a line of text (guided decoding), so no further call. One round of tools
+    per turn, which is what a 0.5B model can do: left alone, it calls the tool again with the
+    result as the argument, or writes the call out as text."""
     from langchain.agents.middleware import AgentMiddleware
     from langchain_core.messages import ToolMessage
 
@@ -172,7 +183,7 @@ def answer_after_tools() -> Any:
         def wrap_model_call(self, request: Any, handler: Any) -> Any:
             if request.messages and isinstance(request.messages[-1], ToolMessage):
                 settings = {**request.model_settings, "structured": IN_WORDS}
-                request = request.override(tool_choice="none", model_settings=settings)
+                request = request.override(model_settings=settings)
             return handler(request)
 
     return AnswerAfterTools()
