@@ -23,7 +23,7 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
-from langchain_core.messages.tool import ToolCall, ToolCallChunk, tool_call, tool_call_chunk
+from langchain_core.messages.tool import ToolCallChunk, tool_call_chunk
 
 from inferscale_engine.prompting import engine_role
 from inferscale_integrations import tool_calls as tc
@@ -101,11 +101,6 @@ def to_engine_messages(
         else:
             out.insert(0, {"role": "system", "content": block})
     return out
-
-
-def langchain_calls(calls: Sequence[tc.ToolCall]) -> list[ToolCall]:
-    """The parsed calls as ``AIMessage.tool_calls``."""
-    return [tool_call(name=c.name, args=c.arguments, id=c.id) for c in calls]
 
 
 def langchain_call_chunks(calls: Sequence[tc.ToolCall]) -> list[ToolCallChunk]:
