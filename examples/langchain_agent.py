@@ -140,7 +140,8 @@ def react_format(tools: list[Any]) -> dict[str, str]:
     ("Action: calculator(expression: '1 + 2')", a thought with no action), which AgentExecutor
     can only answer with a parsing error until it hits its iteration limit."""
     names = "|".join(t.name for t in tools)
-    return {"regex": rf"[^\n]*\n(Action: ({names})\nAction Input: [^\n]+|Final Answer: [^\n]+)"}
+    # The thought: one short line without a colon, so it cannot be an action or run to max_tokens.
+    return {"regex": rf"[^\n:]{{0,60}}\n(Action: ({names})\nAction Input: [^\n]+|Final Answer: [^\n]+)"}
 
 
 def build_classic(engine: Any = None, user_id: str = "demo-user") -> Any:
@@ -169,8 +170,9 @@ SYSTEM = (
 )
 
 
-#: A reply in words: one line that starts with a letter and holds no JSON (guided decoding).
-IN_WORDS = {"regex": r"[A-Za-z][^{}<>\n]*"}
+#: The reply after tools (guided decoding): one line of words that starts by giving the answer,
+#: so neither another call nor a bare "Yes".
+IN_WORDS = {"regex": r"The answer is [^{}<>\n]+"}
 
 
 def answer_after_tools() -> Any:
