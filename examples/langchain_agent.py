@@ -14,9 +14,10 @@ Two agents, each the stock recipe with one swap (the lines marked ★):
 The model is Qwen2.5-Coder-0.5B-Instruct (SmolLM2-135M cannot drive tools). A 0.5B model needs
 help to finish: each tool answers in a sentence that restates the question ("12 * 7 = 84"),
 not a bare value, which it would otherwise take for a new call's arguments; guided decoding
-keeps the ReAct agent to its format and the create_agent one to one tool round per turn. Even
-so it often fails to answer with the tool's result (tests/test_examples.py marks that xfail);
-the ``injected`` count printed after each answer shows the memory reached the model as KV.
+keeps the create_agent agent to one tool round per turn and an answer after it (it finishes
+every turn with the tool's result), and the ReAct agent to its format (it still hits its
+iteration limit on some turns: tests/test_examples.py marks it xfail). The ``injected`` count
+printed after each answer shows the memory reached the model as KV.
 
 Run:
     python examples/langchain_agent.py --demo              # both agents, scripted
