@@ -299,9 +299,16 @@ class InferScaleEngine:
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids))
 
-    def render(self, prompt_or_messages: str | Messages) -> tuple[str, bool]:
-        """Prompt text and whether it came from the chat template."""
+    def render(self, prompt_or_messages: str | Messages, *, tools: Sequence[dict[str, Any]] | None = None) -> tuple[str, bool]:
+        """Prompt text and whether it came from the chat template.
+
+        ``tools`` (OpenAI-style function schemas) are rendered by the model's own chat template,
+        as are assistant messages' ``tool_calls`` (``[{"type": "function", "function": {"name",
+        "arguments": {...}}}]``) and ``"tool"`` messages.
+        """
         if isinstance(prompt_or_messages, str):
+            if tools:
+                raise ValueError("tools need chat messages: a prompt string has no chat template to render them")
             return check_utf8(prompt_or_messages, "prompt"), False
         if isinstance(prompt_or_messages, (bytes, bytearray, dict)) or not hasattr(prompt_or_messages, "__iter__"):
             raise TypeError(f"prompt must be a string or a list of chat messages, got {type(prompt_or_messages).__name__}")
@@ -312,7 +319,8 @@ class InferScaleEngine:
             check_utf8(m["content"], "chat message content")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.config.model!r} has no chat template; pass a prompt string")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        extra = {"tools": list(tools)} if tools else {}
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         return text, True
 
     # ------------------------------------------------------------------ encoding
@@ -364,6 +372,7 @@ class InferScaleEngine:
         temperature: float = 0.0,
         mode: Mode = "inject",
         recompute: int | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
         **sampling: Any,
     ) -> GenerationResult:
         """Generate from a prompt string or chat messages; handles in it are injected as KV.
@@ -381,9 +390,13 @@ class InferScaleEngine:
             recompute=recompute, **sampling
         )
 
-    def stream(self, prompt_or_messages: str | Messages, *, user_id: str = "default", **kwargs: Any) -> Iterator[StreamDelta]:
+    def stream(
+        self, prompt_or_messages: str | Messages, *, user_id: str = "default",
+        tools: Sequence[dict[str, Any]] | None = None, **kwargs: Any,
+    ) -> Iterator[StreamDelta]:
         """Like :meth:`generate`, yielding text as it is produced."""
-        prepared, params = self._prepare(self.resolve(prompt_or_messages, user_id=user_id), user_id, **kwargs)
+        segments = self.resolve(prompt_or_messages, user_id=user_id, tools=tools)
+        prepared, params = self._prepare(segments, user_id, **kwargs)
         yield from self._stream(prepared, params)
 
     async def agenerate(self, prompt_or_messages: str | Messages, *, user_id: str = "default", **kwargs: Any) -> GenerationResult:
@@ -394,12 +407,13 @@ class InferScaleEngine:
         return result
 
     async def astream(
-        self, prompt_or_messages: str | Messages, *, user_id: str = "default", **kwargs: Any
+        self, prompt_or_messages: str | Messages, *, user_id: str = "default",
+        tools: Sequence[dict[str, Any]] | None = None, **kwargs: Any,
     ) -> AsyncIterator[StreamDelta]:
         import asyncio
 
         # Handle resolution may wait on the store or encode a new head: keep it off the event loop.
-        segments = await asyncio.to_thread(self.resolve, prompt_or_messages, user_id=user_id)
+        segments = await asyncio.to_thread(self.resolve, prompt_or_messages, user_id=user_id, tools=tools)
         async for delta in self.astream_segments(segments, user_id=user_id, **kwargs):
             yield delta
 
@@ -426,9 +440,11 @@ class InferScaleEngine:
         assert result is not None
         return result
 
-    def resolve(self, prompt_or_messages: str | Messages, *, user_id: str) -> list[Segment]:
+    def resolve(
+        self, prompt_or_messages: str | Messages, *, user_id: str, tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[Segment]:
         """Render, find handles, and turn them into spans: ``[ids, span, ids, span, ..., ids]``."""
-        text, is_chat = self.render(prompt_or_messages)
+        text, is_chat = self.render(prompt_or_messages, tools=tools)
         pieces, handles = split_on_handles(text)
         if handles:
             source = self.fact_source or self.memory
@@ -477,6 +493,7 @@ class InferScaleEngine:
         mode: Mode = "inject",
         recompute: int | None = None,
         first_logprobs: int | None = None,
+        structured: dict[str, Any] | None = None,
         **sampling: Any,
     ) -> tuple[_Prepared, Any]:
         from vllm import SamplingParams
@@ -539,6 +556,7 @@ class InferScaleEngine:
             # One request's own object: vLLM would otherwise deep-copy it, plan included
             # (~0.4 ms at k=200 on a CPU core, on the request's critical path).
             skip_clone=True,
+            **(compat.structured_output(structured) if structured else {}),
             **sampling,
         )
         staged = spans if plan else []

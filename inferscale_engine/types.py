@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     from inferscale_engine.handles import Handle
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["ColdFact", "ColdRead", "FactSource", "MemoryMix", "GenerationResult", "Messages", "Mode", "Segment", "Span", "StreamDelta", "Usage"]
 
 Mode = Literal["inject", "prompt"]
-Messages = Sequence[dict[str, str]]
+Messages = Sequence[dict[str, Any]]  # "role", "content" (str); "tool_calls" on assistant messages
 
 
 @dataclass(frozen=True)
