@@ -2,9 +2,9 @@
 
 Two agents, each the stock recipe with one swap (the lines marked ★):
 
-* ``classic``: langchain-classic's ReAct ``AgentExecutor`` with ``memory=``. The classic recipe
-  uses ``ConversationBufferMemory(memory_key="chat_history")``; here it is ``InferScaleMemory``
-  with the same arguments, so ``{chat_history}`` in the prompt holds handles, not text.
+* ``classic``: langchain-classic's tool-calling ``AgentExecutor`` with ``memory=``. The classic
+  recipe uses ``ConversationBufferMemory(memory_key="chat_history", return_messages=True)``; here
+  it is ``InferScaleMemory`` with the same arguments, so ``chat_history`` holds handles, not text.
 * ``graph``: LangChain v1 ``create_agent`` (a LangGraph graph). Memory is middleware there;
   adding ``InferScaleMemoryMiddleware`` stores each finished turn and gives the model the
   recalled turns as handles. The chat model is ``ChatInferScale`` (handles need an InferScale
@@ -13,11 +13,10 @@ Two agents, each the stock recipe with one swap (the lines marked ★):
 
 The model is Qwen2.5-Coder-0.5B-Instruct (SmolLM2-135M cannot drive tools). A 0.5B model needs
 help to finish: each tool answers in a sentence that restates the question ("12 * 7 = 84"),
-not a bare value, which it would otherwise take for a new call's arguments; guided decoding
-keeps the create_agent agent to one tool round per turn and an answer after it (it finishes
-every turn with the tool's result), and the ReAct agent to its format (it still hits its
-iteration limit on some turns: tests/test_examples.py marks it xfail). The ``injected`` count
-printed after each answer shows the memory reached the model as KV.
+not a bare value, which it would otherwise take for a new call's arguments; the classic agent
+returns that sentence as its answer (``return_direct``), and guided decoding keeps the
+create_agent agent to one tool round per turn and an answer in words after it. The
+``injected`` count printed after each answer shows the memory reached the model as KV.
 
 Run:
     python examples/langchain_agent.py --demo              # both agents, scripted
@@ -114,62 +113,35 @@ class InjectionCounter(BaseCallbackHandler):
 
 # ------------------------------------------------------------------------------ classic agent
 
-REACT_PROMPT = """Answer the question. Use a tool for arithmetic and for dates. You can use these tools:
-
-{tools}
-
-Use this format:
-Question: the question
-Thought: what to do
-Action: one of [{tool_names}]
-Action Input: the input of the action
-Observation: the result of the action
-... (Thought/Action/Action Input/Observation can repeat)
-Thought: I now know the final answer
-Final Answer: the answer
-
-Earlier conversation:
-{chat_history}
-
-Question: {input}
-Thought:{agent_scratchpad}"""
-
-
-def react_format(tools: list[Any]) -> dict[str, str]:
-    """Guided decoding of the ReAct format: after "Thought:", a thought, then either an action
-    with one line of input or the final answer. A 0.5B model writes the format loosely
-    ("Action: calculator(expression: '1 + 2')", a thought with no action), which AgentExecutor
-    can only answer with a parsing error until it hits its iteration limit."""
-    names = "|".join(t.name for t in tools)
-    # The thought: one short line without a colon, so it cannot be an action or run to max_tokens.
-    return {"regex": rf"[^\n:]{{0,60}}\n(Action: ({names})\nAction Input: [^\n]+|Final Answer: [^\n]+)"}
-
-
-def build_classic(engine: Any = None, user_id: str = "demo-user") -> Any:
-    from langchain_classic.agents import AgentExecutor, create_react_agent
-    from langchain_core.prompts import PromptTemplate
-
-    llm = ChatInferScale(engine=engine, model=MODEL, user_id=user_id, max_tokens=64,
-                         model_kwargs={"structured": react_format(TOOLS)})
-    agent = create_react_agent(llm, TOOLS, PromptTemplate.from_template(REACT_PROMPT))
-    # memory = ConversationBufferMemory(memory_key="chat_history")                   # classic
-    # The earlier turns read as earlier questions and final answers, so the model, continuing the
-    # pattern, ends with "Final Answer:" (with the default "Human:"/"AI:" it writes "AI: ...").
-    memory = InferScaleMemory(engine=engine, model=MODEL, user_id=user_id, memory_key="chat_history",  # ★
-                              human_prefix="Question", ai_prefix="Final Answer")
-    return AgentExecutor(
-        agent=agent, tools=TOOLS, memory=memory, handle_parsing_errors=True, max_iterations=3
-    )
-
-
-# ------------------------------------------------------------------------------ create_agent
-
 SYSTEM = (
     "You are a friendly assistant with a good memory. Reply in one short sentence. Call a tool only "
     "when the user asks for arithmetic or for today's date. Once a tool has answered, reply to the "
     "user with its result."
 )
 
+
+def build_classic(engine: Any = None, user_id: str = "demo-user") -> Any:
+    from langchain_classic.agents import AgentExecutor, create_tool_calling_agent
+    from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
+
+    prompt = ChatPromptTemplate.from_messages([
+        ("system", SYSTEM),
+        MessagesPlaceholder("chat_history"),
+        ("human", "{input}"),
+        MessagesPlaceholder("agent_scratchpad"),
+    ])
+    llm = ChatInferScale(engine=engine, model=MODEL, user_id=user_id, max_tokens=64)
+    agent = create_tool_calling_agent(llm, TOOLS, prompt)
+    # memory = ConversationBufferMemory(memory_key="chat_history", return_messages=True)  # classic
+    memory = InferScaleMemory(engine=engine, model=MODEL, user_id=user_id,  # ★
+                              memory_key="chat_history", return_messages=True)
+    # return_direct: each tool's sentence is the turn's answer. Left to read it back, a 0.5B model
+    # calls the tool again with the result as the argument until the iteration limit.
+    tools = [t.model_copy(update={"return_direct": True}) for t in TOOLS]
+    return AgentExecutor(agent=agent, tools=tools, memory=memory, max_iterations=3)
+
+
+# ------------------------------------------------------------------------------ create_agent
 
 #: The reply after tools (guided decoding): one line of words that starts by giving the answer,
 #: so neither another call nor a bare "Yes".

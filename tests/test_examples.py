@@ -168,13 +168,7 @@ def test_llamaindex_chat(engine: Any) -> None:
 STOPPED = ("Agent stopped due to iteration limit", "(agent stopped")
 
 
-# The classic agent is not there yet (measured 2026-12-01 on this box): with Qwen2.5-Coder-0.5B
-# and its ReAct format guided by a regex, it still hits its iteration limit on some turns.
-CLASSIC_XFAIL = pytest.mark.xfail(
-    reason="Qwen2.5-Coder-0.5B's ReAct agent does not yet finish every turn with the tool's result", strict=False)
-
-
-@pytest.mark.parametrize("kind", [pytest.param("classic", marks=CLASSIC_XFAIL), "graph"])
+@pytest.mark.parametrize("kind", ["classic", "graph"])
 def test_langchain_agent(engine: Any, kind: str) -> None:
     """Each agent finishes every turn (no iteration or recursion limit), the arithmetic turn is
     answered from the calculator's result, and memory reaches the engine as injected KV."""
