@@ -253,11 +253,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         kv = self._spans.get(location)
         if kv is None:
             assert self._worker_geometry is not None and self._heads is not None
-            k, v = self._reader.views(location, self._worker_geometry)
-            first, last = self._heads
-            if last - first != k.shape[2]:
-                k, v = k[:, :, first:last], v[:, :, first:last]
-            kv = self._spans[location] = FactKV(k, v, location.position)
+            kv = self._spans[location] = self._reader.span(location, self._worker_geometry, self._heads)
             while len(self._spans) > _SPAN_VIEWS:
                 del self._spans[next(iter(self._spans))]
         return kv
