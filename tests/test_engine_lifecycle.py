@@ -85,6 +85,7 @@ def test_rebuild_after_close_survives_collection_of_the_closed_engine(tiny_llama
 
 def test_settings_vllm_refuses_are_one_clear_error_and_leave_nothing_behind(tiny_llama, tmp_path):
     from probes import shm_segments
+
     from inferscale_engine.errors import EngineSettingsError
 
     segments = shm_segments()
@@ -102,6 +103,7 @@ def test_settings_vllm_refuses_are_one_clear_error_and_leave_nothing_behind(tiny
 
 def test_kv_transfer_config_is_refused_before_anything_starts(tiny_llama, tmp_path):
     from probes import shm_segments
+
     from inferscale_engine.errors import EngineSettingsError
 
     segments = shm_segments()
@@ -127,6 +129,7 @@ def test_prefix_caching_can_be_turned_off(tiny_llama, tmp_path, caplog):
 
 def test_unknown_engine_options_are_named_before_anything_starts(tiny_llama, tmp_path):
     from probes import shm_segments
+
     from inferscale_engine.errors import EngineSettingsError
 
     segments = shm_segments()
