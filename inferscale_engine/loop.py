@@ -176,6 +176,9 @@ class AsyncEngineLoop(Loop):
                 _tell(listener, RuntimeError("engine closed"), "")
                 task.cancel()
             self.engine.shutdown()
+            # Dropped now: vLLM's __del__ shuts it down again, which at interpreter exit (module
+            # globals gone) prints a TypeError.
+            del self.engine
 
         try:
             asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=60)
