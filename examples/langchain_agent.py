@@ -2,17 +2,21 @@
 
 Two agents, each the stock recipe with one swap (the lines marked ★):
 
-* ``classic``: langchain-classic's ReAct ``AgentExecutor`` with ``memory=``. The classic recipe
-  uses ``ConversationBufferMemory(memory_key="chat_history")``; here it is ``InferScaleMemory``
-  with the same arguments, so ``{chat_history}`` in the prompt holds handles, not text.
+* ``classic``: langchain-classic's tool-calling ``AgentExecutor`` with ``memory=``. The classic
+  recipe uses ``ConversationBufferMemory(memory_key="chat_history", return_messages=True)``; here
+  it is ``InferScaleMemory`` with the same arguments, so ``chat_history`` holds handles, not text.
 * ``graph``: LangChain v1 ``create_agent`` (a LangGraph graph). Memory is middleware there;
   adding ``InferScaleMemoryMiddleware`` stores each finished turn and gives the model the
   recalled turns as handles. The chat model is ``ChatInferScale`` (handles need an InferScale
-  model), with prompt-based tool calling.
+  model), with native tool calling: Qwen2.5's chat template renders the tools and the model's
+  ``<tool_call>`` answers become ``tool_calls``.
 
-SmolLM2-135M is far too small to drive tools reliably: expect odd tool use. What this example
-shows is the plumbing: memory handles reach the engine and their KV is injected (the
-``injected`` count printed after each answer).
+The model is Qwen2.5-Coder-0.5B-Instruct (SmolLM2-135M cannot drive tools). A 0.5B model needs
+help to finish: each tool answers in a sentence that restates the question ("12 * 7 = 84"),
+not a bare value, which it would otherwise take for a new call's arguments; the classic agent
+returns that sentence as its answer (``return_direct``), and guided decoding keeps the
+create_agent agent to one tool round per turn and an answer in words after it. The
+``injected`` count printed after each answer shows the memory reached the model as KV.
 
 Run:
     python examples/langchain_agent.py --demo              # both agents, scripted
@@ -36,10 +40,10 @@ from inferscale_integrations.langchain import ChatInferScale, InferScaleMemory
 
 warnings.filterwarnings("ignore", message=".*was deprecated.*")  # AgentExecutor is a classic API
 
-MODEL = "smollm2"
+MODEL = "qwen2.5-coder-0.5b"
 DEMO = [
     "My dog's name is Rex.",
-    "What is 12 times 7?",
+    "What is 1234 times 5678?",
     "I live in Lisbon.",
     "What is my dog's name?",
 ]
@@ -67,19 +71,28 @@ def _arith(node: ast.AST) -> float:
     raise ValueError("only numbers and + - * / ( ) are allowed")
 
 
+#: Every tool call of this process, as ``"name(argument) -> result"`` (the tests read it).
+TOOL_LOG: list[str] = []
+
+
 @tool
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression such as '12 * 7' or '(3 + 4) / 2'."""
     try:
-        return str(_arith(ast.parse(expression, mode="eval")))
+        value = _arith(ast.parse(expression, mode="eval"))
+        result = f"{expression} = {int(value) if float(value).is_integer() else value}"
     except (SyntaxError, ValueError, ZeroDivisionError) as exc:  # reported to the agent, not raised
-        return f"error: {exc}"
+        result = f"error: {exc}"
+    TOOL_LOG.append(f"calculator({expression!r}) -> {result}")
+    return result
 
 
 @tool
 def today() -> str:
     """Today's date, as YYYY-MM-DD."""
-    return _dt.date.today().isoformat()
+    result = f"Today is {_dt.date.today().isoformat()}."
+    TOOL_LOG.append(f"today() -> {result}")
+    return result
 
 
 TOOLS = [calculator, today]
@@ -100,43 +113,57 @@ class InjectionCounter(BaseCallbackHandler):
 
 # ------------------------------------------------------------------------------ classic agent
 
-REACT_PROMPT = """Answer the question. You can use these tools:
-
-{tools}
-
-Use this format:
-Question: the question
-Thought: what to do
-Action: one of [{tool_names}]
-Action Input: the input of the action
-Observation: the result of the action
-... (Thought/Action/Action Input/Observation can repeat)
-Thought: I now know the final answer
-Final Answer: the answer
-
-Earlier conversation:
-{chat_history}
-
-Question: {input}
-Thought:{agent_scratchpad}"""
+SYSTEM = (
+    "You are a friendly assistant with a good memory. Reply in one short sentence. Call a tool only "
+    "when the user asks for arithmetic or for today's date. Once a tool has answered, reply to the "
+    "user with its result."
+)
 
 
 def build_classic(engine: Any = None, user_id: str = "demo-user") -> Any:
-    from langchain_classic.agents import AgentExecutor, create_react_agent
-    from langchain_core.prompts import PromptTemplate
+    from langchain_classic.agents import AgentExecutor, create_tool_calling_agent
+    from langchain_core.prompts import ChatPromptTemplate, MessagesPlaceholder
 
+    prompt = ChatPromptTemplate.from_messages([
+        ("system", SYSTEM),
+        MessagesPlaceholder("chat_history"),
+        ("human", "{input}"),
+        MessagesPlaceholder("agent_scratchpad"),
+    ])
     llm = ChatInferScale(engine=engine, model=MODEL, user_id=user_id, max_tokens=64)
-    agent = create_react_agent(llm, TOOLS, PromptTemplate.from_template(REACT_PROMPT))
-    # memory = ConversationBufferMemory(memory_key="chat_history")                   # classic
-    memory = InferScaleMemory(engine=engine, model=MODEL, user_id=user_id, memory_key="chat_history")  # ★
-    return AgentExecutor(
-        agent=agent, tools=TOOLS, memory=memory, handle_parsing_errors=True, max_iterations=3
-    )
+    agent = create_tool_calling_agent(llm, TOOLS, prompt)
+    # memory = ConversationBufferMemory(memory_key="chat_history", return_messages=True)  # classic
+    memory = InferScaleMemory(engine=engine, model=MODEL, user_id=user_id,  # ★
+                              memory_key="chat_history", return_messages=True)
+    # return_direct: each tool's sentence is the turn's answer. Left to read it back, a 0.5B model
+    # calls the tool again with the result as the argument until the iteration limit.
+    tools = [t.model_copy(update={"return_direct": True}) for t in TOOLS]
+    return AgentExecutor(agent=agent, tools=tools, memory=memory, max_iterations=3)
 
 
 # ------------------------------------------------------------------------------ create_agent
 
-SYSTEM = "You are a helpful assistant. Use the tools when they help. Answer briefly."
+#: The reply after tools (guided decoding): one line of words that starts by giving the answer,
+#: so neither another call nor a bare "Yes".
+IN_WORDS = {"regex": r"The answer is [^{}<>\n]+"}
+
+
+def answer_after_tools() -> Any:
+    """Middleware: once the tools have answered, the next model call replies in words: its answer
+    is constrained to a line of text (guided decoding), so no further call. One round of tools
+    per turn, which is what a 0.5B model can do: left alone, it calls the tool again with the
+    result as the argument, or writes the call out as text."""
+    from langchain.agents.middleware import AgentMiddleware
+    from langchain_core.messages import ToolMessage
+
+    class AnswerAfterTools(AgentMiddleware):
+        def wrap_model_call(self, request: Any, handler: Any) -> Any:
+            if request.messages and isinstance(request.messages[-1], ToolMessage):
+                settings = {**request.model_settings, "structured": IN_WORDS}
+                request = request.override(model_settings=settings)
+            return handler(request)
+
+    return AnswerAfterTools()
 
 
 def build_graph(engine: Any = None, user_id: str = "demo-user") -> Any:
@@ -149,7 +176,10 @@ def build_graph(engine: Any = None, user_id: str = "demo-user") -> Any:
         llm,
         tools=TOOLS,
         system_prompt=SYSTEM,
-        middleware=[InferScaleMemoryMiddleware(engine=engine, model=MODEL, user_id=user_id)],  # ★ memory
+        middleware=[
+            InferScaleMemoryMiddleware(engine=engine, model=MODEL, user_id=user_id),  # ★ memory
+            answer_after_tools(),
+        ],
     )
 
 

@@ -10,7 +10,7 @@ The LCEL flavour (``--lcel``) is ``RunnableWithMessageHistory`` where, likewise,
 is the history class (``InMemoryChatMessageHistory`` → ``InferScaleChatMessageHistory``).
 
 Run:
-    python examples/langchain_chatbot.py            # chat on the terminal (SmolLM2 on the CPU)
+    python examples/langchain_chatbot.py            # chat on the terminal (Qwen2.5-Coder-0.5B on the CPU)
     python examples/langchain_chatbot.py --demo     # a scripted conversation
     python examples/langchain_chatbot.py --lcel --demo
 """
@@ -34,7 +34,7 @@ from inferscale_integrations.langchain import (
 
 warnings.filterwarnings("ignore", message=".*was deprecated.*")  # ConversationChain is a classic API
 
-MODEL = "smollm2"
+MODEL = "qwen2.5-coder-0.5b"
 SYSTEM = (
     "You are a friendly assistant with a good memory. The earlier conversation with the user "
     "comes first; use it to answer the user's questions about themselves in a few words."

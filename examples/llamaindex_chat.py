@@ -26,7 +26,7 @@ from inferscale_integrations.llamaindex import (
     InferScaleRetriever,
 )
 
-MODEL = "smollm2"
+MODEL = "qwen2.5-coder-0.5b"
 SYSTEM = (
     "You are a friendly assistant with a good memory. The earlier conversation with the user "
     "comes first; use it to answer the user's questions about themselves in a few words."

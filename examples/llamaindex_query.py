@@ -20,7 +20,7 @@ from llama_index.core.query_engine import RetrieverQueryEngine
 from inferscale_integrations import get_engine
 from inferscale_integrations.llamaindex import InferScaleLLM, InferScaleRetriever
 
-MODEL = "smollm2"
+MODEL = "qwen2.5-coder-0.5b"
 DEMO = [
     "My dog's name is Rex.",
     "I live in Lisbon.",

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from inferscale_engine.errors import ContextOverflowError, HandleError
+from inferscale_engine.memory.splitting import split_facts
 from inferscale_engine.prompting import (
     DEFAULT_SYSTEM_PROMPT,
     memory_context,
@@ -90,6 +91,10 @@ class ChatSession:
         min_score: recall only memories whose search score (cosine) is at least this;
             ``None`` (default) keeps all ``k``: scores do not separate a user's true facts from
             unrelated ones (measured in docs/cli.md), so a cutoff drops facts it should keep.
+        split: store each independent fact of a message as its own memory
+            (:func:`~inferscale_engine.memory.splitting.split_facts`): "My dog is Rex and I
+            live in Lisbon." becomes two, each found by its own topic. ``False``: one memory per
+            message, as typed.
 
     Recalled memories go into the system message best-last (nearest the question: small
     models attend to it most). New memories are encoded after the very text that precedes
@@ -111,6 +116,7 @@ class ChatSession:
         remember_replies: bool = False,
         remember_questions: bool = False,
         min_score: float | None = None,
+        split: bool = True,
         **sampling: Any,
     ) -> None:
         if k < 0 or history_turns < 0:
@@ -126,6 +132,7 @@ class ChatSession:
         self.remember_replies = remember_replies
         self.remember_questions = remember_questions
         self.min_score = min_score
+        self.split = split
         self.sampling = sampling
         self.history: list[tuple[str, str]] = []  # (user, assistant) of this process
         self.last: TurnResult | None = None
@@ -238,9 +245,9 @@ class ChatSession:
             return []
         meta = {"source": "chat"}
         ctx = self.memory_context()
-        items: list[Any] = []
-        if self.remember_questions or not text.rstrip().endswith("?"):
-            items += self.store.add(text, user_id=self.user_id, metadata=meta, context=ctx)
+        facts = self.split_facts(text)
+        # A question says nothing about the user; the statements around it still do.
+        items: list[Any] = self._add([f for f in facts if self.remember_questions or not f.endswith("?")])
         if self.remember_replies and reply.strip():
             items += self.store.add([{"role": "assistant", "content": reply.strip()}], user_id=self.user_id, metadata=meta, context=ctx)
         return items
@@ -258,8 +265,21 @@ class ChatSession:
 
     # ------------------------------------------------------------------ memory commands
 
+    def split_facts(self, text: str) -> list[str]:
+        """The memories ``text`` is stored as: its independent facts, or the text itself."""
+        text = text.strip()
+        return split_facts(text) if self.split else [text] if text else []
+
     def remember_text(self, text: str) -> list[Any]:
-        return list(self.store.add(text, user_id=self.user_id, metadata={"source": "chat"}, context=self.memory_context()))
+        """Store ``text`` (one memory per independent fact) without chatting."""
+        return self._add(self.split_facts(text))
+
+    def _add(self, facts: list[str]) -> list[Any]:
+        if not facts:
+            return []
+        # One transaction: a crash keeps all of a message's facts or none.
+        return list(self.store.add_texts(facts, user_id=self.user_id, metadata=[{"source": "chat"}] * len(facts),
+                                         context=self.memory_context()))
 
     def memories(self) -> list[Any]:
         return list(self.store.get_all(user_id=self.user_id))

@@ -20,6 +20,7 @@ from typing import Any
 
 from inferscale_engine import __version__
 from inferscale_engine.config import engine_option
+from inferscale_engine.errors import InferScaleError
 
 PROG = "inferscale"
 
@@ -48,8 +49,9 @@ Models are a local Hugging Face folder or an alias (qwen2.5-coder-0.5b, smollm2)
 CHAT_EPILOG = """\
 Each turn searches your memories for the message (top --k), puts their handles into the
 system message (their KV is injected, not prefilled), adds the last --history exchanges,
-streams the reply, then stores your message as a new memory (questions are not stored unless
---remember-questions). Memories survive restarts.
+streams the reply, then stores your message as new memories, one per independent fact
+("My dog is Rex and I live in Lyon." is two; --no-split keeps it whole; questions are not
+stored unless --remember-questions). Memories survive restarts.
 
 in the chat:
   /memories  /remember TEXT  /forget ID|all  /clear  /help  /quit   (Ctrl-D also quits)
@@ -87,6 +89,11 @@ examples:
   inferscale memory delete --user alice 3f9a0c1d2e4b5a69
   inferscale memory delete --user alice --all
   inferscale memory import-locomo ../shared/data/locomo/locomo10.json --conversations 2
+  inferscale memory list --user alice --server http://127.0.0.1:8000    through a running server
+
+While `inferscale serve` holds the store, add/search/list/delete use its HTTP API by themselves
+(the server notes its address in the store's lock file); --server URL or $INFERSCALE_SERVER
+name a server explicitly.
 """
 
 
@@ -98,7 +105,7 @@ def _engine_options(p: argparse.ArgumentParser, model: str = "smollm2") -> None:
     g.add_argument("--model", default=model, help=f"local model folder or alias (default: {model}; qwen2.5-coder-0.5b "
                    "remembers better, smollm2 is faster)")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present, else cpu")
-    g.add_argument("--store", default=None, metavar="DIR", help="memory store folder (default: $INFERSCALE_HOME/store or the user data dir)")
+    g.add_argument("--store", default=None, metavar="DIR|URL", help="memory store folder, or a postgresql:// URL that replicas share (default: $INFERSCALE_HOME/store or the user data dir)")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length (default: the model's, 8192 for smollm2)")
     g.add_argument("--dtype", default=None, help="weights/activations dtype, e.g. bfloat16, float32 (default: the model's)")
     g.add_argument("--window", type=int, default=None, metavar="W", help="turns of context each memory is encoded after (default 5)")
@@ -139,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--remember-replies", action="store_true", help="also store the assistant's replies as memories")
     p.add_argument("--remember-questions", action="store_true", help="also store messages ending in '?' (default: only statements)")
     p.add_argument("--no-remember", action="store_true", help="do not store new memories (read-only chat)")
+    p.add_argument("--no-split", action="store_true", help="store each message as one memory (default: one per "
+                   "independent fact: 'My dog is Rex and I live in Lisbon.' becomes two)")
     p.set_defaults(func=cmd_chat)
 
     # serve
@@ -185,14 +194,22 @@ def build_parser() -> argparse.ArgumentParser:
         if model:  # adding encodes KV with the model; reading and deleting need no model
             _engine_options(q, model)
         else:
-            q.add_argument("--store", default=None, metavar="DIR", help="memory store folder (default: $INFERSCALE_HOME/store or the user data dir)")
+            q.add_argument("--store", default=None, metavar="DIR|URL", help="memory store folder, or a postgresql:// URL that replicas share (default: $INFERSCALE_HOME/store or the user data dir)")
         if user:
             q.add_argument("--user", required=True, help="whose memories")
+            g = q.add_argument_group("through a running server")
+            g.add_argument("--server", default=None, metavar="URL",
+                           help="use the memory API of `inferscale serve` at URL instead of the store folder "
+                                "(default: $INFERSCALE_SERVER; a server holding the store is found by itself)")
+            g.add_argument("--api-key", default=os.environ.get("INFERSCALE_API_KEY"),
+                           help="the server's API key (default: $INFERSCALE_API_KEY)")
         q.add_argument("--json", action="store_true", help="print JSON")
         return q
 
-    q = mem_parser("add", "store facts (each TEXT becomes one memory)")
+    q = mem_parser("add", "store facts (one memory per independent fact of each TEXT)")
     q.add_argument("texts", nargs="+", metavar="TEXT")
+    q.add_argument("--no-split", action="store_true", help="each TEXT becomes one memory as given (default: "
+                   "'My dog is Rex and I live in Lisbon.' becomes two, each found by its own topic)")
     q.add_argument("--metadata", default=None, metavar="JSON", help='e.g. \'{"source": "cli"}\'')
     q.set_defaults(func=cmd_memory_add)
     q = mem_parser("search", "memories most relevant to QUERY", model=None)
@@ -401,11 +418,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
             remember_replies=args.remember_replies,
             remember_questions=args.remember_questions,
             min_score=None if args.min_score < -0.99 else args.min_score,
+            split=not args.no_split,
         )
         n = len(session.memories()) if interactive else 0
         banner = (
             f"InferScale chat: {args.model} on {engine.config.device}, user '{args.user}', "
-            f"{n} memor{'y' if n == 1 else 'ies'} in {engine.config.store_path}. /help for commands, /quit to leave."
+            f"{n} memor{'y' if n == 1 else 'ies'} in {engine.memory.location}. /help for commands, /quit to leave."
         )
         return run_repl(
             session,
@@ -469,44 +487,111 @@ def _print_items(items: list[Any], as_json: bool) -> None:
         print(f"{i.id}  {score}{i.memory}")
 
 
+def _store_folder(args: argparse.Namespace) -> pathlib.Path:
+    from inferscale_engine.config import default_store_path
+
+    return pathlib.Path(args.store or default_store_path()).expanduser()
+
+
+def _server_url(args: argparse.Namespace) -> str | None:
+    """The server whose HTTP API a memory command uses, or None for the store folder.
+
+    ``--server``, else ``$INFERSCALE_SERVER`` (unless ``--store`` names a folder), else the
+    server that holds the store's lock, if it noted its address there. A store held by a process
+    that serves no API (a chat) is refused here, in one line, before any model loads.
+    """
+    explicit = getattr(args, "server", None)
+    if explicit and args.store:
+        raise ValueError("--store and --server name two different stores; give one of them")
+    url = explicit or (None if args.store else os.environ.get("INFERSCALE_SERVER") or None)
+    if url:
+        return url
+    holder = _holder(args)
+    if holder is not None and holder.url:
+        _progress(f"memory store {_store_folder(args)} is held by `inferscale serve` (process {holder.pid}); "
+                  f"using its API at {holder.url}")
+        return holder.url
+    _refuse_if_held(args, holder)
+    return None
+
+
+def _holder(args: argparse.Namespace) -> Any:
+    from inferscale_engine.memory.folder import lock_holder
+
+    return lock_holder(_store_folder(args))
+
+
+def _refuse_if_held(args: argparse.Namespace, holder: Any) -> None:
+    """One line naming the process that holds the store, before any model loads (not after)."""
+    from inferscale_engine.memory.folder import locked_message
+
+    if holder is not None:
+        raise InferScaleError(locked_message(_store_folder(args), holder))
+
+
+@contextlib.contextmanager
+def _memories(args: argparse.Namespace, *, encode: bool = False) -> Iterator[Any]:
+    """The store a memory command works on: a server's (see :func:`_server_url`), or the folder,
+    opened without a model unless ``encode`` (adding needs the model to encode KV)."""
+    url = _server_url(args)
+    if url is not None:
+        from inferscale_apps.remote_memory import RemoteMemory
+
+        with RemoteMemory(url, api_key=args.api_key) as remote:
+            yield remote
+    elif encode:
+        with _make_engine(args) as engine:
+            yield engine.memory
+            engine.memory.wait_for_encoding()
+    else:
+        with _open_store(args) as store:
+            yield store
+
+
 def cmd_memory_add(args: argparse.Namespace) -> int:
+    from inferscale_engine.memory.splitting import split_facts
+
     metadata = json.loads(args.metadata) if args.metadata else None
     if metadata is not None and not isinstance(metadata, dict):
         raise ValueError("--metadata must be a JSON object")
-    with _make_engine(args) as engine:
-        items = [i for t in args.texts for i in engine.memory.add(t, user_id=args.user, metadata=metadata)]
-        engine.memory.wait_for_encoding()
+    if not all(t.strip() for t in args.texts):
+        raise ValueError("a memory text is empty")
+    facts = [f for t in args.texts for f in ([t] if args.no_split else split_facts(t))]
+    with _memories(args, encode=True) as memories:
+        # One transaction: all of the command's facts are stored, or none.
+        items = memories.add_texts(facts, user_id=args.user, metadata=[metadata] * len(facts))
         _print_items(list(items), args.json)
     return 0
 
 
 def cmd_memory_search(args: argparse.Namespace) -> int:
-    with _open_store(args) as store:
-        _print_items(list(store.search(args.query, user_id=args.user, k=args.k)), args.json)
+    with _memories(args) as memories:
+        _print_items(list(memories.search(args.query, user_id=args.user, k=args.k)), args.json)
     return 0
 
 
 def cmd_memory_list(args: argparse.Namespace) -> int:
-    with _open_store(args) as store:
-        _print_items(list(store.get_all(user_id=args.user)), args.json)
+    with _memories(args) as memories:
+        _print_items(list(memories.get_all(user_id=args.user)), args.json)
     return 0
 
 
 def cmd_memory_delete(args: argparse.Namespace) -> int:
+    from inferscale_engine.errors import FactNotFoundError
+
     if args.all == bool(args.ids):
         raise ValueError("give memory ids or --all (not both)")
-    with _open_store(args) as store:
+    with _memories(args) as memories:
         if args.all:
-            n = store.delete_all(user_id=args.user)
+            n = memories.delete_all(user_id=args.user)
         else:
+            for fact_id in args.ids:  # all checked first: a bad id deletes nothing
+                try:
+                    memories.get(fact_id, user_id=args.user)
+                except FactNotFoundError:
+                    raise FactNotFoundError(f"no memory {fact_id!r} for user {args.user!r}") from None
             for fact_id in args.ids:
-                item = store.get(fact_id, user_id=args.user)
-                if item is None or getattr(item, "user_id", args.user) != args.user:
-                    from inferscale_engine.errors import FactNotFoundError
-
-                    raise FactNotFoundError(f"no memory {fact_id!r} for user {args.user!r}")
-            for fact_id in args.ids:
-                store.delete(fact_id, user_id=args.user)
+                memories.delete(fact_id, user_id=args.user)
             n = len(args.ids)
         result = {"deleted": int(n or 0)}
         print(json.dumps(result) if args.json else f"deleted {result['deleted']} memor{'y' if n == 1 else 'ies'}")
@@ -514,9 +599,12 @@ def cmd_memory_delete(args: argparse.Namespace) -> int:
 
 
 def cmd_memory_rotate_secret(args: argparse.Namespace) -> int:
-    from inferscale_engine.config import default_store_path
+    from inferscale_engine.config import default_store_path, is_database_url
     from inferscale_engine.memory.folder import SECRET_FILE, rotate_secret
 
+    if is_database_url(args.store):
+        raise ValueError("rotate-secret works on a store folder; a postgresql:// store keeps its secret in the "
+                         "database (meta key handle_secret), shared by every replica")
     folder = pathlib.Path(args.store or default_store_path()).expanduser()
     if not folder.is_dir():
         raise ValueError(f"no memory store at {folder}")
@@ -531,6 +619,7 @@ def cmd_memory_rotate_secret(args: argparse.Namespace) -> int:
 def cmd_memory_import_locomo(args: argparse.Namespace) -> int:
     from inferscale_apps.bench.locomo_data import load_locomo, speaker_user
 
+    _refuse_if_held(args, _holder(args))  # the server has no import route
     conversations = load_locomo(args.path, conversations=args.conversations)
     total = sum(len(c.turns) for c in conversations)
     _progress(f"{len(conversations)} conversation(s), {total} turns from {args.path}")

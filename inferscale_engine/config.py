@@ -22,6 +22,28 @@ def default_store_path() -> Path:
     return Path(home) / "store"
 
 
+def is_database_url(location: object) -> bool:
+    """Whether a store location names a PostgreSQL database (shared by replicas) rather than a folder."""
+    return isinstance(location, str) and location.startswith(("postgresql://", "postgres://"))
+
+
+def store_location(location: str | os.PathLike | None) -> Path | str:
+    """A store folder (``~`` expanded; default :func:`default_store_path`), or a database URL as given."""
+    if is_database_url(location):
+        return location  # type: ignore[return-value]
+    return Path(location).expanduser() if location else default_store_path()
+
+
+def default_replica_path(url: str) -> Path:
+    """Where the replicas of the store at ``url`` on this machine keep their KV (a slot each)."""
+    import hashlib
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)  # the password is no part of which database it is
+    ident = f"{parts.hostname}:{parts.port}/{parts.path}?{parts.query}@{parts.username}"
+    return default_store_path().parent / "replicas" / hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
 def detect_device() -> Device:
     import torch
 
@@ -39,7 +61,8 @@ class EngineConfig:
 
     model: str = "smollm2"
     device: Device | None = None
-    store_path: Path | None = None
+    #: A store folder, or a ``postgresql://`` URL for a store that replicas share.
+    store_path: Path | str | None = None
     dtype: str = "auto"
     #: Context length; None takes the model's own.
     max_model_len: int | None = None
@@ -89,7 +112,7 @@ class EngineConfig:
             self.device = detect_device()
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        self.store_path = Path(self.store_path).expanduser() if self.store_path else default_store_path()
+        self.store_path = store_location(self.store_path)
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
         check_recompute(self.recompute)
@@ -115,8 +138,13 @@ class MemoryConfig:
     model, and what each setting does. :meth:`for_engine` derives the defaults of an engine's
     own store from the engine's config."""
 
-    #: Folder of the store (``memory.sqlite3``, ``secret.key``, ``kv/``); created.
-    path: Path | None = None
+    #: Folder of the store (``memory.sqlite3``, ``secret.key``, ``kv/``; created), or the
+    #: ``postgresql://`` URL of a database that several replicas share (its facts, history,
+    #: embeddings and handle secret; each replica keeps the KV it encodes in ``kv_path``).
+    path: Path | str | None = None
+    #: With a database ``path``: this process's KV folder. ``None``: the first free slot under
+    #: :func:`default_replica_path`, so several replicas on one machine need no flag.
+    kv_path: Path | None = None
     #: Facts of the same user a new fact is encoded after (0 = independent).
     window: int = 5
     #: Text every window context starts with: the opening of the prompts the facts will be
@@ -144,11 +172,18 @@ class MemoryConfig:
     encode_batch_tokens: int | None = None
     #: Seconds ``resolve`` waits for a fact that is being encoded.
     resolve_timeout: float = 60.0
+    #: Threads reading KV files at once (a request's cold facts, prefetches): NVMe drives need a
+    #: deep queue to reach their bandwidth.
+    disk_read_threads: int = 16
+    #: Cap on disk reads, bytes a second for all readers together: a store on a slower volume
+    #: than the one it sits on (a network disk), or a test of the cost model. ``None``: no cap.
+    disk_read_bps: float | None = None
     #: Tokens the extraction model may answer with (``add(..., infer=True)``).
     extraction_max_tokens: int = 512
 
     def __post_init__(self) -> None:
-        self.path = Path(self.path).expanduser() if self.path else default_store_path()
+        self.path = store_location(self.path)
+        self.kv_path = Path(self.kv_path).expanduser() if self.kv_path else None
 
     @classmethod
     def for_engine(cls, engine_config: EngineConfig, **overrides: Any) -> MemoryConfig:

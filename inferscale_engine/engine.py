@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import pydantic
 import torch
 
-from inferscale_engine import cuda_graphs
+from inferscale_engine import cuda_graphs, planner
 from inferscale_engine.config import EngineConfig, check_recompute
 from inferscale_engine.connector import compat
 from inferscale_engine.connector.exchange import Geometry, KVExchange
@@ -53,8 +53,10 @@ from inferscale_engine.kv import FactKV, check_finite
 from inferscale_engine.logs import configure_vllm_logging
 from inferscale_engine.loop import AsyncEngineLoop, EngineLoop, Loop
 from inferscale_engine.types import (
+    ColdFact,
     FactSource,
     GenerationResult,
+    MemoryMix,
     Messages,
     Mode,
     Segment,
@@ -79,6 +81,7 @@ class _Prepared:
     staged: list[Span]
     started: float  # perf_counter() when preparation began: TTFT counts the layout and plan too
     memories_as_text: int = 0
+    memory_mix: MemoryMix | None = None
 
 
 class InferScaleEngine:
@@ -122,6 +125,7 @@ class InferScaleEngine:
             )
         self._static: OrderedDict[tuple[str | int, ...], Span] = OrderedDict()  # (owner, len(context), *context, *ids)
         self._memory: MemoryStore | None = None
+        self._calibration: planner.Calibration | None = None
         self.fact_source: FactSource | None = None
         self._closed = False
         full_graphs = cuda_graphs.wanted(self.config) and not self.config.vllm_url
@@ -278,6 +282,7 @@ class InferScaleEngine:
             from inferscale_engine.runtime import build_memory
 
             self._memory = build_memory(self)
+            self._calibration = planner.Calibration(self, self._memory)
         return self._memory
 
     @memory.setter
@@ -285,6 +290,30 @@ class InferScaleEngine:
         if self._memory is not None and self._memory is not store:
             self._memory.close()
         self._memory = store
+        self._calibration = planner.Calibration(self, store)
+
+    def prefetch(self, user_id: str, *, limit: int = 256) -> int:
+        """Start moving ``user_id``'s most recent memories' KV from disk to memory in the
+        background, for a session about to start: its first request then injects them instead
+        of reading cold files. Returns how many reads started (see ``MemoryStore.prefetch``)."""
+        source = self.fact_source or self.memory
+        prefetch = getattr(source, "prefetch", None)
+        return prefetch(user_id, limit=limit) if prefetch is not None else 0
+
+    def calibrate(self, *, refresh: bool = False) -> planner.Rates | None:
+        """The cost model's measured rates (prefill times, the store's disk and host-to-device
+        speeds), waiting for the start-up measurement; ``refresh`` measures everything again."""
+        if refresh or self._calibration is None:
+            self._calibration = planner.Calibration(self, self.memory, refresh=refresh)
+        return self._calibration.rates()
+
+    def _rates(self) -> planner.Rates | None:
+        source = self.fact_source or self._memory
+        if source is None or not hasattr(source, "tier_speeds"):
+            return None
+        if self._calibration is None or self._calibration.store is not source:
+            self._calibration = planner.Calibration(self, source)
+        return self._calibration.rates()
 
     # ------------------------------------------------------------------ tokens
 
@@ -294,9 +323,16 @@ class InferScaleEngine:
     def detokenize(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids))
 
-    def render(self, prompt_or_messages: str | Messages) -> tuple[str, bool]:
-        """Prompt text and whether it came from the chat template."""
+    def render(self, prompt_or_messages: str | Messages, *, tools: Sequence[dict[str, Any]] | None = None) -> tuple[str, bool]:
+        """Prompt text and whether it came from the chat template.
+
+        ``tools`` (OpenAI-style function schemas) are rendered by the model's own chat template,
+        as are assistant messages' ``tool_calls`` (``[{"type": "function", "function": {"name",
+        "arguments": {...}}}]``) and ``"tool"`` messages.
+        """
         if isinstance(prompt_or_messages, str):
+            if tools:
+                raise ValueError("tools need chat messages: a prompt string has no chat template to render them")
             return check_utf8(prompt_or_messages, "prompt"), False
         if isinstance(prompt_or_messages, (bytes, bytearray, dict)) or not hasattr(prompt_or_messages, "__iter__"):
             raise TypeError(f"prompt must be a string or a list of chat messages, got {type(prompt_or_messages).__name__}")
@@ -307,7 +343,8 @@ class InferScaleEngine:
             check_utf8(m["content"], "chat message content")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.config.model!r} has no chat template; pass a prompt string")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        extra = {"tools": list(tools)} if tools else {}
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
         return text, True
 
     # ------------------------------------------------------------------ encoding
@@ -360,6 +397,7 @@ class InferScaleEngine:
         temperature: float = 0.0,
         mode: Mode = "inject",
         recompute: int | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
         **sampling: Any,
     ) -> GenerationResult:
         """Generate from a prompt string or chat messages; handles in it are injected as KV.
@@ -377,9 +415,13 @@ class InferScaleEngine:
             recompute=recompute, **sampling
         )
 
-    def stream(self, prompt_or_messages: str | Messages, *, user_id: str = "default", **kwargs: Any) -> Iterator[StreamDelta]:
+    def stream(
+        self, prompt_or_messages: str | Messages, *, user_id: str = "default",
+        tools: Sequence[dict[str, Any]] | None = None, **kwargs: Any,
+    ) -> Iterator[StreamDelta]:
         """Like :meth:`generate`, yielding text as it is produced."""
-        prepared, params = self._prepare(self.resolve(prompt_or_messages, user_id=user_id), user_id, **kwargs)
+        segments = self.resolve(prompt_or_messages, user_id=user_id, tools=tools)
+        prepared, params = self._prepare(segments, user_id, **kwargs)
         yield from self._stream(prepared, params)
 
     async def agenerate(self, prompt_or_messages: str | Messages, *, user_id: str = "default", **kwargs: Any) -> GenerationResult:
@@ -390,12 +432,13 @@ class InferScaleEngine:
         return result
 
     async def astream(
-        self, prompt_or_messages: str | Messages, *, user_id: str = "default", **kwargs: Any
+        self, prompt_or_messages: str | Messages, *, user_id: str = "default",
+        tools: Sequence[dict[str, Any]] | None = None, **kwargs: Any,
     ) -> AsyncIterator[StreamDelta]:
         import asyncio
 
         # Handle resolution may wait on the store or encode a new head: keep it off the event loop.
-        segments = await asyncio.to_thread(self.resolve, prompt_or_messages, user_id=user_id)
+        segments = await asyncio.to_thread(self.resolve, prompt_or_messages, user_id=user_id, tools=tools)
         async for delta in self.astream_segments(segments, user_id=user_id, **kwargs):
             yield delta
 
@@ -422,14 +465,18 @@ class InferScaleEngine:
         assert result is not None
         return result
 
-    def resolve(self, prompt_or_messages: str | Messages, *, user_id: str) -> list[Segment]:
+    def resolve(
+        self, prompt_or_messages: str | Messages, *, user_id: str, tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[Segment]:
         """Render, find handles, and turn them into spans: ``[ids, span, ids, span, ..., ids]``."""
-        text, is_chat = self.render(prompt_or_messages)
+        text, is_chat = self.render(prompt_or_messages, tools=tools)
         pieces, handles = split_on_handles(text)
         if handles:
             source = self.fact_source or self.memory
             many = getattr(source, "resolve_many", None)
-            if many is not None:
+            if many is not None and getattr(source, "defers_cold", False):
+                spans = many(handles, user_id, defer_cold=True)  # cold ones: _prepare plans them
+            elif many is not None:
                 spans = many(handles, user_id)
             else:  # a source with only resolve() (see FactSource)
                 spans = [source.resolve(h, user_id) for h in handles]  # type: ignore[attr-defined]
@@ -471,6 +518,7 @@ class InferScaleEngine:
         mode: Mode = "inject",
         recompute: int | None = None,
         first_logprobs: int | None = None,
+        structured: dict[str, Any] | None = None,
         **sampling: Any,
     ) -> tuple[_Prepared, Any]:
         from vllm import SamplingParams
@@ -496,6 +544,12 @@ class InferScaleEngine:
                 f"prompt of {n} tokens ({sum(len(s.token_ids) for s in segments if isinstance(s, Span))} from memory) "
                 f"plus max_tokens={max_tokens} exceeds the model's context of {self.max_model_len}"
             )
+        mix = None
+        if mode == "inject":
+            # Cold memories: wait for their reads or prefill them, whichever the cost model expects
+            # to be faster (planner.py); the layout then injects the prefix it leaves as spans.
+            cold = any(isinstance(s, ColdFact) for s in segments)
+            segments, mix = planner.plan(segments, recompute, self._rates() if cold else None)
         spans, tail = self._layout(segments, recompute, user_id)
         token_ids = [*itertools.chain.from_iterable(s.token_ids for s in spans), *tail]
         extra: dict[str, Any] = {}
@@ -532,13 +586,14 @@ class InferScaleEngine:
                 # One request's own object: vLLM would otherwise deep-copy it, plan included
                 # (~0.4 ms at k=200 on a CPU core, on the request's critical path).
                 skip_clone=True,
+                **(compat.structured_output(structured) if structured else {}),
                 **sampling,
             )
         except BaseException:
             self._unstage(staged)
             raise
         as_text = sum(isinstance(s, TextFact) for s in segments)
-        return _Prepared(prompt, plan, staged, started, as_text), params
+        return _Prepared(prompt, plan, staged, started, as_text, mix), params
 
     def _layout(self, segments: Sequence[Segment], recompute: int = 0,
                 user_id: str = "default") -> tuple[list[Span], list[int]]:
@@ -547,10 +602,10 @@ class InferScaleEngine:
         The last ``recompute`` facts belong to the tail: vLLM prefills them, with the separators
         and text around them, after the injected prefix (the connector loads only a prefix).
         """
-        facts = [i for i, s in enumerate(segments) if isinstance(s, Span)]
+        facts = [i for i, s in enumerate(segments) if isinstance(s, (Span, TextFact))]
         last = facts[len(facts) - recompute - 1] if recompute < len(facts) else -1
         as_text = next((i for i, s in enumerate(segments) if isinstance(s, TextFact)), None)
-        if as_text is not None and as_text < last:  # injected KV is a prefix: stop before it
+        if as_text is not None and as_text <= last:  # injected KV is a prefix: stop before it
             last = max((i for i in facts if i < as_text), default=-1)
         head: Sequence[int] = ()
         spans: list[Span] = []
@@ -609,6 +664,7 @@ class _Accumulator:
                 injected_tokens=injected_tokens(out.kv_transfer_params),
                 cached_tokens=int(out.num_cached_tokens or 0),
                 memories_as_text=self.prepared.memories_as_text,
+                memory_mix=self.prepared.memory_mix,
             ),
             ttft_s=self.ttft if self.ttft is not None else t,
             latency_s=t,

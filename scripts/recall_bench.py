@@ -30,7 +30,7 @@ from typing import Any
 
 #: (what the user says, what they ask after a restart, words a right answer contains).
 #: Phrased the ways people tell a chatbot things: plain statements, "please remember", facts
-#: inside chatter, two facts in one line.
+#: inside chatter, two facts in one line (the last five pairs; the question asks for either topic).
 PAIRS: list[tuple[str, str, tuple[str, ...]]] = [
     ("My dog is called Rex.", "What is my dog's name?", ("rex",)),
     ("Please remember: my bicycle is painted bright orange.", "What colour is my bicycle?", ("orange",)),
@@ -55,7 +55,17 @@ PAIRS: list[tuple[str, str, tuple[str, ...]]] = [
     # Two topics in one line: the search score of "where do I live?" is lower (issue 24: 0.236).
     ("My parrot is called Kiwi and I live in Porto.", "Where do I live?", ("porto",)),
     ("I support the football club Benfica.", "Which football club do I support?", ("benfica",)),
+    ("My husband is a pilot and I own a small sailing boat.", "What is my husband's job?", ("pilot",)),
+    ("I collect old stamps, but my brother Tom lives in Madrid.", "Where does my brother live?", ("madrid",)),
+    ("My mother is called Ines; I grow tomatoes on my balcony.", "What do I grow on my balcony?", ("tomato",)),
+    ("I have a dentist fear and my favourite band is Queen.", "What is my favourite band?", ("queen",)),
 ]
+
+
+def _split(said: str) -> list[str]:
+    from inferscale_engine.memory.splitting import split_facts
+
+    return split_facts(said)
 
 
 def _session(args: argparse.Namespace, store: str) -> tuple[Any, Any, float]:
@@ -68,7 +78,8 @@ def _session(args: argparse.Namespace, store: str) -> tuple[Any, Any, float]:
     warm_up(engine.memory)
     startup = time.perf_counter() - start
     kwargs = {} if args.min_score is None else {"min_score": None if args.min_score < -0.99 else args.min_score}
-    return engine, ChatSession(engine, user_id="bench", max_tokens=args.max_tokens, **kwargs), startup
+    session = ChatSession(engine, user_id="bench", max_tokens=args.max_tokens, split=not args.no_split, k=args.k, **kwargs)
+    return engine, session, startup
 
 
 def tell(args: argparse.Namespace, store: str) -> dict:
@@ -85,15 +96,17 @@ def ask(args: argparse.Namespace, store: str) -> dict:
     rows = []
     with engine:
         for said, question, expect in PAIRS:
+            # The memory that answers: the line as said, or its part that holds the answer.
+            fact = next((f for f in session.split_facts(said) if any(w in f.lower() for w in expect)), said)
             hits = engine.memory.search(question, user_id="bench", k=session.k)
-            rank = next((i for i, h in enumerate(hits) if h.memory == said), None)
+            rank = next((i for i, h in enumerate(hits) if h.memory == fact), None)
             turn = session.send(question)
             r = turn.result
             gen_s = r.latency_s - r.ttft_s
             rows.append({
-                "question": question, "reply": turn.reply.strip(), "recalled": any(w in turn.reply.lower() for w in expect),
+                "question": question, "mixed": len(_split(said)) > 1, "reply": turn.reply.strip(), "recalled": any(w in turn.reply.lower() for w in expect),
                 "fact_rank": rank, "fact_score": hits[rank].score if rank is not None else None,
-                "in_prompt": any(m.memory == said for m in turn.recalled), "memories": len(turn.recalled), "ttft_s": r.ttft_s,
+                "in_prompt": any(m.memory == fact for m in turn.recalled), "memories": len(turn.recalled), "ttft_s": r.ttft_s,
                 "tok_s": (r.usage.completion_tokens - 1) / gen_s if r.usage.completion_tokens > 1 and gen_s > 0 else None,
             })
     return {"startup_s": startup, "turns": rows}
@@ -104,7 +117,7 @@ def run_model(args: argparse.Namespace, model: str) -> dict:
     out = {}
     for phase in ("tell", "ask"):
         cmd = [sys.executable, __file__, "--phase", phase, "--store", store, "--model", model,
-               "--max-tokens", str(args.max_tokens)]
+               "--max-tokens", str(args.max_tokens), "--k", str(args.k)] + (["--no-split"] if args.no_split else [])
         if args.min_score is not None:
             cmd += ["--min-score", str(args.min_score)]
         t = time.perf_counter()
@@ -121,7 +134,9 @@ def run_model(args: argparse.Namespace, model: str) -> dict:
         "ttft_ms": round(1000 * statistics.median(t["ttft_s"] for t in turns)),
         "decode_tok_s": round(statistics.median(rates), 1) if rates else None,
         "recall_pct": round(100 * sum(t["recalled"] for t in turns) / len(turns)),
+        "mixed_recall": f"{sum(t['recalled'] for t in turns if t['mixed'])}/{sum(t['mixed'] for t in turns)}",
         "retrieved_pct": round(100 * sum(t["fact_rank"] is not None for t in turns) / len(turns)),
+        "first_pct": round(100 * sum(t["fact_rank"] == 0 for t in turns) / len(turns)),
         "in_prompt_pct": round(100 * sum(t["in_prompt"] for t in turns) / len(turns)),
         "min_fact_score": round(min(t["fact_score"] for t in turns if t["fact_score"] is not None), 3),
         "turns": turns,
@@ -133,6 +148,8 @@ def main() -> None:
     p.add_argument("--model", action="append", help="alias or folder (repeatable; default smollm2)")
     p.add_argument("--max-tokens", type=int, default=40)
     p.add_argument("--min-score", type=float, default=None, help="chat's recall cutoff (default: chat's; -1 = none)")
+    p.add_argument("--k", type=int, default=5, help="memories recalled per question (default 5, chat's)")
+    p.add_argument("--no-split", action="store_true", help="store each line as one memory (chat's --no-split)")
     p.add_argument("--json", default=None, metavar="FILE")
     p.add_argument("--phase", choices=["tell", "ask"], help=argparse.SUPPRESS)
     p.add_argument("--store", help=argparse.SUPPRESS)
@@ -146,7 +163,8 @@ def main() -> None:
     for r in results:
         missed = [f"{t['question']} -> {t['reply'][:70]!r} (fact rank {t['fact_rank']})" for t in r["turns"] if not t["recalled"]]
         print(f"{r['model']}: start-up {r['startup_s']} s, TTFT {r['ttft_ms']} ms, {r['decode_tok_s']} tok/s, "
-              f"recall {r['recall_pct']}% ({len(r['turns'])} questions), fact in top-k {r['retrieved_pct']}%, "
+              f"recall {r['recall_pct']}% ({len(r['turns'])} questions; two-topic lines {r['mixed_recall']}), "
+              f"fact in top-k {r['retrieved_pct']}%, ranked first {r['first_pct']}%, "
               f"in the prompt {r['in_prompt_pct']}%, "
               f"lowest fact score {r['min_fact_score']}")
         for m in missed:

@@ -126,3 +126,39 @@ def logged(logger_name: str, level: int = logging.WARNING) -> Iterator[list[str]
         logger.removeHandler(handler)
         logger.setLevel(old_level)
         logger.disabled = old_disabled
+
+
+# ---------------------------------------------------------------------------------- answers
+
+
+def greedy_margins(engine: Any, prompt: Any, *, user_id: str, max_tokens: int = 24, tools: Any = None,
+                   **kwargs: Any) -> list[tuple[str, float]]:
+    """The greedy answer to ``prompt`` as ``(token text, margin)`` pairs: the margin is the
+    log-probability lead of the chosen token over the runner-up. A margin near 0 means another
+    CPU's float rounding (AVX2 against AVX-512 kernels) can pick the other token and send the
+    answer elsewhere; the engine only reports the first token's log-probabilities."""
+    segments = engine.resolve(prompt, user_id=user_id, tools=tools)
+    prepared, params = engine._prepare(segments, user_id, max_tokens=max_tokens, **kwargs)
+    params.logprobs = 2
+    out = None
+    try:
+        for step, _ in engine.loop.iterate(prepared.prompt, params, prepared.started):
+            out = step
+    finally:
+        engine._unstage(prepared.staged)
+    assert out is not None
+    steps = []
+    for token_id, ranked in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
+        lps = sorted((lp.logprob for lp in ranked.values()), reverse=True)
+        steps.append((engine.tokenizer.decode([token_id]), lps[0] - lps[1] if len(lps) > 1 else float("inf")))
+    return steps
+
+
+def decisive_margin(steps: list[tuple[str, float]], word: str) -> float | None:
+    """The smallest margin up to the token that starts ``word`` in the answer (None: never said)."""
+    text = ""
+    for i, (piece, _) in enumerate(steps):
+        text += piece
+        if word.lower() in text.lower():
+            return min(m for _, m in steps[: i + 1])
+    return None

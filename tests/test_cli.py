@@ -61,7 +61,8 @@ def test_memory_commands(tiny_llama, tmp_path, capsys):
     # --engine-option reaches the engine: one it does not know is one line, before any model loads.
     assert main(["memory", "add", "--user", "ann", "x", "--engine-option", "bogus_option=1", *common]) == 1
     assert "unknown engine option: bogus_option" in capsys.readouterr().err
-    assert main(["memory", "add", "--user", "ann", "--json", "My dog is called Rex.", "I live in Lyon.", *common,
+    # One text, two topics: two memories, each found first by a question about its own topic.
+    assert main(["memory", "add", "--user", "ann", "--json", "My dog is called Rex and I live in Lyon.", *common,
                  "--engine-option", "max_num_seqs=8"]) == 0
     added = json.loads(capsys.readouterr().out)
     assert [a["memory"] for a in added] == ["My dog is called Rex.", "I live in Lyon."]
@@ -69,6 +70,8 @@ def test_memory_commands(tiny_llama, tmp_path, capsys):
     assert main(["memory", "search", "--user", "ann", "where do I live?", "--k", "1", *store]) == 0
     out = capsys.readouterr().out
     assert out.startswith(added[1]["id"]) and "Lyon" in out
+    assert main(["memory", "search", "--user", "ann", "what is my dog's name?", "--k", "1", *store]) == 0
+    assert capsys.readouterr().out.startswith(added[0]["id"])
 
     assert main(["memory", "list", "--user", "bob", *store]) == 0
     assert capsys.readouterr().out == ""

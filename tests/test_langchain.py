@@ -28,10 +28,6 @@ from inferscale_integrations.langchain import (
     InferScaleMemory,
     InferScaleRetriever,
 )
-from inferscale_integrations.langchain._messages import (
-    parse_tool_calls,
-    to_engine_messages,
-)
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 warnings.filterwarnings("ignore", message=".*was deprecated.*")
@@ -247,17 +243,6 @@ def test_engine_is_shared_per_model(engine: Any, smollm2_path: str) -> None:
     assert ChatInferScale(model="smollm2").get_engine() is engine
     assert InferScaleMemory(model="SmolLM2").get_engine() is engine
     assert InferScaleRetriever(model=smollm2_path).get_engine() is engine
-
-
-def test_prompt_based_tool_calling_round_trip() -> None:
-    tools = [{"type": "function", "function": {"name": "add", "description": "add", "parameters": {}}}]
-    msgs = to_engine_messages([HumanMessage("2+3?")], tools=tools, tool_choice="any")
-    assert msgs[0]["role"] == "system" and '"name": "add"' in msgs[0]["content"]
-    text, calls = parse_tool_calls('Sure.<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>', ["add"])
-    assert text == "Sure." and calls[0]["name"] == "add" and calls[0]["args"] == {"a": 2, "b": 3}
-    assert parse_tool_calls('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', ["add"])[1] == []
-    back = to_engine_messages([AIMessage("", tool_calls=calls)])
-    assert "<tool_call>" in back[0]["content"]
 
 
 def test_create_agent_middleware_injects_memory(engine: Any) -> None:

@@ -3,9 +3,9 @@ real InferScale engine: SmolLM2-135M on the CPU (one engine for the module, clos
 
 Capabilities switched off, and why:
 
-* tool calling / structured output / JSON mode (integration suite): ``ChatInferScale.bind_tools``
-  exists (prompt-based ``<tool_call>`` blocks, unit-tested below), but whether a call comes back
-  is the model's skill and SmolLM2-135M has next to none; those tests measure the model.
+* tool calling / structured output / JSON mode (integration suite): SmolLM2's chat template has
+  no tools and the 135M model has next to no skill with them; the whole suite, those included,
+  runs on Qwen2.5-Coder-0.5B in tests/test_langchain_standard_qwen.py.
 * image / audio / PDF / video inputs: text-only models.
 * model override: ``invoke(model=...)`` works (it picks another shared engine) but would load a
   second vLLM engine just for that check; skipped to keep CI short.
@@ -104,7 +104,7 @@ class TestChatInferScaleIntegration(ChatModelIntegrationTests):
 
     @property
     def has_tool_calling(self) -> bool:
-        return False  # see module docstring: tool skill of a 135M model
+        return False  # see module docstring: covered on Qwen
 
     @property
     def has_structured_output(self) -> bool:

@@ -20,6 +20,9 @@ Command line (against a running server)::
     inferscale serve --port 8000 &
     python -m inferscale_apps.bench.load --url http://127.0.0.1:8000 --users 100 --duration 60
 
+Against replicas sharing one store, give ``--url`` once per replica: each user's operations
+go to the replicas in turn, so a fact added through one is asked about through another.
+
 Library::
 
     from inferscale_apps.bench.load import run_load, serve_app
@@ -136,13 +139,14 @@ class _Run:
         if len(self.examples) < 20:
             self.examples.append(f"{kind}: {detail[:300]}")
 
-    async def user(self, client: httpx.AsyncClient, index: int, deadline: float) -> None:
+    async def user(self, clients: list[httpx.AsyncClient], index: int, deadline: float) -> None:
         uid = self.user_ids[index]
         rng = random.Random(self.rng.random())
         facts: list[dict[str, str]] = []
         step = asks = 0
         while time.monotonic() < deadline:
             kind = CYCLE[step % len(CYCLE)] if facts else "add"
+            client = clients[(index + step) % len(clients)]  # replicas in turn
             step += 1
             t0 = time.perf_counter()
             ok = False
@@ -301,7 +305,7 @@ def _stats(values: list[float]) -> dict[str, float | None]:
 
 
 async def arun_load(
-    url: str,
+    url: str | list[str],
     *,
     users: int = 100,
     duration: float = 60.0,
@@ -315,22 +319,26 @@ async def arun_load(
     cleanup: bool = True,
     prefix: str | None = None,
 ) -> LoadReport:
-    """Run the load against ``url`` (async); see :func:`run_load`."""
+    """Run the load against ``url`` (async; a list: replicas, taken in turn); see :func:`run_load`."""
+    urls = [url] if isinstance(url, str) else list(url)
     if users < 1 or duration <= 0 or max_tokens < 1 or request_timeout <= 0:
         raise ValueError("users, duration, max_tokens and request_timeout must be positive")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=users + 8, max_keepalive_connections=users + 8)
-    async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers, timeout=request_timeout, limits=limits) as client:
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(
+            base_url=u.rstrip("/"), headers=headers, timeout=request_timeout, limits=limits)) for u in urls]
+        client = clients[0]
         if model is None:
             r = await client.get("/v1/models")
             r.raise_for_status()
             model = r.json()["data"][0]["id"]
-        run = _Run(url, users=users, duration=duration, model=model, api_key=api_key, max_tokens=max_tokens,
+        run = _Run(" ".join(urls), users=users, duration=duration, model=model, api_key=api_key, max_tokens=max_tokens,
                    request_timeout=request_timeout, think_time=think_time, seed=seed,
                    prefix=prefix or f"load-{uuid.uuid4().hex[:8]}")
         t0 = time.monotonic()
         deadline = t0 + duration
-        tasks = [asyncio.create_task(run.user(client, i, deadline)) for i in range(users)]
+        tasks = [asyncio.create_task(run.user(clients, i, deadline)) for i in range(users)]
         grace = request_timeout if grace is None else grace
         _, pending = await asyncio.wait(tasks, timeout=duration + grace)
         for t in pending:  # self-stopping: nothing outlives deadline + grace
@@ -347,7 +355,7 @@ async def arun_load(
         return run.report(wall, len(pending))
 
 
-def run_load(url: str, **kwargs: Any) -> LoadReport:
+def run_load(url: str | list[str], **kwargs: Any) -> LoadReport:
     """Run ``users`` simulated users against ``url`` for ``duration`` seconds and report.
 
     Keyword arguments: ``users``, ``duration``, ``model`` (default: the served one), ``api_key``,
@@ -391,7 +399,8 @@ def serve_app(app: Any, host: str = "127.0.0.1", port: int = 0, log_level: str =
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m inferscale_apps.bench.load", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default %(default)s)")
+    p.add_argument("--url", action="append", default=None,
+                   help="server base URL (default http://127.0.0.1:8000); repeat for replicas sharing one store")
     p.add_argument("--users", type=int, default=100, help="concurrent simulated users (default %(default)s)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds to generate load (default %(default)s)")
     p.add_argument("--model", default=None, help="model id to send (default: the one /v1/models lists)")
@@ -405,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="write the report here as JSON ('-' = stdout)")
     args = p.parse_args(argv)
     report = run_load(
-        args.url, users=args.users, duration=args.duration, model=args.model, api_key=args.api_key,
+        args.url or ["http://127.0.0.1:8000"], users=args.users, duration=args.duration, model=args.model, api_key=args.api_key,
         max_tokens=args.max_tokens, request_timeout=args.request_timeout, grace=args.grace,
         think_time=args.think_time, seed=args.seed, cleanup=not args.keep,
     )

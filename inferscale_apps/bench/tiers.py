@@ -10,6 +10,15 @@ vLLM's prefix cache never serves them: each request really injects.
 ``host-slab-full`` is the host tier in steady state: the device slab holds exactly ``k`` facts,
 all of them other facts, so the promotion first evicts ``k`` facts to the host.
 
+``disk-cost-model`` is the disk tier (cold) as the engine serves it: the reads start, and the
+cost model (:mod:`inferscale_engine.planner`, rates calibrated at the start of the run) waits for
+the first ``j`` facts and prefills the rest as text, ``j`` its choice; ``mix`` says how many
+facts were injected from memory / read from disk / recomputed (the most common mix over the
+repeats; the facts are in a fresh order each repeat, so vLLM's prefix cache cannot serve what is
+prefilled; the background reads of recomputed facts finish before the next request). ``after-prefetch`` is
+the disk tier after a prefetch (``tiers.prefetch``, as ``MemoryStore.prefetch(user_id)`` starts
+it) moved the facts to the host tier; ``prefetch_ms`` is how long that took.
+
 ``disk`` reads are cold by default: each fact file's pages are dropped from the OS page cache
 (``posix_fadvise(DONTNEED)``, per file, harmless to other processes) before the timed read;
 ``warm_disk=True`` keeps them cached (a disk tier that fits in RAM).
@@ -22,11 +31,15 @@ import os
 import shutil
 import tempfile
 import time
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
 from inferscale_apps.bench.common import SyntheticWorkload, median, percentile
+from inferscale_engine.kv import FactKV
+from inferscale_engine.memory.tiers import KVTiers
+from inferscale_engine.types import Span
 
 if TYPE_CHECKING:
     from inferscale_engine.engine import InferScaleEngine
@@ -36,6 +49,30 @@ TIERS = ("device", "host", "disk")
 HOST_SLAB_FULL = "host-slab-full"
 #: Row of the same prompt with the facts pasted as text (prefilled, nothing injected): the baseline.
 PROMPT = "prompt"
+#: Cold disk tier served through the cost model; the disk tier after a prefetch to the host.
+COST_MODEL = "disk-cost-model"
+AFTER_PREFETCH = "after-prefetch"
+
+
+class _Read:
+    """A cold fact's read, as the store makes them (``ColdRead``), on the bench's own tiers."""
+
+    def __init__(self, tiers: KVTiers, fingerprint: str, key: tuple[str, int], span_key: str, ids: list[int]) -> None:
+        self.tiers, self.fingerprint, self.key, self.span_key, self.ids = tiers, fingerprint, key, span_key, ids
+        self.nbytes = tiers.path(key).stat().st_size
+        self.future: Future[FactKV] | None = None
+
+    def start(self) -> None:
+        if self.future is None:
+            self.future = self.tiers.read_async([self.key], self.fingerprint)[0]
+
+    def wait(self) -> Span:
+        self.start()
+        return Span(self.span_key, tuple(self.ids), self.future.result())  # type: ignore[union-attr]
+
+    def promote(self) -> None:
+        if self.future is None:
+            self.tiers.prefetch([self.key], self.fingerprint)
 
 
 def _drop_page_cache(path: os.PathLike) -> None:
@@ -74,8 +111,9 @@ def run_tiers(
     """
     import torch
 
-    from inferscale_engine.memory.tiers import KVTiers
-    from inferscale_engine.types import Span
+    from inferscale_engine import planner
+    from inferscale_engine.memory.bandwidth import measure
+    from inferscale_engine.types import ColdFact, TextFact
 
     kmax = max(ks)
     # Twice the facts needed: the prompt baseline samples k of them in random order, so vLLM's
@@ -99,6 +137,9 @@ def run_tiers(
         tiers.put(key, span.kv, fp)
     fillers = keys[kmax:]
     keys = keys[:kmax]
+    speeds = measure(tiers)
+    rates = planner.Rates(planner.prefill_curve(engine), speeds.disk_bytes_per_s, speeds.disk_latency_s,
+                          speeds.host_to_device_bytes_per_s)
 
     def sync() -> None:
         if cuda:
@@ -131,9 +172,11 @@ def run_tiers(
         for k in ks:
             picked_keys = keys[:k]
             picked_ids = work.fact_ids[:k]
-            names = (*TIERS, HOST_SLAB_FULL, PROMPT)
+            names = (*TIERS, HOST_SLAB_FULL, COST_MODEL, AFTER_PREFETCH, PROMPT)
             ttft: dict[str, list[float]] = {t: [] for t in names}
             promote: dict[str, list[float]] = {t: [] for t in names}
+            prefetch_s: list[float] = []
+            mixes: dict[str, list[tuple[int, int, int]]] = {t: [] for t in names}
             full = fill_slab(k)
             mismatches = 0
             worst = 0.0  # largest top-5 logprob difference of any tier from the device tier
@@ -151,9 +194,41 @@ def run_tiers(
                 answers = set()
                 logprobs: dict[str, dict[int, float]] = {}
                 order = (*TIERS, HOST_SLAB_FULL) if rep % 2 == 0 else ("host", "device", *TIERS[2:], HOST_SLAB_FULL)
-                for tier in order:
+                for tier in (*order, COST_MODEL, AFTER_PREFETCH):
                     store = full if tier == HOST_SLAB_FULL else tiers
-                    if tier == HOST_SLAB_FULL:
+                    if tier == COST_MODEL:
+                        move_to("disk", picked_keys)
+                        serial += 1
+                        # A fresh order each repeat, as the prompt row: vLLM's prefix cache must
+                        # not serve the facts this request prefills.
+                        order_i = work.rng.sample(range(k), k)
+                        t0 = time.perf_counter()
+                        cold = [ColdFact(picked_ids[i], _Read(tiers, fp, picked_keys[i], f"tiers:{serial}:{i}",
+                                                              picked_ids[i])) for i in order_i]
+                        segs, mix = planner.plan([work.head, *cold, question], 0, rates)
+                        # What the engine would prefill (its planner sees no cold fact left).
+                        segs = [TextFact(s) if isinstance(s, ColdFact) else s for s in segs]
+                        t_promote = time.perf_counter() - t0
+                        result = engine.generate_segments(segs, max_tokens=1, mode="inject", first_logprobs=5)
+                        # Promotions of the prefilled facts finish before the next request.
+                        while any(t == "disk" for t in tiers.where_many(picked_keys)):
+                            time.sleep(0.0005)
+                        # Recomputed facts are prefilled after the injected ones, their KV is not
+                        # the w=0 KV of the other rows: its answer is not compared with theirs.
+                        if rep >= warmup:
+                            ttft[tier].append(t_promote + result.ttft_s)
+                            promote[tier].append(t_promote)
+                            mixes[tier].append((mix.injected, mix.from_disk, mix.recomputed))
+                        continue
+                    if tier == AFTER_PREFETCH:
+                        move_to("disk", picked_keys)
+                        t0 = time.perf_counter()
+                        tiers.prefetch(picked_keys, fp)
+                        while {tiers.where(key) for key in picked_keys} != {"host"}:
+                            time.sleep(0.0005)
+                        if rep >= warmup:
+                            prefetch_s.append(time.perf_counter() - t0)
+                    elif tier == HOST_SLAB_FULL:
                         full.get_many(fillers[:k], fp)  # evicts the measured facts to the host
                         sync()
                         if {full.where(key) for key in picked_keys} != {"host"}:
@@ -174,12 +249,14 @@ def run_tiers(
                     if rep >= warmup:
                         ttft[tier].append(t_promote + result.ttft_s)
                         promote[tier].append(t_promote)
+                        mixes[tier].append((k, 0, 0))
                 # Same KV bytes from every tier: the same greedy token, or a tier serves wrong KV.
                 mismatches += len(answers) > 1
-                for tier in (*TIERS[1:], HOST_SLAB_FULL):
+                for tier in (*TIERS[1:], HOST_SLAB_FULL, AFTER_PREFETCH):
                     worst = max(worst, max((abs(logprobs[tier].get(t, math.inf) - lp)
                                             for t, lp in logprobs[TIERS[0]].items()), default=0.0))
             for tier in names:
+                common = max(set(mixes[tier]), key=mixes[tier].count) if mixes[tier] else (0, 0, k)
                 rows.append({
                     "tier": tier, "k": k,
                     "ttft_ms_p50": 1e3 * median(ttft[tier]), "ttft_ms_p95": 1e3 * percentile(ttft[tier], 95),
@@ -188,6 +265,10 @@ def run_tiers(
                     "fact_tokens": fact_tokens, "kv_bytes_per_fact": int(bytes_per_token * fact_tokens),
                     "device": device, "disk_cache": "warm" if warm_disk else "cold",
                     "tier_answers_differ": mismatches, "tier_max_logprob_diff": worst,
+                    "mix": "/".join(map(str, common)),
+                    "mixes": {"/".join(map(str, m)): mixes[tier].count(m) for m in set(mixes[tier])},
+                    "prefetch_ms_p50": 1e3 * median(prefetch_s) if tier == AFTER_PREFETCH else None,
+                    "rates": rates.as_dict(), "disk_measured_cold": speeds.disk_cold,
                 })
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -19,6 +19,12 @@ __all__ = ["APIError", "api_error", "create_app", "serve"]
 logger = logging.getLogger(__name__)
 
 
+def local_url(host: str, port: int) -> str:
+    """The URL a client on this machine reaches a server bound to ``host`` at."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def serve(
     *,
     host: str = "127.0.0.1",
@@ -40,6 +46,9 @@ def serve(
         engine = InferScaleEngine(**engine_options)
     try:
         app = create_app(engine, served_model_name=served_model_name, api_key=api_key, default_max_tokens=default_max_tokens)
+        store = getattr(engine, "_memory", None)  # opened by create_app unless it failed
+        if store is not None:
+            store.advertise(local_url(host, port))
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=log_level == "debug")
         uvicorn.Server(config).run()
     finally:

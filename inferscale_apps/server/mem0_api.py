@@ -8,6 +8,8 @@ Routes (every one with and without its trailing slash)::
     POST   /v3/memories/add/                  add (2.x client; Mem0's default: infer=true)
     POST   /v1/memories/search/               search {query, user_id, limit}
     POST   /v2/memories/search/  /v3/memories/search/   search {query, filters | entity ids, top_k}
+    POST   /v1/memories/prefetch/             {user_id}: InferScale's own; move the user's memories'
+                                              KV from disk to memory before a session starts
     GET    /v1/memories/?user_id=             list, by entity ids in the query
     POST   /v2/memories/  /v3/memories/       list {filters | entity ids}, ?page=&page_size=
     DELETE /v1/memories/?user_id=|agent_id=|run_id=|app_id=
@@ -443,6 +445,18 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
     @route("POST", "/v2/memories/search/", "/v3/memories/search/")
     async def search_v2(request: Request) -> Any:
         return await _run(do_search, await body_of(request), False)
+
+    def do_prefetch(body: dict[str, Any]) -> dict[str, Any]:
+        user = body.get("user_id")
+        if not isinstance(user, str) or not user:
+            raise bad("user_id must be a non-empty string", "user_id")
+        return {"user_id": user, "started": call(store().prefetch, user)}
+
+    @route("POST", "/v1/memories/prefetch/")
+    async def prefetch(request: Request) -> Any:
+        """InferScale's own: a session of ``user_id`` starts, so its memories' KV moves from disk
+        to memory now and its first request injects it (search does this for what it finds)."""
+        return await _run(do_prefetch, await body_of(request))
 
     def do_list(src: dict[str, Any], page: Any, page_size: Any, base: str) -> dict[str, Any]:
         pred, users = selection(src, "listing memories")

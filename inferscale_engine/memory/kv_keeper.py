@@ -17,6 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,7 +32,7 @@ from inferscale_engine.memory.encode_queue import EncodeQueue, Job
 from inferscale_engine.memory.encoding import Encoder
 from inferscale_engine.memory.facts import FactTable
 from inferscale_engine.memory.tiers import KVKey, KVMissingError, KVTiers
-from inferscale_engine.types import Span, TextFact
+from inferscale_engine.types import ColdFact, Span, TextFact
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,32 @@ class _Pending:
         self.state: str = state
         self.event = threading.Event()
         self.error: BaseException | None = None
+
+
+class _ColdRead:
+    """:class:`~inferscale_engine.types.ColdRead` of one fact version's KV file."""
+
+    def __init__(self, keeper: KVKeeper, fact: FactRow, key: KVKey) -> None:
+        self._keeper = keeper
+        self._fact = fact
+        self._key = key
+        self._future: Future[FactKV] | None = None
+        try:
+            self.nbytes = keeper.tiers.disk.path(key).stat().st_size
+        except OSError:
+            self.nbytes = 0
+
+    def start(self) -> None:
+        if self._future is None:
+            self._future = self._keeper.tiers.read_async([self._key], self._keeper.fingerprint)[0]
+
+    def wait(self) -> Span | TextFact:
+        self.start()
+        return self._keeper._load_cold(self._future, self._fact)  # type: ignore[arg-type]
+
+    def promote(self) -> None:
+        if self._future is None:
+            self._keeper.tiers.prefetch([self._key], self._keeper.fingerprint)
 
 
 class KVKeeper:
@@ -171,13 +198,44 @@ class KVKeeper:
         self._queue.put(jobs)
         return len(jobs)
 
-    def spans(self, facts: list[FactRow]) -> list[Span | TextFact]:
+    def spans(self, facts: list[FactRow], *, defer_cold: bool = False) -> list[Span | TextFact]:
         """What the engine injects for each fact: its tokens and their KV (see :meth:`kvs`). A fact
         another thread is still encoding comes back as :class:`TextFact` (its tokens, prefilled):
-        a chat never waits behind ingestion for it."""
-        return [Span(key=f"fact:{f.id}:{f.kv_version}", token_ids=tuple(f.token_ids or ()), kv=kv, text=f.text)
-                if kv is not None else TextFact(f.token_ids or ())
-                for kv, f in self.kvs(facts)]
+        a chat never waits behind ingestion for it. ``defer_cold``: a fact whose KV is only in a
+        disk file outside the page cache comes back as a :class:`ColdFact` whose read has
+        started, for the engine's cost model to wait for or to prefill instead."""
+        cold: dict[int, ColdFact] = {}
+        if defer_cold:
+            cold = self._cold(facts)
+        rest = [f for i, f in enumerate(facts) if i not in cold]
+        served = iter([Span(key=f"fact:{f.id}:{f.kv_version}", token_ids=tuple(f.token_ids or ()), kv=kv, text=f.text)
+                       if kv is not None else TextFact(f.token_ids or ()) for kv, f in self.kvs(rest)])
+        return [cold[i] if i in cold else next(served) for i in range(len(facts))]
+
+    def prefetch(self, facts: list[FactRow]) -> int:
+        """Start reading the disk-only KV of ``facts`` into the host tier; how many reads started."""
+        keys = [(f.id, f.kv_version) for f in facts if f.fingerprint == self.fingerprint]
+        return self.tiers.prefetch(keys, self.fingerprint) if keys else 0
+
+    def _cold(self, facts: list[FactRow]) -> dict[int, ColdFact]:
+        """The facts (by position) whose KV is only in a disk file the page cache does not hold,
+        as :class:`ColdFact` (nothing read yet: the engine's cost model starts what it needs)."""
+        ready = [i for i, f in enumerate(facts) if f.fingerprint == self.fingerprint]
+        keys: list[KVKey] = [(facts[i].id, facts[i].kv_version) for i in ready]  # type: ignore[misc]
+        return {i: ColdFact(facts[i].token_ids or (), _ColdRead(self, facts[i], key))
+                for i, key, tier in zip(ready, keys, self.tiers.where_many(keys))
+                if tier == "disk" and not self.tiers.disk.cached(key)}
+
+    def _load_cold(self, future: Future[FactKV], f: FactRow) -> Span | TextFact:
+        """A cold fact's span once its read is done; a file that turned out unusable goes the
+        fact-by-fact way (:meth:`kv`: re-encoded, or served as text)."""
+        try:
+            kv: FactKV | None = future.result()
+        except (KVMissingError, StaleKVError):
+            kv, f = self.kv(f.id)
+        if kv is None:
+            return TextFact(f.token_ids or ())
+        return Span(key=f"fact:{f.id}:{f.kv_version}", token_ids=tuple(f.token_ids or ()), kv=kv, text=f.text)
 
     def kvs(self, facts: list[FactRow]) -> list[tuple[FactKV | None, FactRow]]:
         """KV of each fact (snapshots of live rows), read in one batch from the tiers; what is

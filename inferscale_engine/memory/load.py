@@ -81,5 +81,5 @@ def reconcile_kv(rows: list[FactRow], db: MetaDB, tiers: KVTiers, fingerprint: s
     if changes:
         db.set_fingerprints(changes)
     if removed or changes:
-        logger.info("memory store %s: removed %d stray KV files, reconciled %d facts", db.path.parent, removed,
+        logger.info("memory store %s: removed %d stray KV files, reconciled %d facts", db.location, removed,
                     len(changes))

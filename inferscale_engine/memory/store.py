@@ -37,20 +37,24 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 
-from inferscale_engine.config import MemoryConfig
+from inferscale_engine.config import MemoryConfig, default_replica_path, is_database_url
 from inferscale_engine.errors import (
     EngineClosedError,
+    FactNotFoundError,
     InferScaleError,
     check_utf8,
 )
 from inferscale_engine.handles import Handle, HandleCodec
+from inferscale_engine.memory.bandwidth import TierSpeeds
+from inferscale_engine.memory.bandwidth import measure as measure_tiers
 from inferscale_engine.memory.context import Chunk, Context, ContextBuilder
-from inferscale_engine.memory.db import FactRow, MetaDB, utc_now
+from inferscale_engine.memory.db import FactRow, open_db, utc_now
 from inferscale_engine.memory.embedder import Embedder
 from inferscale_engine.memory.encoding import ChatGenerate, Encoder, device_of, kv_fingerprint
 from inferscale_engine.memory.extraction import infer_facts
@@ -61,13 +65,16 @@ from inferscale_engine.memory.folder import (
     LOCK_FILE,
     SECRET_FILE,
     acquire_lock,
+    acquire_replica_folder,
     open_secret,
+    record_url,
     release_lock,
 )
 from inferscale_engine.memory.index import IndexKind
 from inferscale_engine.memory.item import MemoryItem
 from inferscale_engine.memory.kv_keeper import KVKeeper
 from inferscale_engine.memory.load import load_facts
+from inferscale_engine.memory.replica import apply_changes
 from inferscale_engine.memory.tiers import KVTiers
 from inferscale_engine.types import Span, TextFact
 from inferscale_engine.memory.validation import (
@@ -93,7 +100,10 @@ class MemoryStore:
     Args:
         encoder: the :class:`~inferscale_engine.memory.encoding.Encoder` (the serving engine)
             whose model encodes the facts; ``None`` gives a retrieval-only store (no tokens, no KV).
-        path: folder of the store (``memory.sqlite3``, ``secret.key``, ``kv/``); created.
+        path: folder of the store (``memory.sqlite3``, ``secret.key``, ``kv/``; created), or the
+            ``postgresql://`` URL of a database that replicas share (see ``docs/scaling.md``).
+        kv_path: with a database ``path``, this process's own KV folder (default: a free slot
+            under :func:`~inferscale_engine.config.default_replica_path`).
         generate: the model that extracts facts for ``add(..., infer=True)``
             (:func:`~inferscale_engine.memory.encoding.engine_generate`); ``None``: no extraction.
         the others: the :class:`~inferscale_engine.config.MemoryConfig` fields of the same
@@ -118,6 +128,9 @@ class MemoryStore:
         encode_batch: int = 32,
         encode_batch_tokens: int | None = None,
         resolve_timeout: float = 60.0,
+        kv_path: str | os.PathLike | None = None,
+        disk_read_threads: int = 16,
+        disk_read_bps: float | None = None,
     ) -> None:
         check_store_options(window, index, encode_queue, encode_batch, encode_batch_tokens)
         self.device: str = device or device_of(encoder)
@@ -125,7 +138,10 @@ class MemoryStore:
             encode_batch_tokens = 4096 if self.device == "cuda" else 256
         self.encoder = encoder
         self.generate = generate
-        self.path = Path(path).expanduser()
+        #: Where the facts live: the store folder, or the database URL (without its password).
+        self.location: str
+        #: This process's folder: the store's own, or (shared store) this replica's KV folder.
+        self.path: Path
         self.window = window
         self.context_prefix = check_utf8(str(context_prefix), "context_prefix")
         self.index_kind: IndexKind = index
@@ -137,24 +153,35 @@ class MemoryStore:
             encoder.tokenize, encoder.max_model_len, window=window, prefix=self.context_prefix)
 
         self._closed = False  # the API refuses calls
+        self._speeds: TierSpeeds | None = None
+        self._speeds_lock = threading.Lock()
         #: The live facts in memory (read-only outside the store, like ``tiers``).
         self.table = FactTable(index_kind=index, device=self.device)
         self._lock = self.table.lock
         self._facts = self.table.by_id
 
-        self.path.mkdir(parents=True, exist_ok=True)
-        self._lock_fd = acquire_lock(self.path / LOCK_FILE)
+        if is_database_url(path):
+            # Replicas share the database; the lock guards only this process's KV folder.
+            base = Path(kv_path).expanduser() if kv_path else default_replica_path(str(path))
+            self.path, self._lock_fd = acquire_replica_folder(base, explicit=kv_path is not None)
+        else:
+            self.path = Path(path).expanduser()
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._lock_fd = acquire_lock(self.path / LOCK_FILE)
         try:
-            self._db = MetaDB(self.path / DB_FILE)
+            self._db = open_db(str(path) if is_database_url(path) else self.path / DB_FILE)
+            self.location = self._db.location if self._db.shared else str(self.path)
             try:
-                self._codec = HandleCodec(open_secret(self.path / SECRET_FILE, self._db))
+                secret = self._db.handle_secret() if self._db.shared else open_secret(self.path / SECRET_FILE, self._db)
+                self._codec = HandleCodec(secret)
             except BaseException:
                 self._db.close()
                 raise
             self.embedder = embedder if isinstance(embedder, Embedder) else Embedder(embedder, device=self.device)
             self.tiers = KVTiers(
                 self.path / KV_DIR, device=self.device, device_bytes=device_kv_bytes,
-                host_bytes=host_kv_bytes, page_tokens=page_tokens,
+                host_bytes=host_kv_bytes, page_tokens=page_tokens, read_threads=disk_read_threads,
+                disk_read_bps=disk_read_bps,
             )
             load_facts(self._db, self.table, self.embedder, self.contexts, self.tiers,
                        self.encoder and self.encoder.fingerprint, self.fingerprint)
@@ -178,6 +205,8 @@ class MemoryStore:
             device_kv_bytes=config.device_kv_bytes, host_kv_bytes=config.host_kv_bytes,
             page_tokens=config.page_tokens, encode_queue=config.encode_queue, encode_batch=config.encode_batch,
             encode_batch_tokens=config.encode_batch_tokens, resolve_timeout=config.resolve_timeout,
+            kv_path=config.kv_path, disk_read_threads=config.disk_read_threads,
+            disk_read_bps=config.disk_read_bps,
         )
 
     @property
@@ -259,16 +288,48 @@ class MemoryStore:
         user_id = check_user(user_id)
         query = check_text(query, "query")
         k = check_k(k)
+        self._follow()
         with self._lock:
             if not self.table.has_facts(user_id):
                 return []
         vec = self.embedder.embed([query])[0]
         with self._lock:
-            return [self._item(f, score=score) for f, score in self.table.search(user_id, vec, k)]
+            found = self.table.search(user_id, vec, k)
+            items = [self._item(f, score=score) for f, score in found]
+        if self._keeper is not None:
+            # Their handles are about to be resolved: KV only on disk starts moving up now.
+            self._keeper.prefetch([f for f, _ in found])
+        return items
+
+    def prefetch(self, user_id: str, *, limit: int = 256) -> int:
+        """Start moving the KV of ``user_id``'s ``limit`` most recent facts from disk to the host
+        tier in the background, for a session that is about to start (its first request then
+        injects from memory instead of reading cold files); returns how many reads started.
+        :meth:`search` does the same for the facts it returns."""
+        self._check_open()
+        user_id = check_user(user_id)
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise ValueError(f"limit must be an integer >= 0, got {limit!r}")
+        if self._keeper is None or not limit:
+            return 0
+        with self._lock:
+            facts = self.table.of_user(user_id)[-limit:]
+        return self._keeper.prefetch(facts[::-1])
+
+    def tier_speeds(self, *, refresh: bool = False) -> TierSpeeds:
+        """Measured disk and host-to-device speeds of this store's KV tiers (the engine's cost
+        model weighs cold reads by them); measured on first call (a fraction of a second) or
+        with ``refresh``."""
+        self._check_open()
+        with self._speeds_lock:
+            if self._speeds is None or refresh:
+                self._speeds = measure_tiers(self.tiers)
+            return self._speeds
 
     def get(self, fact_id: str, *, user_id: str | None = None) -> MemoryItem:
         """One fact; :class:`FactNotFoundError` if it does not exist or belongs to another user."""
         self._check_open()
+        self._follow()
         with self._lock:
             return self._item(self.table.lookup(fact_id, user_id))
 
@@ -276,12 +337,14 @@ class MemoryStore:
         """Every live fact of ``user_id``, in insertion order."""
         self._check_open()
         user_id = check_user(user_id)
+        self._follow()
         with self._lock:
             return [self._item(f) for f in self.table.of_user(user_id)]
 
     def user_ids(self) -> list[str]:
         """Every user that has live facts (what an HTTP ``users`` listing needs)."""
         self._check_open()
+        self._follow()
         with self._lock:
             return [u for u, ids in self.table.ids_by_user().items() if ids]
 
@@ -290,6 +353,7 @@ class MemoryStore:
         self._check_open()
         meta = check_metadata(metadata)
         now = utc_now()
+        self._follow()
         with self._lock:
             self._check_open()
             old = self.table.lookup(fact_id, user_id)
@@ -304,6 +368,7 @@ class MemoryStore:
         """
         self._check_open()
         text = check_text(text)
+        self._follow()
         with self._lock:
             self.table.lookup(fact_id, user_id)
         token_ids = self.contexts.fact_tokens(text) if self.contexts is not None else None
@@ -313,8 +378,9 @@ class MemoryStore:
             self._check_open()
             old = self.table.lookup(fact_id, user_id)
             new = retexted(old, text, token_ids, self.contexts, now)
-            version = new.kv_version
-            self._db.update_text(old, new, vec)
+            version = self._db.update_text(old, new, vec)  # a shared store's may be further on
+            if version != new.kv_version:
+                new = dataclasses.replace(new, kv_version=version)
             self.table.replace(new, vec)
             if self._keeper is not None:
                 self._keeper.retire(fact_id)
@@ -328,6 +394,7 @@ class MemoryStore:
     def delete(self, fact_id: str, *, user_id: str | None = None) -> None:
         """Delete a fact: gone from search and resolution, its KV freed in every tier."""
         self._check_open()
+        self._follow()
         with self._lock:
             self._check_open()
             fact = self.table.lookup(fact_id, user_id)
@@ -338,6 +405,7 @@ class MemoryStore:
         """Delete every fact of ``user_id``; returns how many."""
         self._check_open()
         user_id = check_user(user_id)
+        self._follow()
         with self._lock:
             self._check_open()
             facts = self.table.of_user(user_id)
@@ -357,6 +425,7 @@ class MemoryStore:
         """The handle string of a fact of ``user_id``, to put in a prompt in place of its text."""
         self._check_open()
         user_id = check_user(user_id)
+        self._follow()
         with self._lock:
             self.table.lookup(fact_id, user_id)
         return self._codec.make(user_id, fact_id)
@@ -371,16 +440,41 @@ class MemoryStore:
         """
         return self.resolve_many([handle], user_id)[0]
 
-    def resolve_many(self, handles: Sequence[Handle | str], user_id: str) -> list[Span | TextFact]:
-        """:meth:`resolve` for every handle of one request, reading their KV in one batch."""
+    #: ``resolve_many(..., defer_cold=True)`` works (what the engine's cost model needs).
+    defers_cold = True
+
+    def resolve_many(self, handles: Sequence[Handle | str], user_id: str, *,
+                     defer_cold: bool = False) -> list[Span | TextFact]:
+        """:meth:`resolve` for every handle of one request, reading their KV in one batch.
+        ``defer_cold``: facts whose KV is only in a cold disk file come back as
+        :class:`~inferscale_engine.types.ColdFact`, nothing read yet (the engine's cost model
+        reads them, or prefills them and has them promoted)."""
         self._check_open()
         user_id = check_user(user_id)
         fact_ids = [self._codec.verify(h, user_id) for h in handles]
+        if self._db.shared:
+            # Another replica may have added, updated or deleted them: one query for the current
+            # versions; any this process does not hold (or holds older) is caught up first, so
+            # KV of an older version is never served.
+            current = self._db.live_versions(fact_ids, user_id)
+            with self._lock:
+                behind = any(current.get(i) != getattr(self._facts.get(i), "kv_version", None) for i in fact_ids)
+            if behind:
+                self._follow()
+            for i in fact_ids:
+                if i not in current:
+                    raise FactNotFoundError(f"memory {i} does not exist (never did, or was deleted)")
         with self._lock:
             facts = self.table.snapshot(fact_ids, user_id)
         if self._keeper is None:
             raise InferScaleError("this memory store has no engine (encoder), so it has no KV to serve")
-        return self._keeper.spans(facts)
+        return self._keeper.spans(facts, defer_cold=defer_cold)
+
+    def advertise(self, url: str) -> None:
+        """Record in the store's lock file that ``url`` serves this store over HTTP: a command
+        the lock refuses (``inferscale memory list``...) then uses that API instead."""
+        self._check_open()
+        record_url(self._lock_fd, url)
 
     def wait_for_encoding(self, timeout: float | None = None) -> None:
         """Block until every queued fact has been encoded (or failed); ``TimeoutError`` after ``timeout``."""
@@ -398,6 +492,7 @@ class MemoryStore:
                 return
             self._closed = True
         dropped = self._keeper.stop() if self._keeper is not None else 0
+        self.tiers.close()
         with self._lock:
             if self._keeper is not None:
                 self._keeper.close()
@@ -467,7 +562,24 @@ class MemoryStore:
         self.close()
 
     def __repr__(self) -> str:
-        return f"MemoryStore(path={str(self.path)!r}, window={self.window}, facts={len(self._facts)})"
+        return f"MemoryStore(location={self.location!r}, window={self.window}, facts={len(self._facts)})"
+
+    def _follow(self) -> None:
+        """A shared store: take in what the other replicas wrote since this one last looked."""
+        if not self._db.shared:
+            return
+        with self._lock:
+            self._check_open()
+            stale, gone = apply_changes(self._db.changes(), self.table, self._keeper, self.embedder, self.contexts)
+        for key in stale:
+            self.tiers.delete_key(key)
+        for fact_id in gone:
+            self.tiers.delete(fact_id)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
 
     def _check_open(self) -> None:
         if self._closed:
@@ -507,6 +619,7 @@ class MemoryStore:
         vecs = self.embedder.embed(texts, progress=progress)
         now = utc_now()
         chunks: list[Chunk] = []
+        self._follow()  # a shared store: the window before these facts includes other replicas' facts
         with self._lock:
             self._check_open()
             kind = "explicit" if explicit is not None else "window"

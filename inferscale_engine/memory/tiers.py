@@ -35,7 +35,8 @@ import math
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -81,19 +82,34 @@ class KVTiers:
         host_bytes: int = 2 << 30,
         page_tokens: int = 16,
         pin_memory: bool | None = None,
+        read_threads: int = 16,
+        disk_read_bps: float | None = None,
     ) -> None:
         if page_tokens < 1:
             raise ValueError(f"page_tokens must be >= 1, got {page_tokens}")
         if device_bytes < 0 or host_bytes < 0:
             raise ValueError("tier capacities must be >= 0 bytes")
-        self.disk = DiskTier(root)
-        self.root = self.disk.root
+        if read_threads < 1:
+            raise ValueError(f"read_threads must be >= 1, got {read_threads}")
+        if disk_read_bps is not None and not disk_read_bps > 0:
+            raise ValueError(f"disk_read_bps must be > 0 bytes a second or None, got {disk_read_bps!r}")
         self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.disk = DiskTier(root, pin_memory=self.pin_memory and self._cuda, read_bps=disk_read_bps)
+        self.root = self.disk.root
         self.device_bytes = int(device_bytes)
         self.host_bytes = int(host_bytes)
         self.page_tokens = int(page_tokens)
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._cuda = self.device.type == "cuda"
+        self.read_threads = int(read_threads)
+        # Disk reads run on a pool: a request's cold facts are read in parallel (NVMe needs a
+        # deep queue; the checksum and finiteness checks release the GIL), and reads for facts a
+        # request recomputes instead, or prefetches, finish in the background.
+        self._pool: ThreadPoolExecutor | None = None
+        # Prefetches and promotions of facts a request prefilled: a few threads, so that their
+        # Python work (GIL) barely slows the requests running meanwhile.
+        self._background: ThreadPoolExecutor | None = None
+        self._reading: dict[KVKey, Future[None]] = {}  # background reads into a memory tier
         self._lock = threading.RLock()
         self._geometry: tuple[int, int, int, torch.dtype] | None = None  # layers, kv heads, head dim, dtype
         self._page_bytes = 0
@@ -168,10 +184,98 @@ class KVTiers:
                         out[i] = kv
             for (i, _), kv in zip(on_device, self._read_device([e for _, e in on_device])):
                 out[i] = kv
-        for i, key in enumerate(keys):
-            if out[i] is None:
-                out[i] = self._get_from_disk(key, fingerprint)
+        cold = [i for i in range(len(keys)) if out[i] is None]
+        if len(cold) == 1:
+            out[cold[0]] = self._get_from_disk(keys[cold[0]], fingerprint)
+        elif cold:
+            for i, future in zip(cold, self.read_async([keys[i] for i in cold], fingerprint)):
+                out[i] = future.result()
         return out  # type: ignore[return-value]
+
+    def read_async(self, keys: Sequence[KVKey], fingerprint: str) -> list[Future[FactKV]]:
+        """Read disk-tier facts on the reader pool, in this order, each cached on the device
+        when read: futures of their KV (as :meth:`get_many` returns it), which raise what
+        :meth:`get_many` would. A request that does not wait for them still has them promoted."""
+        pool = self._readers()
+        futures = []
+        with self._lock:
+            for key in keys:
+                reading = self._reading.get(key)  # a prefetch into the host tier: served from there
+                if reading is not None:
+                    futures.append(pool.submit(self._after, reading, key, fingerprint))
+                else:
+                    futures.append(pool.submit(self._get_from_disk, key, fingerprint))
+        return futures
+
+    def prefetch(self, keys: Sequence[KVKey], fingerprint: str) -> int:
+        """Start reading the disk-tier facts among ``keys`` into the host tier in the background
+        (a user's session is starting, a search just picked them); returns how many reads
+        started. Facts already in memory or on their way there are left alone."""
+        started = 0
+        with self._lock:
+            if self.host_bytes < self._page_bytes:
+                return 0
+            for key in keys:
+                if key in self._device or key in self._host or key in self._reading:
+                    continue
+                future = self._background_readers().submit(self._read_to_host, key, fingerprint)
+                self._reading[key] = future
+                future.add_done_callback(lambda _, key=key: self._done_reading(key))  # type: ignore[misc]
+                started += 1
+        return started
+
+    def where_many(self, keys: Sequence[KVKey]) -> list[Tier | None]:
+        """:meth:`where` of every key, memory tiers read under one lock."""
+        with self._lock:
+            found: list[Tier | None] = [
+                "device" if key in self._device else "host" if key in self._host else None for key in keys]
+        return [t if t is not None else ("disk" if self.disk.contains(key) else None) for t, key in zip(found, keys)]
+
+    def close(self) -> None:
+        """Stop the reader pool; reads already running finish."""
+        for pool in (self._pool, self._background):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        self._pool = self._background = None
+
+    def _readers(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="inferscale-disk")
+            return self._pool
+
+    def _background_readers(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._background is None:
+                self._background = ThreadPoolExecutor(min(4, self.read_threads),
+                                                      thread_name_prefix="inferscale-disk-background")
+            return self._background
+
+    def _after(self, reading: Future[None], key: KVKey, fingerprint: str) -> FactKV:
+        """``key``'s KV once the prefetch reading it is done (from the tier it put it in)."""
+        try:
+            reading.result()
+        except Exception:
+            pass  # the read below says why, or reads the file itself
+        return self.get_many([key], fingerprint)[0]
+
+    def _done_reading(self, key: KVKey) -> None:
+        with self._lock:
+            self._reading.pop(key, None)
+
+    def _read_to_host(self, key: KVKey, fingerprint: str) -> None:
+        """Read a fact file into the host tier (a prefetch: the device slab keeps what requests use)."""
+        try:
+            k, v, position = self.disk.get_blocking(key, fingerprint)
+        except Exception as exc:  # the request that needs it reads it again and repairs it
+            logger.info("prefetch of fact %s v%d failed: %s", key[0], key[1], exc)
+            return
+        self._check_geometry(FactKV(k, v, position))
+        pages = self._to_pages(k, v)
+        with self._lock:
+            if key in self._device or key in self._host or not self.disk.contains(key):
+                return
+            self._insert_host(key, pages, k.shape[1], position, fingerprint)
 
     def where(self, key: KVKey) -> Tier | None:
         """The fastest tier holding ``key``."""
@@ -274,12 +378,15 @@ class KVTiers:
     def _get_from_disk(self, key: KVKey, fingerprint: str) -> FactKV:
         k, v, position = self.disk.get_blocking(key, fingerprint)
         self._check_geometry(FactKV(k, v, position))  # a store reopened reads before it writes
+        if self._cuda:  # from the pinned read buffer, a DMA; the page layout is made on the device
+            k, v = k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
+        pages = self._to_pages(k, v)  # outside the lock: other readers insert meanwhile
         with self._lock:
             if key in self._device or key in self._host:  # another thread loaded it meanwhile
                 return self.get_many([key], fingerprint)[0]
             if not self.disk.contains(key):  # deleted while we read it: serve, but do not cache
                 return FactKV(k.to(self.device), v.to(self.device), position)
-            self._insert(key, self._to_pages(k, v), k.shape[1], position, fingerprint)
+            self._insert(key, pages, k.shape[1], position, fingerprint)
             entry = self._device.get(key)
             if entry is not None:
                 return self._read_device([entry])[0]

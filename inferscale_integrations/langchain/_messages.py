@@ -1,18 +1,17 @@
-"""LangChain messages ⇄ the engine's chat messages, and prompt-based tool calling.
+"""LangChain messages ⇄ the engine's chat messages, and LangChain's side of tool calling.
 
 The engine takes ``[{"role", "content"}]`` and renders them with the model's own chat template;
-handles may sit anywhere in a content string. Small local models have no native tool-calling
-API, so tools are described in a system message and calls are read back from
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (the Hermes/Qwen convention
-that many open chat models were trained on). How well a model follows it is the model's skill.
+handles may sit anywhere in a content string. Tool calls go through
+:mod:`inferscale_integrations.tool_calls` (shared by the integrations): with a chat template that
+renders tools, an ``AIMessage``'s calls become the message's ``tool_calls`` and a
+``ToolMessage`` a ``"tool"`` message, for the template to lay out as the model was trained;
+otherwise both become text (``<tool_call>`` / ``<tool_response>`` blocks).
 """
 
 from __future__ import annotations
 
 import json
-import re
-import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from langchain_core.messages import (
@@ -24,18 +23,10 @@ from langchain_core.messages import (
     SystemMessage,
     ToolMessage,
 )
-from langchain_core.messages.tool import ToolCall, tool_call
+from langchain_core.messages.tool import ToolCallChunk, tool_call_chunk
 
 from inferscale_engine.prompting import engine_role
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
-
-TOOLS_HEADER = (
-    "You can call tools. These are the tools you have, as JSON schemas:\n<tools>\n{tools}\n</tools>\n"
-    "To call a tool, reply with only this, once per call:\n"
-    '<tool_call>\n{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}\n</tool_call>\n'
-    "Tool results come back in messages from the tool. When you have what you need, answer normally."
-)
+from inferscale_integrations import tool_calls as tc
 
 
 def _text_of(message: BaseMessage) -> str:
@@ -75,84 +66,43 @@ def message_role(message: BaseMessage) -> str:
     raise ValueError(f"unsupported message type {type(message).__name__}")
 
 
-def format_tool_call(call: Mapping[str, Any]) -> str:
-    return "<tool_call>\n" + json.dumps({"name": call["name"], "arguments": call.get("args", {})}) + "\n</tool_call>"
-
-
 def to_engine_messages(
     messages: Sequence[BaseMessage],
     *,
-    tools: Sequence[dict[str, Any]] | None = None,
-    tool_choice: Any = None,
-) -> list[dict[str, str]]:
-    """Chat messages for :meth:`InferScaleEngine.generate`; tool schemas go in a system message."""
-    out: list[dict[str, str]] = []
+    tools: Sequence[dict[str, Any]] = (),
+    native_tools: bool = True,
+) -> list[dict[str, Any]]:
+    """Chat messages for :meth:`InferScaleEngine.generate`.
+
+    ``native_tools``: the chat template renders tools, calls and results (see module docstring);
+    else ``tools`` go in a system message as text.
+    """
+    out: list[dict[str, Any]] = []
     for message in messages:
         role = message_role(message)
         text = _text_of(message)
+        entry: dict[str, Any] = {"role": role, "content": text}
         if isinstance(message, AIMessage) and message.tool_calls:
-            calls = "\n".join(format_tool_call(c) for c in message.tool_calls)
-            text = f"{text}\n{calls}" if text else calls
-        if role == "tool":
-            text = f"<tool_response>\n{text}\n</tool_response>"
-        out.append({"role": role, "content": text})
-    if tools and tool_choice != "none":
-        block = TOOLS_HEADER.format(tools="\n".join(json.dumps(t.get("function", t)) for t in tools))
-        if tool_choice in ("any", "required", True):
-            block += "\nYou must call at least one tool now."
-        elif isinstance(tool_choice, str) and tool_choice not in ("auto",):
-            block += f"\nYou must call the tool {tool_choice!r} now."
-        elif isinstance(tool_choice, dict):
-            name = (tool_choice.get("function") or {}).get("name") or tool_choice.get("name")
-            if name:
-                block += f"\nYou must call the tool {name!r} now."
+            if native_tools:
+                entry["tool_calls"] = [
+                    {"type": "function", "id": c.get("id"), "function": {"name": c["name"], "arguments": c.get("args", {})}}
+                    for c in message.tool_calls
+                ]
+            else:
+                calls = "\n".join(tc.format_call(c["name"], c.get("args", {})) for c in message.tool_calls)
+                entry["content"] = f"{text}\n{calls}" if text else calls
+        if role == "tool" and not native_tools:
+            entry["content"] = tc.format_result(text)
+        out.append(entry)
+    if tools and not native_tools:
+        block = tc.tools_system_text(tools)
         if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + block}
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + block}
         else:
             out.insert(0, {"role": "system", "content": block})
     return out
 
 
-def parse_tool_calls(text: str, tool_names: Sequence[str]) -> tuple[str, list[ToolCall]]:
-    """Split generated text into visible text and the tool calls it makes (known tools only)."""
-    calls: list[ToolCall] = []
-    names = set(tool_names)
-    kept: list[str] = []
-    cursor = 0
-    for m in _TOOL_CALL.finditer(text):
-        payload = _loads(m.group(1))
-        if not isinstance(payload, dict) or payload.get("name") not in names:
-            continue
-        args = payload.get("arguments", payload.get("parameters", {}))
-        if isinstance(args, str):
-            args = _loads(args)
-        if not isinstance(args, dict):
-            args = {}
-        calls.append(tool_call(name=payload["name"], args=args, id=f"call_{uuid.uuid4().hex[:24]}"))
-        kept.append(text[cursor : m.start()])
-        cursor = m.end()
-    if not calls:
-        return text, []
-    kept.append(text[cursor:])
-    return "".join(kept).strip(), calls
-
-
-def _loads(raw: str) -> Any:
-    raw = raw.strip()
-    try:
-        return json.loads(raw)
-    except ValueError:
-        # Models often stop right after the object or add a stray character: take the first object.
-        start = raw.find("{")
-        if start < 0:
-            return None
-        depth = 0
-        for i, ch in enumerate(raw[start:], start):
-            depth += ch == "{"
-            depth -= ch == "}"
-            if depth == 0:
-                try:
-                    return json.loads(raw[start : i + 1])
-                except ValueError:
-                    return None
-        return None
+def langchain_call_chunks(calls: Sequence[tc.ToolCall]) -> list[ToolCallChunk]:
+    """The parsed calls as ``AIMessageChunk.tool_call_chunks`` (one whole call per chunk)."""
+    return [tool_call_chunk(name=c.name, args=json.dumps(c.arguments), id=c.id, index=i) for i, c in enumerate(calls)]

@@ -6,6 +6,14 @@ role, turn and session go in metadata), encoded in the background with the conve
 before it. ``messages`` returns the session's messages with each content replaced by the fact's
 handle (``mode="handles"``, for InferScale models: the history costs no prefill) or by its text
 (``mode="text"``, for any other model).
+
+**Across sessions (decision).** A history is one session's transcript, as LangChain's contract
+has it (``messages``, ``clear``), so by default a new ``session_id`` starts empty.
+``earlier_turns=N`` puts the user's last ``N`` conversation turns from their other sessions
+(stored by any InferScale history, memory or agent middleware, in this process or an earlier
+one) before the session's messages, as handles too: a new session remembers the last ones.
+There is no query here (``RunnableWithMessageHistory`` asks for the messages before it adds
+the input), so the choice is by recency; ``InferScaleMemory`` recalls by relevance instead.
 """
 
 from __future__ import annotations
@@ -25,10 +33,13 @@ from langchain_core.messages import (
 
 from inferscale_integrations._common import (
     DEFAULT_USER,
+    SESSION_KEY,
+    TURN_KEY,
     EncodeStyle,
     EngineRef,
     OnEngine,
     RecallMode,
+    _turn_of,
     all_items,
     check_mode,
     content_of,
@@ -60,6 +71,19 @@ def message_for(item: MemoryItem, mode: str) -> BaseMessage:
     return ChatMessage(role=role, content=content, id=item.id, response_metadata=meta)
 
 
+def last_turns(items: list[MemoryItem], count: int | None) -> list[MemoryItem]:
+    """The facts of the last ``count`` turns of ``items`` (all of them for None), in order."""
+    if count is None:
+        return items
+    turns: list[str] = []
+    for item in items:
+        t = _turn_of(item)
+        if t not in turns:
+            turns.append(t)
+    keep = set(turns[-count:]) if count > 0 else set()
+    return [i for i in items if _turn_of(i) in keep]
+
+
 def role_for(message: BaseMessage) -> str | None:
     """Role to store ``message`` under, or None for messages history does not keep."""
     try:
@@ -78,7 +102,9 @@ class InferScaleChatMessageHistory(OnEngine, BaseChatMessageHistory):
             the user's facts.
         engine / model: the engine (or model alias) whose memory store keeps the facts.
         mode: ``"handles"`` (default) or ``"text"``.
-        recent_turns: return only the last N turns (None: all).
+        recent_turns: return only the last N turns of the session (None: all).
+        earlier_turns: also return the user's last N turns from their other sessions, first
+            (default 0: the session alone; None: all of them). Needs a ``session_id``.
         encode_style / prefixes: how facts will sit in prompts, so they are encoded in that
             layout: ``"chat"`` (message contents) or ``"buffer"`` (``"Human: ..."`` lines).
 
@@ -106,6 +132,7 @@ class InferScaleChatMessageHistory(OnEngine, BaseChatMessageHistory):
         model: str | None = None,
         mode: RecallMode = "handles",
         recent_turns: int | None = None,
+        earlier_turns: int | None = 0,
         engine_options: dict[str, Any] | None = None,
         encode_style: EncodeStyle = "chat",
         prefixes: tuple[str, str] = ("Human", "AI"),
@@ -117,23 +144,29 @@ class InferScaleChatMessageHistory(OnEngine, BaseChatMessageHistory):
         self.session_id = session_id
         self.mode = check_mode(mode)
         self.recent_turns = recent_turns
+        if earlier_turns is not None and (isinstance(earlier_turns, bool) or not isinstance(earlier_turns, int)
+                                          or earlier_turns < 0):
+            raise ValueError(f"earlier_turns must be None or an integer >= 0, got {earlier_turns!r}")
+        self.earlier_turns = earlier_turns
         self._engine = EngineRef(engine, model, engine_options)
         self._turn_id: str | None = None
 
     def items(self) -> list[MemoryItem]:
-        """The session's facts, oldest first."""
-        items = all_items(self.store, user_id=self.user_id, session_id=self.session_id)
-        if self.recent_turns is not None:
-            from inferscale_integrations._common import _turn_of
-
-            turns: list[str] = []
-            for item in items:
-                t = _turn_of(item)
-                if t not in turns:
-                    turns.append(t)
-            keep = set(turns[-self.recent_turns :]) if self.recent_turns > 0 else set()
-            items = [i for i in items if _turn_of(i) in keep]
+        """The facts ``messages`` stands for, oldest first: the earlier sessions' last
+        ``earlier_turns`` turns, then the session's (last ``recent_turns``) turns."""
+        items = last_turns(all_items(self.store, user_id=self.user_id, session_id=self.session_id), self.recent_turns)
+        if self.session_id is not None and self.earlier_turns != 0:
+            items = self.earlier_items() + items
         return items
+
+    def earlier_items(self) -> list[MemoryItem]:
+        """The facts of the user's last ``earlier_turns`` conversation turns in other sessions
+        (facts stored as turns, so not LangGraph store items or bare ``store.add`` facts)."""
+        others = [
+            i for i in all_items(self.store, user_id=self.user_id)
+            if TURN_KEY in (i.metadata or {}) and (i.metadata or {}).get(SESSION_KEY) != self.session_id
+        ]
+        return last_turns(others, self.earlier_turns)
 
     @property
     def messages(self) -> list[BaseMessage]:  # type: ignore[override]
@@ -186,4 +219,5 @@ class InferScaleChatMessageHistory(OnEngine, BaseChatMessageHistory):
         await asyncio.to_thread(self.clear)
 
     def __repr__(self) -> str:
-        return f"InferScaleChatMessageHistory(user_id={self.user_id!r}, session_id={self.session_id!r}, mode={self.mode!r})"
+        return (f"InferScaleChatMessageHistory(user_id={self.user_id!r}, session_id={self.session_id!r}, "
+                f"mode={self.mode!r}, earlier_turns={self.earlier_turns!r})")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from operator import itemgetter
 from typing import TYPE_CHECKING, Any, Literal
 
 from langchain_core.callbacks import (
@@ -25,25 +27,28 @@ from langchain_core.language_models.chat_models import (
 )
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
-from langchain_core.messages.tool import tool_call_chunk
+from langchain_core.output_parsers import JsonOutputKeyToolsParser, JsonOutputParser, PydanticToolsParser
+from langchain_core.output_parsers.pydantic import PydanticOutputParser
 from langchain_core.outputs import ChatGenerationChunk, ChatResult
-from langchain_core.runnables import Runnable
+from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_openai_tool
-from pydantic import ConfigDict, Field, PrivateAttr, SecretStr, model_validator
+from langchain_core.utils.pydantic import is_basemodel_subclass
+from pydantic import BaseModel, Field, SecretStr
 
-from inferscale_integrations._common import EngineRef, check_arguments, pydantic_fields
+from inferscale_integrations import tool_calls as tc
+from inferscale_integrations.langchain._base import InferScaleModelBase
 from inferscale_integrations.langchain._messages import (
-    parse_tool_calls,
+    langchain_call_chunks,
     to_engine_messages,
 )
 
 if TYPE_CHECKING:
-    from inferscale_engine import GenerationResult, InferScaleEngine
+    from inferscale_engine import GenerationResult, InferScaleEngine, StreamDelta
 
 PROVIDER = "inferscale"
 #: kwargs LangChain itself may pass down to ``_generate`` that are not sampling parameters.
-_FRAMEWORK_KWARGS = ("ls_structured_output_format", "response_format", "parallel_tool_calls", "strict")
+_FRAMEWORK_KWARGS = ("ls_structured_output_format", "strict")
 
 
 def usage_metadata(result: GenerationResult) -> UsageMetadata:
@@ -79,7 +84,7 @@ def response_metadata(result: GenerationResult, model_name: str) -> dict[str, An
     }
 
 
-class ChatInferScale(BaseChatModel):
+class ChatInferScale(InferScaleModelBase, BaseChatModel):
     """Chat model on a co-located InferScale engine (vLLM + KV injection of memory facts).
 
     Example:
@@ -98,13 +103,10 @@ class ChatInferScale(BaseChatModel):
             text-pasting baseline).
     """
 
-    model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
+    _MODEL_FIELD = "model_name"
 
     model_name: str = Field(default="smollm2", alias="model")
     """Model alias (``"smollm2"``) or local model folder."""
-    engine_options: dict[str, Any] = Field(default_factory=dict)
-    """Options for building the engine (``max_model_len``, ``window``...) when this class builds it."""
-    user_id: str = "default"
     mode: Literal["inject", "prompt"] = "inject"
     recompute: int | None = Field(default=None, ge=0)
     """The quality knob: the last ``recompute`` memories of a prompt are prefilled as text after
@@ -128,19 +130,6 @@ class ChatInferScale(BaseChatModel):
     api_key: SecretStr | None = None
     """Accepted for ChatOpenAI compatibility and ignored (there is no API)."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _check_arguments(cls, data: Any) -> Any:
-        check_arguments(cls, data, pydantic_fields(cls))
-        return data
-
-    _engine: EngineRef = PrivateAttr()
-
-    def __init__(self, *, engine: InferScaleEngine | None = None, **kwargs: Any) -> None:
-        """``engine``: an ``InferScaleEngine`` to use instead of the shared engine of ``model``."""
-        super().__init__(**kwargs)
-        self._engine = EngineRef(engine, self.model_name, self.engine_options)
-
     # ------------------------------------------------------------------ LangChain plumbing
 
     @property
@@ -161,20 +150,37 @@ class ChatInferScale(BaseChatModel):
 
     # ------------------------------------------------------------------ requests
 
-    def _request(
-        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[InferScaleEngine, list[dict[str, str]], dict[str, Any], list[str], str]:
+    def _request(self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict[str, Any]) -> _Request:
         kwargs = dict(kwargs)
         for key in _FRAMEWORK_KWARGS:
             kwargs.pop(key, None)
         model = kwargs.pop("model", None)
-        tools = kwargs.pop("tools", None) or []
+        tools = list(kwargs.pop("tools", None) or [])
         tool_choice = kwargs.pop("tool_choice", None)
+        parallel = kwargs.pop("parallel_tool_calls", None) is not False
+        structured = _structured(kwargs.pop("response_format", None))
         engine = self.get_engine(model)
         sampling = sampling_options(self, stop, kwargs)
-        engine_messages = to_engine_messages(messages, tools=tools, tool_choice=tool_choice)
-        tool_names = [(t.get("function") or t).get("name") for t in tools]
-        return engine, engine_messages, sampling, tool_names, model or self._engine.model_name
+        native = tc.template_renders_tools(engine.tokenizer)
+        if tools and tc.calls_off(tool_choice):
+            tools = []  # "none": the model sees no tools and nothing is read as a call
+        forced = tc.chosen_tools(tools, tool_choice) if tools else None
+        if forced:
+            if structured:
+                raise ValueError("response_format and a forced tool_choice cannot both constrain one answer")
+            # Guided decoding: the answer is a well-formed call to an allowed tool, whatever the model.
+            structured = {"json": tc.forced_call_schema(tools, forced)}
+        if structured:
+            sampling["structured"] = structured
+        return _Request(
+            engine=engine,
+            messages=to_engine_messages(messages, tools=tools, native_tools=native),
+            tools=tools if native and tools else None,
+            names=tc.tool_names(tools),
+            parallel=parallel,
+            sampling=sampling,
+            model_name=model or self._engine.model_name,
+        )
 
     def _generate(
         self,
@@ -195,32 +201,6 @@ class ChatInferScale(BaseChatModel):
         stream = self._astream(messages, stop=stop, run_manager=run_manager, **kwargs)
         return _with_llm_output(await agenerate_from_stream(stream))
 
-    def _final_chunk(self, text: str, result: GenerationResult, tool_names: list[str], model_name: str) -> ChatGenerationChunk:
-        chunk = AIMessageChunk(
-            content=text,
-            usage_metadata=usage_metadata(result),
-            response_metadata=response_metadata(result, model_name),
-            chunk_position="last",
-        )
-        return ChatGenerationChunk(message=chunk, generation_info={"finish_reason": result.finish_reason})
-
-    def _tool_chunk(self, result: GenerationResult, tool_names: list[str], model_name: str) -> ChatGenerationChunk:
-        """With tools bound, the answer is parsed whole and sent as one last chunk."""
-        import json
-
-        text, calls = parse_tool_calls(result.text, tool_names)
-        chunk = AIMessageChunk(
-            content=text,
-            tool_call_chunks=[
-                tool_call_chunk(name=c["name"], args=json.dumps(c["args"]), id=c["id"], index=i)
-                for i, c in enumerate(calls)
-            ],
-            usage_metadata=usage_metadata(result),
-            response_metadata=response_metadata(result, model_name),
-            chunk_position="last",
-        )
-        return ChatGenerationChunk(message=chunk, generation_info={"finish_reason": result.finish_reason})
-
     def _stream(
         self,
         messages: list[BaseMessage],
@@ -228,22 +208,14 @@ class ChatInferScale(BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        engine, msgs, sampling, tool_names, model_name = self._request(messages, stop, kwargs)
-        if tool_names:
-            chunk = self._tool_chunk(engine.generate(msgs, **sampling), tool_names, model_name)
-            if run_manager:
-                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-            yield chunk
-            return
-        for delta in engine.stream(msgs, **sampling):
-            if delta.result is not None:
-                chunk = self._final_chunk(delta.text, delta.result, tool_names, model_name)
-            elif delta.text:
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta.text))
-            else:
+        req = self._request(messages, stop, kwargs)
+        chunks = _Chunker(req)
+        for delta in req.engine.stream(req.messages, tools=req.tools, **req.sampling):
+            chunk = chunks.chunk(delta)
+            if chunk is None:
                 continue
             if run_manager:
-                run_manager.on_llm_new_token(delta.text, chunk=chunk)
+                run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
 
     async def _astream(
@@ -253,22 +225,14 @@ class ChatInferScale(BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        engine, msgs, sampling, tool_names, model_name = await asyncio.to_thread(self._request, messages, stop, kwargs)
-        if tool_names:
-            chunk = self._tool_chunk(await engine.agenerate(msgs, **sampling), tool_names, model_name)
-            if run_manager:
-                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
-            yield chunk
-            return
-        async for delta in engine.astream(msgs, **sampling):
-            if delta.result is not None:
-                chunk = self._final_chunk(delta.text, delta.result, tool_names, model_name)
-            elif delta.text:
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta.text))
-            else:
+        req = await asyncio.to_thread(self._request, messages, stop, kwargs)
+        chunks = _Chunker(req)
+        async for delta in req.engine.astream(req.messages, tools=req.tools, **req.sampling):
+            chunk = chunks.chunk(delta)
+            if chunk is None:
                 continue
             if run_manager:
-                await run_manager.on_llm_new_token(delta.text, chunk=chunk)
+                await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
 
     # ------------------------------------------------------------------ tools
@@ -280,16 +244,126 @@ class ChatInferScale(BaseChatModel):
         tool_choice: dict | str | bool | None = None,
         **kwargs: Any,
     ) -> Runnable[LanguageModelInput, AIMessage]:
-        """Prompt-based tool calling (see :mod:`._messages`): schemas go in a system message and
-        ``<tool_call>`` blocks in the answer become ``AIMessage.tool_calls``.
+        """Tools for the model: the chat template renders them (Qwen2.5, Llama 3.1...; else a
+        system message lists them) and the answer's calls become ``AIMessage.tool_calls``.
 
-        ``tool_choice`` (``"auto"``, ``"any"``/``"required"``, a tool name, ``"none"``) is an
-        instruction to the model, not a constraint on decoding: a small model may ignore it.
+        ``tool_choice``: ``"auto"`` (default: the model decides), ``"none"``, ``"any"`` /
+        ``"required"`` (some tool), or a tool's name / ``{"type": "function", "function":
+        {"name": ...}}``. A forced choice is enforced by guided decoding (vLLM structured
+        outputs): the answer is then exactly one well-formed call to an allowed tool.
         """
         formatted = [convert_to_openai_tool(t) for t in tools]
         if tool_choice is not None:
+            tc.chosen_tools(formatted, tool_choice)  # a choice naming no bound tool fails here, not later
             kwargs["tool_choice"] = tool_choice
         return super().bind(tools=formatted, **kwargs)
+
+    def with_structured_output(
+        self,
+        schema: dict[str, Any] | type | None = None,
+        *,
+        method: Literal["json_schema", "function_calling", "json_mode"] = "json_schema",
+        include_raw: bool = False,
+        **kwargs: Any,
+    ) -> Runnable[LanguageModelInput, dict | BaseModel]:
+        """The answer as ``schema`` (a pydantic class, a ``TypedDict``, a JSON schema or an
+        OpenAI tool), guaranteed well-formed by guided decoding.
+
+        ``method``: ``"json_schema"`` (the answer is constrained to the schema),
+        ``"function_calling"`` (a forced call of a tool shaped like the schema, through
+        :meth:`bind_tools`), ``"json_mode"`` (any JSON object: say which keys in the prompt).
+        ``include_raw=True`` returns ``{"raw", "parsed", "parsing_error"}``.
+        """
+        kwargs.pop("strict", None)  # guided decoding is always strict
+        is_pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
+        if schema is None and method != "json_mode":
+            raise ValueError(f"schema is needed with method={method!r}")
+        ls_format = {"kwargs": {"method": method}, "schema": schema}
+        parser: Runnable
+        if method == "function_calling":
+            assert schema is not None
+            name = convert_to_openai_tool(schema)["function"]["name"]
+            llm = self.bind_tools([schema], tool_choice=name, ls_structured_output_format=ls_format, **kwargs)
+            parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if is_pydantic  # type: ignore[list-item]
+                      else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        elif method in ("json_schema", "json_mode"):
+            if method == "json_schema":
+                assert schema is not None
+                function = convert_to_openai_tool(schema)["function"]
+                response_format = {"type": "json_schema",
+                                   "json_schema": {"name": function["name"], "schema": function.get("parameters", {})}}
+            else:
+                response_format = {"type": "json_object"}
+            llm = self.bind(response_format=response_format, ls_structured_output_format=ls_format, **kwargs)
+            parser = PydanticOutputParser(pydantic_object=schema) if is_pydantic else JsonOutputParser()  # type: ignore[arg-type]
+        else:
+            raise ValueError(f"method must be 'json_schema', 'function_calling' or 'json_mode', got {method!r}")
+        if not include_raw:
+            return llm | parser
+        parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser, parsing_error=lambda _: None)
+        failed = RunnablePassthrough.assign(parsed=lambda _: None)
+        return RunnableMap(raw=llm) | parsed.with_fallbacks([failed], exception_key="parsing_error")
+
+
+@dataclass
+class _Request:
+    """One generation as the engine takes it."""
+
+    engine: InferScaleEngine
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None  # for the chat template (None: none, or listed in a message)
+    names: list[str]  # bound tools: the answer is read for calls to these
+    parallel: bool  # False: only the answer's first call is kept (parallel_tool_calls=False)
+    sampling: dict[str, Any]
+    model_name: str
+
+
+class _Chunker:
+    """Engine stream deltas → LangChain chunks: text as it comes (held back where a tool call may
+    be starting), then a last chunk with the rest, the tool calls, usage and metadata."""
+
+    def __init__(self, req: _Request) -> None:
+        self.req = req
+        self.calls = tc.ToolCallStream(req.names) if req.names else None
+
+    def chunk(self, delta: StreamDelta) -> ChatGenerationChunk | None:
+        text = self.calls.feed(delta.text) if self.calls is not None else delta.text
+        result = delta.result
+        if result is None:
+            return ChatGenerationChunk(message=AIMessageChunk(content=text)) if text else None
+        found: list[tc.ToolCall] = []
+        if self.calls is not None:
+            rest, found = self.calls.finish()
+            text += rest
+            if not self.req.parallel:
+                found = found[:1]
+        message = AIMessageChunk(
+            content=text,
+            tool_call_chunks=langchain_call_chunks(found),
+            usage_metadata=usage_metadata(result),
+            response_metadata=response_metadata(result, self.req.model_name),
+            chunk_position="last",
+        )
+        finish_reason = "tool_calls" if found else result.finish_reason
+        return ChatGenerationChunk(message=message, generation_info={"finish_reason": finish_reason})
+
+
+def _structured(response_format: Any) -> dict[str, Any] | None:
+    """The engine's ``structured`` option for an OpenAI-style ``response_format``."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema") or {}
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if isinstance(schema, dict):
+            return {"json": schema}
+    raise ValueError(
+        "response_format must be {'type': 'json_object'} or "
+        f"{{'type': 'json_schema', 'json_schema': {{'name': ..., 'schema': {{...}}}}}}, got {response_format!r}"
+    )
 
 
 def _with_llm_output(result: ChatResult) -> ChatResult:

@@ -18,10 +18,10 @@ from langchain_core.callbacks import (
 )
 from langchain_core.language_models.llms import LLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
-from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import Field
 
 from inferscale_engine.prompting import usage_dict
-from inferscale_integrations._common import EngineRef, check_arguments, pydantic_fields
+from inferscale_integrations.langchain._base import InferScaleModelBase
 from inferscale_integrations.langchain.chat_models import (
     identifying_params,
     ls_params,
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine, StreamDelta
 
 
-class InferScaleLLM(LLM):
+class InferScaleLLM(InferScaleModelBase, LLM):
     """Completion LLM on a co-located InferScale engine.
 
     Example:
@@ -45,11 +45,10 @@ class InferScaleLLM(LLM):
         ```
     """
 
-    model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
+    _MODEL_FIELD = "model_name"
 
     model_name: str = Field(default="smollm2", alias="model")
-    engine_options: dict[str, Any] = Field(default_factory=dict)
-    user_id: str = "default"
+    """Model alias (``"smollm2"``) or local model folder."""
     mode: Literal["inject", "prompt"] = "inject"
     recompute: int | None = Field(default=None, ge=0)
     """The quality knob: the last ``recompute`` memories of a prompt are prefilled as text after
@@ -65,19 +64,6 @@ class InferScaleLLM(LLM):
     model_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra vLLM ``SamplingParams``."""
     streaming: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_arguments(cls, data: Any) -> Any:
-        check_arguments(cls, data, pydantic_fields(cls))
-        return data
-
-    _engine: EngineRef = PrivateAttr()
-
-    def __init__(self, *, engine: InferScaleEngine | None = None, **kwargs: Any) -> None:
-        """``engine``: an ``InferScaleEngine`` to use instead of the shared engine of ``model``."""
-        super().__init__(**kwargs)
-        self._engine = EngineRef(engine, self.model_name, self.engine_options)
 
     @property
     def _llm_type(self) -> str:

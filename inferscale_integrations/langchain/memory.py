@@ -28,17 +28,15 @@ from typing import TYPE_CHECKING, Any
 from langchain_classic.memory.chat_memory import BaseChatMemory
 from langchain_classic.memory.utils import get_prompt_input_key
 from langchain_core.messages import BaseMessage, get_buffer_string
-from pydantic import ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import Field
 
 from inferscale_integrations._common import (
-    EngineRef,
     OnEngine,
     RecallMode,
-    check_arguments,
     check_mode,
-    pydantic_fields,
     recall_for,
 )
+from inferscale_integrations.langchain._base import InferScaleModelBase
 from inferscale_integrations.langchain.chat_history import (
     InferScaleChatMessageHistory,
     message_for,
@@ -48,7 +46,7 @@ if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
 
 
-class InferScaleMemory(OnEngine, BaseChatMemory):
+class InferScaleMemory(OnEngine, InferScaleModelBase, BaseChatMemory):
     """Conversation memory whose recalled turns reach the model as injected KV.
 
     Example (the only change from a ``ConversationBufferMemory`` chain is the memory class):
@@ -63,8 +61,6 @@ class InferScaleMemory(OnEngine, BaseChatMemory):
         ```
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
-
     human_prefix: str = "Human"
     ai_prefix: str = "AI"
     memory_key: str = "history"
@@ -72,8 +68,7 @@ class InferScaleMemory(OnEngine, BaseChatMemory):
     """An :class:`InferScaleChatMessageHistory` of ``user_id``/``session_id`` (built when omitted)."""
 
     model: str | None = None
-    engine_options: dict[str, Any] = Field(default_factory=dict)
-    user_id: str = "default"
+    """Model alias or local folder whose shared engine's store keeps the facts."""
     session_id: str | None = None
     """Conversation id: ``recent_turns`` and ``clear`` are scoped to it (None: all of the user's)."""
     mode: RecallMode = "handles"
@@ -84,19 +79,10 @@ class InferScaleMemory(OnEngine, BaseChatMemory):
     min_score: float | None = None
     """Drop search hits scoring below this."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _check_arguments(cls, data: Any) -> Any:
-        check_arguments(cls, data, pydantic_fields(cls))
-        return data
-
-    _engine: EngineRef = PrivateAttr()
-
     def __init__(self, *, engine: InferScaleEngine | None = None, **kwargs: Any) -> None:
         """``engine``: the ``InferScaleEngine`` whose store keeps the facts (else the shared one of ``model``)."""
-        super().__init__(**kwargs)
+        super().__init__(engine=engine, **kwargs)
         check_mode(self.mode)
-        self._engine = EngineRef(engine, self.model, self.engine_options)
         if not isinstance(self.chat_memory, InferScaleChatMessageHistory):
             self.chat_memory = InferScaleChatMessageHistory(
                 user_id=self.user_id,

@@ -10,7 +10,7 @@ holds the fact text (so a prompt that renders metadata does not paste it back): 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from langchain_core.callbacks import (
     AsyncCallbackManagerForRetrieverRun,
@@ -18,25 +18,20 @@ from langchain_core.callbacks import (
 )
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import field_validator
 
 from inferscale_integrations._common import (
-    EngineRef,
     OnEngine,
     RecallMode,
-    check_arguments,
     check_mode,
     content_of,
     item_metadata,
-    pydantic_fields,
     search,
 )
-
-if TYPE_CHECKING:
-    from inferscale_engine import InferScaleEngine
+from inferscale_integrations.langchain._base import InferScaleModelBase
 
 
-class InferScaleRetriever(OnEngine, BaseRetriever):
+class InferScaleRetriever(OnEngine, InferScaleModelBase, BaseRetriever):
     """Top-``k`` memories of ``user_id`` for a query, as handle (or text) documents.
 
     Example:
@@ -48,27 +43,11 @@ class InferScaleRetriever(OnEngine, BaseRetriever):
         ```
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
-
     model: str | None = None
-    engine_options: dict[str, Any] = Field(default_factory=dict)
-    user_id: str = "default"
+    """Model alias or local folder whose shared engine's store keeps the facts."""
     k: int = 4
     mode: RecallMode = "handles"
     min_score: float | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_arguments(cls, data: Any) -> Any:
-        check_arguments(cls, data, pydantic_fields(cls))
-        return data
-
-    _engine: EngineRef = PrivateAttr()
-
-    def __init__(self, *, engine: InferScaleEngine | None = None, **kwargs: Any) -> None:
-        """``engine``: the ``InferScaleEngine`` whose store keeps the facts (else the shared one of ``model``)."""
-        super().__init__(**kwargs)
-        self._engine = EngineRef(engine, self.model, self.engine_options)
 
     @field_validator("mode")
     @classmethod

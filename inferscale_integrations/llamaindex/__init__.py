@@ -4,6 +4,9 @@
 * :class:`InferScaleRetriever`: ``NodeWithScore`` per relevant fact, node text = handle.
 * :class:`InferScaleMemory`: ``BaseMemory`` for chat engines, recalled turns as handles.
 * :class:`InferScaleMemoryBlock`: long-term block for llama-index's ``Memory`` (agents).
+* :class:`InferScaleVectorStore`: ``BasePydanticVectorStore`` for ingestion
+  (``VectorStoreIndex.from_documents``): nodes become facts, queries return handles.
+* :class:`InferScaleEmbedding`: the memory store's embedding model (no OpenAI needed).
 
 See docs/llamaindex.md.
 """
@@ -15,14 +18,20 @@ from inferscale_integrations.llamaindex.memory import (
     InferScaleMemoryBlock,
 )
 from inferscale_integrations.llamaindex.retrievers import InferScaleRetriever
+from inferscale_integrations.llamaindex.vector_store import (
+    InferScaleEmbedding,
+    InferScaleVectorStore,
+)
 
 register_handle_guard()
 
 __all__ = [
+    "InferScaleEmbedding",
     "InferScaleLLM",
     "InferScaleMemory",
     "InferScaleMemoryBlock",
     "InferScaleRetriever",
+    "InferScaleVectorStore",
     "get_engine",
     "register_engine",
 ]

@@ -1,0 +1,257 @@
+"""The per-request cost model: where each memory's KV comes from, so that a cold memory never
+makes a request slower than prefilling it would.
+
+A memory in a prompt is injected from where its KV is (device or host tier, or a disk file
+still in the page cache: all cheap), read from a cold disk file and injected, or recomputed:
+prefilled as text, exactly as prompt injection does. The connector injects only a *prefix* of
+the prompt, so the choice is one split: the first ``j`` memories are injected (cold ones among
+them are waited for), everything after memory ``j`` is prefilled, in prompt order — the same
+layout as the quality knob ``recompute=R``, whose last ``R`` memories are always prefilled
+(the split never goes past ``k - R``). Order is never changed, so every mix is the same prompt;
+with exact-context KV every mix gives the same answer.
+
+For each split the model adds the time to read the cold files in the prefix (in parallel:
+``latency + bytes / bandwidth``) and the time to prefill everything after the split (a curve of
+measured prefill times), and takes the cheapest; ties go to injecting more (prefill is compute
+every other request shares). Only then do reads start: the prefix's on the request pool, the
+recomputed memories' on a small background pool (their Python work would otherwise compete for
+the GIL with the request) that leaves their KV in the host tier: the next request injects them.
+
+Rates are measured, never assumed: prefill time of this engine at a few prompt lengths (cached
+per engine and machine, since it takes seconds on a CPU) and the store's disk and host-to-device
+bandwidths (:mod:`inferscale_engine.memory.bandwidth`, measured when the store is attached).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+import platform
+import random
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from inferscale_engine.types import ColdFact, MemoryMix, Segment, Span, TextFact
+
+logger = logging.getLogger(__name__)
+
+#: Prompt lengths whose prefill time is measured (capped by the model's context).
+PREFILL_POINTS = (16, 64, 256, 512, 1024, 2048, 4096)
+#: Measured prefill curves are reused this long (engine fingerprint and machine in the key).
+CACHE_MAX_AGE_S = 7 * 24 * 3600
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the cost model weighs: prefill seconds by prompt length, and tier speeds."""
+
+    #: ``(prompt tokens, seconds to first token)``, measured, increasing in tokens.
+    prefill: tuple[tuple[int, float], ...]
+    disk_bytes_per_s: float
+    disk_latency_s: float
+    host_to_device_bytes_per_s: float | None = None
+
+    def prefill_s(self, tokens: int) -> float:
+        """Seconds to prefill ``tokens``: linear between measured points, past the last one at
+        the slope of the last two."""
+        points = self.prefill
+        xs = [n for n, _ in points]
+        i = bisect.bisect_left(xs, tokens)
+        if i < len(points) and xs[i] == tokens:
+            return points[i][1]
+        if i == 0:
+            return points[0][1]
+        if i == len(points):
+            (n0, t0), (n1, t1) = points[-2] if len(points) > 1 else (0, 0.0), points[-1]
+            return t1 + (tokens - n1) * max(0.0, (t1 - t0) / max(1, n1 - n0))
+        (n0, t0), (n1, t1) = points[i - 1], points[i]
+        return t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
+
+    def disk_s(self, nbytes: int) -> float:
+        return self.disk_latency_s + nbytes / self.disk_bytes_per_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The cost model's choice for one request: memories ``[0, injected)`` are injected."""
+
+    injected: int
+    memories: int
+    expected_s: float  # what the model expects the chosen split to cost
+    prompt_s: float  # what prefilling every memory would cost (the bound never to exceed)
+
+
+def plan(segments: Sequence[Segment], recompute: int, rates: Rates | None) -> tuple[list[Segment], MemoryMix]:
+    """Segments with the cold memories the cost model injects loaded (waited for), and the
+    mix of the request. The rest stay text (``TextFact``) and, with the quality knob's last
+    ``recompute`` memories, form the prefilled tail laid out by the engine."""
+    facts = [i for i, s in enumerate(segments) if isinstance(s, (Span, TextFact))]
+    limit = max(0, len(facts) - recompute)
+    waiting = next((j for j, i in enumerate(facts) if type(segments[i]) is TextFact), None)
+    if waiting is not None:  # not encoded yet: prefilled, and everything after it
+        limit = min(limit, waiting)
+    cold = [j for j, i in enumerate(facts) if isinstance(segments[i], ColdFact)]
+    if cold and cold[0] < limit:
+        if rates is None:  # nothing measured (no store speeds): load, as before the cost model
+            split = limit
+        else:
+            chosen = choose(segments, facts, limit, rates)
+            split = chosen.injected
+            logger.debug("cost model: %d of %d memories injected (%d cold), expected %.1f ms, all prefilled %.1f ms",
+                         split, len(facts), len(cold), 1e3 * chosen.expected_s, 1e3 * chosen.prompt_s)
+    else:
+        split = limit
+    out = list(segments)
+    prefix = [j for j in cold if j < split]
+    for j in prefix:  # queued together: read in parallel
+        segments[facts[j]].read.start()  # type: ignore[union-attr]
+    for j in prefix:
+        loaded = segments[facts[j]].read.wait()  # type: ignore[union-attr]
+        out[facts[j]] = loaded
+        if not isinstance(loaded, Span):  # the file was unusable: the prefix ends here
+            split = j
+            break
+    for j in cold:
+        if j >= split:  # prefilled now; in a memory tier for the next request
+            segments[facts[j]].read.promote()  # type: ignore[union-attr]
+    from_disk = sum(1 for j in cold if j < split)
+    return out, MemoryMix(injected=split - from_disk, from_disk=from_disk, recomputed=len(facts) - split)
+
+
+def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rates) -> Plan:
+    """The cheapest split ``j <= limit`` (see the module docstring)."""
+    lengths = [len(s.token_ids) if isinstance(s, Span) else len(s) for s in segments]
+    total = sum(lengths)
+    # Tokens prefilled when memories [0, j) are injected: all for j = 0 (the head is injected
+    # only in front of a memory), else everything after memory j - 1.
+    after = [total]
+    tail = total
+    ends = iter(facts)
+    end = next(ends, None)
+    for i, n in enumerate(lengths):
+        tail -= n
+        if i == end:
+            after.append(tail)
+            end = next(ends, None)
+    best_j, best_s = 0, rates.prefill_s(after[0])
+    cold_bytes = 0
+    for j in range(1, limit + 1):
+        seg = segments[facts[j - 1]]
+        if isinstance(seg, ColdFact):
+            cold_bytes += seg.read.nbytes
+        cost = (rates.disk_s(cold_bytes) if cold_bytes else 0.0) + rates.prefill_s(after[j])
+        if cost <= best_s:
+            best_j, best_s = j, cost
+    return Plan(best_j, len(facts), best_s, rates.prefill_s(after[0]))
+
+
+class Calibration:
+    """The engine's :class:`Rates`, measured in the background when a store is attached; the
+    prefill curve is cached on disk per engine fingerprint and machine. ``engine`` is the
+    :class:`~inferscale_engine.engine.InferScaleEngine` (untyped here: it imports this module)."""
+
+    def __init__(self, engine: Any, store: Any, *, refresh: bool = False) -> None:
+        self._engine = engine
+        #: The store whose tier speeds these are.
+        self.store = store
+        self._refresh = refresh
+        self._rates: Rates | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="inferscale-calibration", daemon=True)
+        self._thread.start()
+
+    def rates(self, timeout: float | None = None) -> Rates | None:
+        """The rates, waiting for the measurement; ``None`` if it failed (logged)."""
+        self._thread.join(timeout)
+        return self._rates
+
+    def _run(self) -> None:
+        try:
+            speeds = self.store.tier_speeds(refresh=self._refresh)
+            prefill = prefill_curve(self._engine, refresh=self._refresh)
+            self._rates = Rates(prefill, speeds.disk_bytes_per_s, speeds.disk_latency_s,
+                                speeds.host_to_device_bytes_per_s)
+            logger.info("cost model rates: %s", self._rates)
+        except Exception as exc:  # an engine or store closed meanwhile, a read-only store
+            self._error = exc
+            closed = self._engine.closed or bool(getattr(self.store, "closed", False))
+            (logger.debug if closed else logger.warning)(
+                "could not measure the cost model's rates (%s); cold memories are read from disk", exc)
+
+
+def prefill_curve(engine: Any, *, refresh: bool = False) -> tuple[tuple[int, float], ...]:
+    """Seconds to first token of plain prompts of :data:`PREFILL_POINTS` tokens on ``engine``
+    (fresh random tokens each, so no cache serves them; the best of two after a warm-up), read
+    from the cache when measured on this machine for this engine in the last week."""
+    cache = _cache_path()
+    key = _curve_key(engine)
+    stored = _read_cache(cache)
+    hit = stored.get(key)
+    if hit and not refresh and time.time() - hit.get("measured_at", 0) < CACHE_MAX_AGE_S:
+        return tuple((int(n), float(t)) for n, t in hit["points"])
+    rng = random.Random(0)
+    hi = min(engine.vocab_size, 32000) - 1
+    lo = min(1000, hi // 2)  # past the low ids, where special tokens usually live
+    cap = engine.max_model_len - 2
+    # A CPU prefill of thousands of tokens takes seconds: past 512 the curve is extrapolated.
+    largest = 512 if engine.config.device == "cpu" else cap
+    sizes = [n for n in PREFILL_POINTS if n <= min(cap, largest)] or [cap]
+    points = []
+    engine.generate_segments([[rng.randint(lo, hi) for _ in range(sizes[0])]], max_tokens=1, mode="prompt",
+                             user_id="inferscale-calibration")
+    for n in sizes:
+        best = min(engine.generate_segments([[rng.randint(lo, hi) for _ in range(n)]], max_tokens=1, mode="prompt",
+                                            user_id="inferscale-calibration").ttft_s for _ in range(2))
+        points.append((n, best))
+    # A measurement is noisy; the curve the model interpolates must not go down.
+    for i in range(1, len(points)):
+        points[i] = (points[i][0], max(points[i][1], points[i - 1][1]))
+    stored[key] = {"points": points, "measured_at": time.time()}
+    _write_cache(cache, stored)
+    return tuple(points)
+
+
+def _cache_path() -> Path:
+    base = os.environ.get("INFERSCALE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "inferscale")
+    return Path(base) / "prefill-calibration.json"
+
+
+def _curve_key(engine: Any) -> str:
+    """Engine and machine: what the prefill time of a prompt depends on."""
+    import torch
+
+    cfg = engine.config
+    machine = torch.cuda.get_device_name(0) if cfg.device == "cuda" else f"{platform.processor()}x{os.cpu_count()}"
+    graphs = str(engine.vllm_config.compilation_config.cudagraph_mode)
+    src = json.dumps([engine.fingerprint, machine, cfg.device, cfg.enforce_eager, graphs, cfg.max_num_seqs,
+                      engine.max_model_len, sorted(map(str, cfg.vllm_options.items()))])
+    return hashlib.sha256(src.encode()).hexdigest()[:20]
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(path: Path, data: dict[str, Any]) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only home: measured again next start
+        logger.info("could not cache the prefill calibration: %s", exc)

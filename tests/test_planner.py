@@ -1,0 +1,110 @@
+"""The cost model's arithmetic (no engine): where the split goes for given rates, and what
+``plan`` reads, waits for and promotes. The engine-level behaviour is in test_cold_memories."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inferscale_engine.kv import FactKV
+from inferscale_engine.planner import Rates, plan
+from inferscale_engine.types import ColdFact, MemoryMix, Span, TextFact
+
+# 1 ms per 10 tokens past a 10 ms floor; a fact of 10 tokens, 1 MB of KV.
+PREFILL = ((10, 0.010), (100, 0.019), (1000, 0.109))
+
+
+class Read:
+    """A cold fact's read that records what the planner asked of it."""
+
+    def __init__(self, span: Span, nbytes: int = 1_000_000) -> None:
+        self.span, self.nbytes = span, nbytes
+        self.calls: list[str] = []
+
+    def start(self) -> None:
+        self.calls.append("start")
+
+    def wait(self) -> Span | TextFact:
+        self.calls.append("wait")
+        return self.span
+
+    def promote(self) -> None:
+        self.calls.append("promote")
+
+
+def _span(i: int) -> Span:
+    kv = torch.zeros(1, 10, 1, 2)
+    return Span(f"s{i}", tuple(range(10)), FactKV(kv, kv, 0))
+
+
+def _prompt(kinds: str) -> tuple[list, list[Read]]:
+    """Head, then one memory per letter (``w``arm span / ``c``old / ``t``ext not encoded), then a question."""
+    segs: list = [[1] * 10]
+    reads = []
+    for i, kind in enumerate(kinds):
+        if kind == "w":
+            segs.append(_span(i))
+        elif kind == "c":
+            read = Read(_span(i))
+            reads.append(read)
+            segs.append(ColdFact(list(range(10)), read))
+        else:
+            segs.append(TextFact(range(10)))
+    segs.append([2] * 10)
+    return segs, reads
+
+
+def _rates(disk_bps: float, latency: float = 0.0) -> Rates:
+    return Rates(PREFILL, disk_bps, latency)
+
+
+def test_prefill_curve_interpolates_and_extrapolates():
+    r = _rates(1e9)
+    assert r.prefill_s(5) == pytest.approx(0.010)
+    assert r.prefill_s(55) == pytest.approx(0.0145)
+    assert r.prefill_s(1000) == pytest.approx(0.109)
+    assert r.prefill_s(2000) == pytest.approx(0.209)  # the last slope, 1e-4 s a token
+
+
+def test_slow_disk_recomputes_and_promotes():
+    segs, reads = _prompt("cccc")
+    out, mix = plan(segs, 0, _rates(1e7))  # 0.1 s a fact against 1 ms of prefill
+    assert mix == MemoryMix(0, 0, 4)
+    assert all(r.calls == ["promote"] for r in reads)
+    assert out == segs
+
+
+def test_fast_disk_reads_all_in_parallel():
+    segs, reads = _prompt("cccc")
+    out, mix = plan(segs, 0, _rates(1e12))
+    assert mix == MemoryMix(0, 4, 0)
+    assert all(r.calls == ["start", "wait"] for r in reads)
+    assert all(isinstance(s, Span) for s in out[1:5])
+
+
+def test_split_where_reading_stops_paying():
+    # Warm memories first, cold ones after: reading a cold one (2 ms) costs more than
+    # prefilling it (1 ms), so the split lands after the warm ones.
+    segs, reads = _prompt("wwcc")
+    _, mix = plan(segs, 0, _rates(5e8))
+    assert mix == MemoryMix(2, 0, 2)
+    # A cold memory in front of warm ones is read when that saves their prefill.
+    segs, reads = _prompt("cwww")
+    _, mix = plan(segs, 0, _rates(5e8))
+    assert mix == MemoryMix(3, 1, 0)
+
+
+def test_the_knob_and_pending_text_bound_the_split():
+    segs, reads = _prompt("cccc")
+    _, mix = plan(segs, 2, _rates(1e12))
+    assert mix == MemoryMix(0, 2, 2)
+    assert [r.calls for r in reads] == [["start", "wait"]] * 2 + [["promote"]] * 2
+    segs, reads = _prompt("ctcc")
+    _, mix = plan(segs, 0, _rates(1e12))
+    assert mix == MemoryMix(0, 1, 3)
+
+
+def test_no_rates_reads_as_before():
+    segs, reads = _prompt("cc")
+    _, mix = plan(segs, 0, None)
+    assert mix == MemoryMix(0, 2, 0)

@@ -1,0 +1,220 @@
+"""Replicas sharing one store: two ``inferscale serve`` processes (SmolLM2) on one PostgreSQL.
+
+A throwaway cluster (``initdb`` into a temp folder, ``pg_ctl start`` on a free loopback port)
+is started here and stopped afterwards; CI installs PostgreSQL from Debian (``.ci/run``). What
+is checked, through the public HTTP API and the store's public API:
+
+* a fact added through replica A is answered on replica B from injected KV (B encodes it on a
+  miss), the same answer A gives and the same as the fact pasted as text;
+* an update or delete through A is never served stale by B: B checks each memory's version
+  when it resolves the handles, and re-encodes (or refuses a deleted one);
+* user isolation holds across replicas; the store folder's lock does not stop two replicas.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from test_server import start_server, stop_server
+
+from inferscale_apps.bench.postgres import find_bindir, throwaway_cluster
+from inferscale_engine.prompting import memory_system_message
+
+psycopg = pytest.importorskip("psycopg", reason="psycopg is not installed (pip install 'psycopg[binary]')")
+if find_bindir() is None:
+    pytest.skip("PostgreSQL's binaries are not installed (apt-get install postgresql; .ci/run does)",
+                allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with throwaway_cluster() as c:
+        yield c
+
+
+@pytest.fixture
+def url(cluster) -> str:
+    return cluster.new_database()
+
+
+# ---------------------------------------------------------------------- the store's API (no model)
+
+
+def test_replica_stores_follow_each_other(url, tmp_path, monkeypatch):
+    from inferscale_engine.memory import MemoryStore
+
+    monkeypatch.setenv("INFERSCALE_HOME", str(tmp_path / "home"))
+    a = MemoryStore(None, url)  # both take the default KV folder: the lock gives each its own slot
+    b = MemoryStore(None, url)
+    try:
+        assert a.path != b.path and a.path.parent == b.path.parent
+        [rex] = a.add("My dog is called Rex.", user_id="alice")
+        [paris] = b.add("I live in Paris.", user_id="alice")
+        assert [m.memory for m in b.get_all(user_id="alice")] == ["My dog is called Rex.", "I live in Paris."]
+        assert [m.memory for m in a.get_all(user_id="alice")] == [m.memory for m in b.get_all(user_id="alice")]
+        assert b.search("What is my dog called?", user_id="alice", k=1)[0].id == rex.id
+        assert rex.handle == b.handle(rex.id, user_id="alice")  # one secret, in the database
+
+        b.update(rex.id, "My dog is called Max.", user_id="alice")
+        assert a.get(rex.id).memory == "My dog is called Max."
+        a.update(rex.id, "My dog is called Bo.", user_id="alice")
+        assert b.get(rex.id).memory == "My dog is called Bo."
+        assert [e["event"] for e in b.history(rex.id)] == ["ADD", "UPDATE", "UPDATE"]
+
+        a.delete(paris.id, user_id="alice")
+        assert [m.id for m in b.get_all(user_id="alice")] == [rex.id]
+        assert paris.id not in {m.id for m in b.search("Where do I live?", user_id="alice")}
+        assert b.get_all(user_id="bob") == [] and b.search("dog", user_id="bob") == []
+        assert b.user_ids() == ["alice"]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_concurrent_updates_get_distinct_versions(url, tmp_path):
+    """Two replicas updating one fact each write their own version: neither's KV can pass for the other's."""
+    from inferscale_engine.memory import MemoryStore
+    from inferscale_engine.memory.pg import PostgresDB
+
+    a = MemoryStore(None, url, kv_path=tmp_path / "a")
+    b = MemoryStore(None, url, kv_path=tmp_path / "b")
+    try:
+        [fact] = a.add("My dog is called Rex.", user_id="alice")
+        b.get_all(user_id="alice")
+        a.update(fact.id, "My dog is called Max.", user_id="alice")
+        b.update(fact.id, "My dog is called Bo.", user_id="alice")  # B had not seen A's update
+        db = PostgresDB(url)
+        try:
+            assert db.live_versions([fact.id], "alice") == {fact.id: 3}
+            assert db.live_versions([fact.id], "bob") == {}
+        finally:
+            db.close()
+        assert a.get(fact.id).memory == b.get(fact.id).memory == "My dog is called Bo."
+    finally:
+        a.close()
+        b.close()
+
+
+def test_explicit_kv_folder_is_still_one_process(url, tmp_path):
+    from inferscale_engine.errors import InferScaleError
+    from inferscale_engine.memory import MemoryStore
+
+    a = MemoryStore(None, url, kv_path=tmp_path / "kv")
+    try:
+        with pytest.raises(InferScaleError, match="already open"):
+            MemoryStore(None, url, kv_path=tmp_path / "kv")
+    finally:
+        a.close()
+
+
+def test_database_restart_fails_one_call_then_reconnects(cluster, tmp_path):
+    from inferscale_engine.errors import InferScaleError
+    from inferscale_engine.memory import MemoryStore
+
+    a = MemoryStore(None, cluster.new_database(), kv_path=tmp_path / "kv")
+    try:
+        [fact] = a.add("My dog is called Rex.", user_id="alice")
+        cluster.restart()
+        with pytest.raises(InferScaleError, match="memory store postgresql://"):
+            a.get_all(user_id="alice")  # the call in flight when the connection dropped
+        assert [m.id for m in a.get_all(user_id="alice")] == [fact.id]
+        a.update(fact.id, "My dog is called Max.", user_id="alice")
+        assert a.get(fact.id).memory == "My dog is called Max."
+    finally:
+        a.close()
+
+
+def test_bad_database_url_is_a_clear_error(cluster, tmp_path):
+    from inferscale_engine.errors import InferScaleError
+    from inferscale_engine.memory import MemoryStore
+
+    bad = f"postgresql://postgres:hunter2@127.0.0.1:{cluster.port}/no_such_db"
+    with pytest.raises(InferScaleError, match="cannot connect") as info:
+        MemoryStore(None, bad, kv_path=tmp_path / "kv")
+    assert "hunter2" not in str(info.value)
+
+
+# ---------------------------------------------------------------------- two servers (SmolLM2)
+
+
+@pytest.fixture(scope="module")
+def replicas(cluster, smollm2_path, tmp_path_factory):
+    url = cluster.new_database()
+    procs = []
+    try:
+        bases = []
+        for name in ("a", "b"):
+            proc, base, log = start_server("smollm2", tmp_path_factory.mktemp(f"replica-{name}"), "--store", url,
+                                           "--recompute", "0")
+            procs.append((proc, log))
+            bases.append(base)
+        yield [httpx.Client(base_url=b, timeout=300) for b in bases]
+    finally:
+        for proc, log in procs:
+            stop_server(proc)
+            assert "Traceback" not in log.read_text(), log.read_text()[-4000:]
+
+
+def _add(http: httpx.Client, text: str, user: str) -> dict:
+    r = http.post("/v1/memories/", json={"messages": text, "user_id": user})
+    assert r.status_code == 200, r.text
+    return r.json()["results"][0]
+
+
+def _ask(http: httpx.Client, user: str, memory: str, question: str) -> httpx.Response:
+    return http.post("/v1/chat/completions", json={
+        "model": "smollm2", "user": user, "temperature": 0, "max_tokens": 16,
+        "messages": [{"role": "system", "content": memory_system_message([memory])},
+                     {"role": "user", "content": question}],
+    })
+
+
+def _answer(r: httpx.Response) -> tuple[str, dict]:
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"], r.json()["usage"]
+
+
+@pytest.mark.slow
+def test_added_on_a_answered_from_injected_kv_on_b(replicas):
+    a, b = replicas
+    fact = _add(a, "My dog is called Rex.", "erin")
+    text, usage = _answer(_ask(b, "erin", fact["handle"], "What is my dog's name?"))  # B encodes on a miss
+    assert "Rex" in text
+    assert usage["injected_tokens"] > 0 and usage["memories_as_text"] == 0
+    on_a, usage_a = _answer(_ask(a, "erin", fact["handle"], "What is my dog's name?"))
+    assert on_a == text and usage_a["injected_tokens"] == usage["injected_tokens"]
+    pasted, usage_p = _answer(_ask(b, "erin", fact["memory"], "What is my dog's name?"))
+    assert pasted == text and usage_p["injected_tokens"] == 0
+
+
+@pytest.mark.slow
+def test_update_and_delete_on_a_never_served_stale_by_b(replicas):
+    a, b = replicas
+    fact = _add(a, "My dog is called Rex.", "fay")
+    text, usage = _answer(_ask(b, "fay", fact["handle"], "What is my dog's name?"))
+    assert "Rex" in text and usage["injected_tokens"] > 0  # B now holds KV of the first version
+
+    r = a.put(f"/v1/memories/{fact['id']}/", json={"text": "My dog is called Max.", "user_id": "fay"})
+    assert r.status_code == 200, r.text
+    text, usage = _answer(_ask(b, "fay", fact["handle"], "What is my dog's name?"))
+    assert "Max" in text and "Rex" not in text
+    assert usage["injected_tokens"] > 0 and usage["memories_as_text"] == 0  # the new version, re-encoded on B
+    assert b.get(f"/v1/memories/{fact['id']}/", params={"user_id": "fay"}).json()["memory"] == "My dog is called Max."
+
+    r = a.delete(f"/v1/memories/{fact['id']}/", params={"user_id": "fay"})
+    assert r.status_code == 200, r.text
+    r = _ask(b, "fay", fact["handle"], "What is my dog's name?")
+    assert r.status_code == 404, r.text
+    assert b.post("/v1/memories/search/", json={"query": "dog", "user_id": "fay"}).json()["results"] == []
+
+
+@pytest.mark.slow
+def test_user_isolation_across_replicas(replicas):
+    a, b = replicas
+    secret = _add(a, "My bank PIN is 4321.", "gus")
+    r = _ask(b, "hal", secret["handle"], "What is my PIN?")  # gus's handle in hal's request, on the other replica
+    assert r.status_code == 403, r.text
+    hits = b.post("/v1/memories/search/", json={"query": "bank PIN", "user_id": "hal"}).json()["results"]
+    assert all(h["user_id"] == "hal" for h in hits) and secret["id"] not in {h["id"] for h in hits}
+    assert b.get(f"/v1/memories/{secret['id']}/", params={"user_id": "hal"}).status_code == 404
+    assert b.get(f"/v1/memories/{secret['id']}/", params={"user_id": "gus"}).json()["memory"] == secret["memory"]
