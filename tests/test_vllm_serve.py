@@ -99,8 +99,12 @@ def test_answers_from_injected_kv_equal_prompt_injection(front_end):
     client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
     system = memory_system_message([fact["handle"]])
     question = {"role": "user", "content": "What is my dog's name?"}
-    r = client.chat.completions.create(model="smollm2", user="erin", temperature=0, max_tokens=24,
-                                       messages=[{"role": "system", "content": system}, question])
+    for _ in range(30):  # a memory still being encoded is served as text (serve_as_text_after)
+        r = client.chat.completions.create(model="smollm2", user="erin", temperature=0, max_tokens=24,
+                                           messages=[{"role": "system", "content": system}, question])
+        if not r.usage.model_extra["memories_as_text"]:
+            break
+        time.sleep(1)
     assert "Rex" in r.choices[0].message.content
     injected = r.usage.model_extra["injected_tokens"]
     assert injected > 0  # the vLLM server's connector reported the tokens it injected
