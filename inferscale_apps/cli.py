@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, metavar="NAME", help="model id clients use (default: the alias or folder name)")
     p.add_argument("--default-max-tokens", type=int, default=512, metavar="N", help="cap for requests without max_tokens (default 512)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn log level")
+    p.add_argument("--vllm-url", default=None, metavar="URL",
+                   help="serve through a running `vllm serve` of --model with InferScale's connector, on this host "
+                        "(docs/server.md): this server keeps the memories and starts no vLLM of its own")
     p.set_defaults(func=cmd_serve)
 
     # models
@@ -354,7 +357,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's options from the command line: ``--engine-option`` pairs, then the flags
     that name an option themselves (which win)."""
     options: dict[str, Any] = dict(args.engine_option)
-    for name in ("max_model_len", "dtype", "window", "recompute"):
+    for name in ("max_model_len", "dtype", "window", "recompute", "vllm_url"):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value

@@ -97,6 +97,14 @@ class EngineConfig:
     #: 4: on LoCoMo (Qwen2.5-Coder-0.5B, H200) 98-105% of prompt injection's F1 at k = 5-30 per
     #: speaker for 1.07x the all-injected TTFT at k=50 (docs/benchmarks-locomo.md).
     recompute: int = 4
+    #: Run vLLM as ``vllm serve`` does: its engine core and model workers in processes of their
+    #: own (needed for tensor_parallel_size > 1), fed fact KV through shared memory. False: all in
+    #: this process (one engine per process); faster on CPU (docs/scaling.md).
+    multiprocess: bool = True
+    #: Serve through a running ``vllm serve`` of this model with InferScale's connector, on this
+    #: host (docs/server.md), instead of starting vLLM: this process keeps the memory store and
+    #: stages fact KV in shared memory for the server's workers.
+    vllm_url: str | None = None
     vllm_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -18,9 +18,9 @@ from tqdm.auto import tqdm
 if TYPE_CHECKING:
     # Runtime imports live in encode_windows: the store imports EncodeWindow, and store-only
     # commands (`inferscale memory list`) must not pay for vLLM and torch.
-    from inferscale_engine.connector.bridge import Bridge
+    from inferscale_engine.connector.exchange import KVExchange
     from inferscale_engine.kv import FactKV
-    from inferscale_engine.loop import EngineLoop
+    from inferscale_engine.loop import Loop
 
 
 @dataclass(frozen=True)
@@ -36,18 +36,20 @@ class EncodeWindow:
 
 
 def encode_windows(
-    loop: EngineLoop,
-    bridge: Bridge,
+    loop: Loop,
+    exchange: KVExchange,
     windows: Sequence[EncodeWindow],
     *,
     max_model_len: int,
+    inline: bool = False,
     progress: bool = False,
 ) -> list[list[FactKV]]:
-    """Run every window through vLLM in one batch; return the KV of each range, in order."""
+    """Run every window through vLLM in one batch; return the KV of each range, in order.
+    vLLM's workers write each range's rows into room reserved in ``exchange``; ``inline``:
+    the plans travel as objects (vLLM runs in this process)."""
     from vllm import SamplingParams
 
-    from inferscale_engine.connector.bridge import CaptureBuffer
-    from inferscale_engine.connector.plan import CapturePlan, CaptureRange
+    from inferscale_engine.connector.plan import CapturePlan, CaptureRange, SharedKV
 
     for w in windows:
         if not w.ranges or any(n <= 0 for _, n in w.ranges):
@@ -57,17 +59,20 @@ def encode_windows(
                 f"encode window of {len(w.token_ids)} tokens does not fit max_model_len={max_model_len}"
             )
     ids = [[uuid.uuid4().hex for _ in w.ranges] for w in windows]
+    rooms = {}
     for w, cids in zip(windows, ids):
         for cid, (_, n) in zip(cids, w.ranges):
-            bridge.captures[cid] = CaptureBuffer(n)
+            rooms[cid] = exchange.reserve_capture(n)
+    segments = exchange.descriptors({loc.segment for loc in rooms.values()})
 
     done: queue.SimpleQueue = queue.SimpleQueue()
     params = []
     try:
         for i, (w, cids) in enumerate(zip(windows, ids)):
-            plan = CapturePlan(tuple(CaptureRange(c, s, n) for c, (s, n) in zip(cids, w.ranges)))
-            sp = SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": plan.to_params(inline=True)},
-                                skip_clone=True)
+            kv = SharedKV(exchange.geometry, {c: rooms[c] for c in cids}, segments)
+            plan = CapturePlan(tuple(CaptureRange(c, s, n) for c, (s, n) in zip(cids, w.ranges)), kv)
+            sp = SamplingParams(max_tokens=1, temperature=0.0, skip_clone=True,
+                                extra_args={"kv_transfer_params": plan.to_params(inline=inline)})
             params.append(sp)
             # A fresh salt keeps vLLM's prefix cache from skipping rows we must see computed.
             prompt = {"prompt_token_ids": list(w.token_ids), "cache_salt": f"encode-{cids[0]}"}
@@ -85,13 +90,12 @@ def encode_windows(
         if errors:
             raise errors[0]
         return [
-            [bridge.captures[c].result(position=s) for c, (s, _) in zip(cids, w.ranges)]
+            [exchange.take_capture(rooms.pop(c), position=s) for c, (s, _) in zip(cids, w.ranges)]
             for w, cids in zip(windows, ids)
         ]
     finally:
-        for cids in ids:
-            for c in cids:
-                bridge.captures.pop(c, None)
+        for room in rooms.values():  # what was not taken: an error, or requests still running
+            exchange.release_capture(room)
 
 
 def _final(out: object) -> bool:

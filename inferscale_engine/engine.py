@@ -24,12 +24,12 @@ import json
 import logging
 import operator
 import os
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Literal
 
 import pydantic
@@ -38,8 +38,8 @@ import torch
 from inferscale_engine import cuda_graphs, planner
 from inferscale_engine.config import EngineConfig, check_recompute
 from inferscale_engine.connector import compat
-from inferscale_engine.connector.bridge import drop_bridge, new_bridge
-from inferscale_engine.connector.plan import InjectionPlan, SpanRef, injected_tokens, plan_kind
+from inferscale_engine.connector.exchange import Geometry, KVExchange
+from inferscale_engine.connector.plan import InjectionPlan, SharedKV, SpanRef, injected_tokens
 from inferscale_engine.encoder import EncodeWindow, encode_windows
 from inferscale_engine.errors import (
     ContextOverflowError,
@@ -51,8 +51,7 @@ from inferscale_engine.errors import (
 from inferscale_engine.handles import split_on_handles
 from inferscale_engine.kv import FactKV, check_finite
 from inferscale_engine.logs import configure_vllm_logging
-from inferscale_engine.loop import EngineLoop
-from inferscale_engine.rope import RopeTable
+from inferscale_engine.loop import AsyncEngineLoop, EngineLoop, Loop
 from inferscale_engine.types import (
     ColdFact,
     FactSource,
@@ -68,7 +67,6 @@ from inferscale_engine.types import (
 )
 
 if TYPE_CHECKING:
-    from torch import nn
     from vllm.outputs import RequestOutput
 
     from inferscale_engine.memory import MemoryStore
@@ -87,7 +85,12 @@ class _Prepared:
 
 
 class InferScaleEngine:
-    """One vLLM engine in this process, wired to InferScale's KV connector.
+    """One vLLM engine, wired to InferScale's KV connector.
+
+    vLLM runs as it does under ``vllm serve``: its engine core (scheduler, and the model in
+    one worker process per tensor-parallel rank) in processes of its own, which read the
+    facts' KV from shared memory this engine stages it in (``multiprocess=False``: all in this
+    process, one engine per process).
 
     Args:
         model: a local model folder or an alias (``"smollm2"``).
@@ -114,26 +117,19 @@ class InferScaleEngine:
         self.model_path = resolve_model(self.config.model)
         _configure_vllm_environment(self.config)
 
-        if compat.worker_connector_active():
+        if not self.config.multiprocess and compat.worker_connector_active():
             # vLLM keeps the KV connector process-global: a second live engine would share it.
             raise InferScaleError(
-                "another InferScaleEngine is already running in this process; close() it first "
-                "or share it (one in-process vLLM engine per process)"
+                "another in-process InferScaleEngine is already running in this process; close() it "
+                "first, share it, or run with multiprocess=True (the default)"
             )
-        self.bridge = new_bridge()
         self._static: OrderedDict[tuple[str | int, ...], Span] = OrderedDict()  # (owner, len(context), *context, *ids)
-        self._stage_refs: dict[str, int] = {}
-        self._stage_lock = threading.Lock()
         self._memory: MemoryStore | None = None
         self._calibration: planner.Calibration | None = None
         self.fact_source: FactSource | None = None
         self._closed = False
-        full_graphs = cuda_graphs.wanted(self.config)
-        try:
-            self._start_vllm(cuda_graphs.FULL if full_graphs else {})
-        except BaseException:
-            drop_bridge(self.bridge.id)
-            raise
+        full_graphs = cuda_graphs.wanted(self.config) and not self.config.vllm_url
+        self._start_vllm(cuda_graphs.FULL if full_graphs else {})
         if full_graphs:
             self._check_full_graphs()
 
@@ -158,19 +154,20 @@ class InferScaleEngine:
         # The next engine sizes its KV cache from the free device memory: the first one's must be
         # gone, not just unreferenced by vLLM (the loop and rope tables still point into it).
         del self.loop, self.vllm_config
-        self.bridge.ropes.clear()
+        self.exchange.close()
         gc.collect()
         torch.cuda.empty_cache()
         self._start_vllm({})
 
     def _start_vllm(self, graph_options: dict[str, Any]) -> None:
         from vllm.config import KVTransferConfig
-        from vllm.engine.arg_utils import EngineArgs
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.engine.llm_engine import LLMEngine
 
         cfg = self.config
-        _check_vllm_options(cfg.vllm_options, {f.name for f in dataclasses.fields(EngineArgs)})
-        args = EngineArgs(**{
+        _check_vllm_options(cfg.vllm_options, {f.name for f in dataclasses.fields(AsyncEngineArgs)})
+        args = AsyncEngineArgs(**{
             # Defaults a caller's vllm_options may override (prefix caching serves plain prompts).
             "enable_prefix_caching": True,
             "disable_log_stats": True,  # periodic stats lines drown a chat UI
@@ -185,14 +182,21 @@ class InferScaleEngine:
             "gpu_memory_utilization": cfg.gpu_memory_utilization,
             "kv_transfer_config": KVTransferConfig(
                 kv_connector="InferScaleConnector",
-                kv_connector_module_path="inferscale_engine.connector.connector",
+                kv_connector_module_path="inferscale_engine.connector",
                 kv_role="kv_both",
-                kv_connector_extra_config={"bridge_id": self.bridge.id, "fused_rope": cfg.fused_rope},
+                kv_connector_extra_config={"fused_rope": cfg.fused_rope},
             ),
         })
         t0 = time.perf_counter()
+        self._vllm: Any
         try:
-            self._vllm = LLMEngine.from_engine_args(args)
+            if cfg.vllm_url:
+                self._vllm = self._remote_vllm()
+            elif cfg.multiprocess:
+                self.loop: Loop = AsyncEngineLoop(lambda: AsyncLLM.from_engine_args(args))
+                self._vllm = self.loop.engine
+            else:
+                self._vllm = LLMEngine.from_engine_args(args)
         except pydantic.ValidationError as exc:
             # vLLM checks its settings in pydantic dataclasses before it loads anything: say which
             # setting, not where deep inside vLLM it was found.
@@ -206,14 +210,33 @@ class InferScaleEngine:
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.get_vocab_size()
         self.dtype = model_config.dtype
-        config = self.config  # not self: vLLM would hold the engine that holds it
-        #: Whether vLLM's prefix cache can be kept away from chosen requests (False: prefix caching
-        #: is off, or this vLLM lacks the hooks).
-        self._can_bypass_prefix_cache = compat.keep_out_of_prefix_cache(
-            self._vllm, lambda request: _bypasses_prefix_cache(request, config))
-        self.bridge.ropes.update(self._vllm.apply_model(_rope_tables)[0])
+        #: Whether the connector keeps injected prompts out of vLLM's prefix cache
+        #: (compat.keep_out_of_prefix_cache); elsewhere they are salted. A server of ours may run
+        #: another vLLM release: salted.
+        self._can_bypass_prefix_cache = not cfg.vllm_url and compat.can_keep_out_of_prefix_cache()
         self.fingerprint = _fingerprint(self.model_path, self.vllm_config)
-        self.loop = EngineLoop(self._vllm)
+        self.exchange = KVExchange(Geometry.of_model(model_config), "cuda" if cfg.device == "cuda" else "cpu")
+        if not cfg.multiprocess and not cfg.vllm_url:
+            self.loop = EngineLoop(self._vllm)
+
+    def _remote_vllm(self) -> Any:
+        """A ``vllm serve`` at ``config.vllm_url`` as this engine's vLLM: what the engine needs of
+        the model (tokenizer, KV geometry, fingerprint) from the model's own folder."""
+        from vllm.config import ModelConfig, VllmConfig
+        from vllm.tokenizers.registry import cached_tokenizer_from_config
+
+        from inferscale_engine.remote import RemoteLoop, server_info
+
+        cfg = self.config
+        assert cfg.vllm_url is not None
+        info = server_info(cfg.vllm_url)
+        model_config = ModelConfig(model=self.model_path, dtype=cfg.dtype,  # type: ignore[arg-type]
+                                   max_model_len=cfg.max_model_len or info["max_model_len"] or None)  # type: ignore[arg-type]
+        remote = RemoteLoop(cfg.vllm_url, info["id"])
+        tokenizer = cached_tokenizer_from_config(model_config)
+        self.loop = remote
+        return SimpleNamespace(vllm_config=VllmConfig(model_config=model_config), get_tokenizer=lambda: tokenizer,
+                               max_model_len=info["max_model_len"] or model_config.max_model_len)
 
     def _stop_vllm(self) -> None:
         self.loop.close()
@@ -222,9 +245,11 @@ class InferScaleEngine:
             # process-global state then goes whenever vLLM's own finalizer runs
             # (compat.shutdown_engine).
             logger.warning("vLLM engine loop did not stop; leaving vLLM's teardown to garbage collection")
-        else:
+        elif not self.config.multiprocess and not self.config.vllm_url:  # the loops shut theirs down
             compat.shutdown_engine(self._vllm)
-        compat.release_worker_connector()
+        if not self.config.multiprocess and not self.config.vllm_url:
+            compat.release_worker_connector()
+        self.exchange.close()
         del self._vllm
 
     @property
@@ -239,7 +264,6 @@ class InferScaleEngine:
         self._closed = True
         if self._memory is not None:
             self._memory.close()
-        drop_bridge(self.bridge.id)
         self._stop_vllm()
 
     def __enter__(self) -> InferScaleEngine:
@@ -333,7 +357,8 @@ class InferScaleEngine:
     ) -> list[list[FactKV]]:
         """Encode spans in one batched vLLM pass; see :mod:`inferscale_engine.encoder`."""
         self._check_open()
-        return encode_windows(self.loop, self.bridge, windows, max_model_len=self.max_model_len, progress=progress)
+        return encode_windows(self.loop, self.exchange, windows, max_model_len=self.max_model_len,
+                              inline=not self.config.multiprocess, progress=progress)
 
     def encode_fact(self, fact_ids: Sequence[int], context_ids: Sequence[int] = ()) -> FactKV:
         """KV of ``fact_ids`` encoded after ``context_ids`` (context-window encoding)."""
@@ -530,12 +555,16 @@ class InferScaleEngine:
         extra: dict[str, Any] = {}
         prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
         plan = None
-        if mode == "inject" and spans:
+        staged = spans if mode == "inject" and spans else []
+        if staged:
             keys = [s.key for s in spans]
             lengths = [len(s.token_ids) for s in spans]
-            plan = InjectionPlan(tuple(map(SpanRef, keys, itertools.accumulate(lengths, initial=0), lengths)))
-            # The connector runs in this process: the plan travels as itself, not as JSON.
-            extra["kv_transfer_params"] = plan.to_params(inline=True)
+            at = self.exchange.stage([(s.key, s.kv) for s in spans])
+            kv = SharedKV(self.exchange.geometry, at, self.exchange.descriptors({loc.segment for loc in at.values()}))
+            plan = InjectionPlan(tuple(map(SpanRef, keys, itertools.accumulate(lengths, initial=0), lengths)), kv,
+                                 keep_cached=self.config.prefix_cache_injected)
+            # In-process, the plan travels as itself, not as JSON.
+            extra["kv_transfer_params"] = plan.to_params(inline=not self.config.multiprocess)
             # Where injected blocks enter vLLM's prefix cache (prefix_cache_injected, or a vLLM
             # without the hooks to keep them out), they do under the prompt's token ids: salt them
             # by user and by exactly which KV they hold, so they never serve a plain or foreign
@@ -548,19 +577,21 @@ class InferScaleEngine:
             # Plain prompts are salted by user too: unsalted, a block another user's request left
             # shows up in this one's cached_tokens and time to first token (a prefix-cache oracle).
             prompt["cache_salt"] = "u-" + hashlib.sha256(user_id.encode()).hexdigest()[:32]
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            logprobs=first_logprobs,
-            extra_args=extra or None,
-            # One request's own object: vLLM would otherwise deep-copy it, plan included
-            # (~0.4 ms at k=200 on a CPU core, on the request's critical path).
-            skip_clone=True,
-            **(compat.structured_output(structured) if structured else {}),
-            **sampling,
-        )
-        staged = spans if plan else []
-        self._stage(staged)
+        try:
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=temperature,
+                logprobs=first_logprobs,
+                extra_args=extra or None,
+                # One request's own object: vLLM would otherwise deep-copy it, plan included
+                # (~0.4 ms at k=200 on a CPU core, on the request's critical path).
+                skip_clone=True,
+                **(compat.structured_output(structured) if structured else {}),
+                **sampling,
+            )
+        except BaseException:
+            self._unstage(staged)
+            raise
         as_text = sum(isinstance(s, TextFact) for s in segments)
         return _Prepared(prompt, plan, staged, started, as_text, mix), params
 
@@ -588,21 +619,9 @@ class InferScaleEngine:
         tail = [int(t) for seg in segments[last + 1 :] for t in (seg.token_ids if isinstance(seg, Span) else seg)]
         return spans, tail
 
-    def _stage(self, spans: list[Span]) -> None:
-        with self._stage_lock:
-            for s in spans:
-                self._stage_refs[s.key] = self._stage_refs.get(s.key, 0) + 1
-                self.bridge.staged[s.key] = s.kv
-
     def _unstage(self, spans: list[Span]) -> None:
-        with self._stage_lock:
-            for s in spans:
-                left = self._stage_refs.get(s.key, 1) - 1
-                if left <= 0:
-                    self._stage_refs.pop(s.key, None)
-                    self.bridge.staged.pop(s.key, None)
-                else:
-                    self._stage_refs[s.key] = left
+        if spans:
+            self.exchange.unstage([s.key for s in spans])
 
     def _stream(self, prepared: _Prepared, params: Any) -> Iterator[StreamDelta]:
         try:
@@ -680,46 +699,16 @@ def _check_vllm_options(options: dict[str, Any], known: set[str]) -> None:
         )
 
 
-def _bypasses_prefix_cache(request: Any, config: EngineConfig) -> bool:
-    """Whether vLLM's prefix cache should neither serve nor keep this request's blocks.
-
-    Captures always bypass it: their rows must be computed, and no window is encoded twice.
-    Injected prompts do unless ``config.prefix_cache_injected``: their blocks could only serve
-    the same user asking with the same memories in the same order, and caching them costs every
-    request 1–2 ms at k=200 and pushes out blocks plain prompts would hit.
-    """
-    kind = plan_kind(request.kv_transfer_params)
-    return kind == "capture" or (kind == "inject" and not config.prefix_cache_injected)
-
-
 def _configure_vllm_environment(cfg: EngineConfig) -> None:
     """Settings vLLM reads from the environment; must be in place before its engine starts."""
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") not in (None, "0"):
-        logger.warning("InferScale runs vLLM in-process; overriding VLLM_ENABLE_V1_MULTIPROCESSING=0")
-    # The connector's worker half reads staged KV from this process's memory.
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # Read by vLLM when an engine starts (the multiprocess one is AsyncLLM's own).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if cfg.multiprocess else "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     if cfg.device == "cpu":
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(cfg.cpu_kv_cache_gib))))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-
-
-def _rope_tables(model: nn.Module) -> dict[str, RopeTable]:
-    """Runs inside vLLM's worker: the rotary table of every attention layer, from its own module."""
-    tables: dict[str, RopeTable] = {}
-    by_module: dict[int, RopeTable] = {}
-    for module in model.modules():
-        rope, attn = getattr(module, "rotary_emb", None), getattr(module, "attn", None)
-        if rope is None or attn is None or not hasattr(attn, "layer_name"):
-            continue
-        if id(rope) not in by_module:
-            by_module[id(rope)] = RopeTable.from_module(rope).to(rope.cos_sin_cache.device)
-        tables[attn.layer_name] = by_module[id(rope)]
-    if not tables:
-        raise InferScaleError("found no rotary embeddings in the model: InferScale needs a RoPE model")
-    return tables
 
 
 def _fingerprint(model_path: str, vllm_config: Any) -> str:

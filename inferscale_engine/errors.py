@@ -84,7 +84,7 @@ class StorageUnavailableError(InferScaleError, OSError):
 
 class ConnectorError(InferScaleError, RuntimeError):
     """The KV connector inside vLLM found its state inconsistent with the request it serves
-    (unstaged KV, a foreign layer count, no engine bridge): a bug or misuse, not bad input."""
+    (a span with no KV location, a foreign layer count): a bug or misuse, not bad input."""
 
 
 def check_utf8(text: str, what: str) -> str:

@@ -1,8 +1,11 @@
-"""One thread that owns vLLM's ``LLMEngine`` and steps it for every caller.
+"""One thread that drives vLLM for every caller.
 
-vLLM's in-process engine is not thread-safe, and the connector needs it in this process, so
-all work (chat requests from many threads or event loops, fact encoding) is queued to this
-loop. vLLM then batches whatever is in flight, exactly as its own server would.
+Two engines, one interface (:class:`Loop`): :class:`AsyncEngineLoop` runs vLLM's default
+``AsyncLLM``, whose engine core (scheduler and model) lives in processes of its own, on an
+event loop of its own thread, as ``vllm serve`` does; :class:`EngineLoop` owns an in-process
+``LLMEngine`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which is not thread-safe, and steps it.
+Either way all work (chat requests from many threads or event loops, fact encoding) is queued
+to the loop, and vLLM batches whatever is in flight.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.outputs import RequestOutput
+    from vllm.v1.engine.async_llm import AsyncLLM
     from vllm.v1.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -37,42 +41,26 @@ class _Submission:
     submitted: float = field(default_factory=time.perf_counter)
 
 
-class EngineLoop:
-    """Serialises access to one ``LLMEngine``; results go back through per-request listeners.
+class Loop:
+    """Runs requests on one vLLM engine; results go back through per-request listeners.
 
     A listener gets each ``RequestOutput`` (cumulative) with the time it arrived, or the
     exception that ended the request. It runs on the loop thread: keep it short.
     """
 
-    def __init__(self, engine: LLMEngine, name: str = "inferscale-engine") -> None:
-        self._engine = engine
-        self._inbox: queue.SimpleQueue[_Submission | tuple[str, str] | None] = queue.SimpleQueue()
-        self._listeners: dict[str, Listener] = {}
-        self._ids = itertools.count()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
     def submit(self, prompt: dict[str, Any], params: SamplingParams, listener: Listener) -> str:
-        if self._closed:
-            raise RuntimeError("engine is closed")
-        request_id = f"is-{next(self._ids)}"
-        self._inbox.put(_Submission(request_id, prompt, params, listener))
-        return request_id
+        raise NotImplementedError
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
+        raise NotImplementedError
 
     @property
     def running(self) -> bool:
         """Whether the loop thread is still alive (after ``close()``: a step outlived its wait)."""
-        return self._thread.is_alive()
+        raise NotImplementedError
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._inbox.put(None)
-            self._thread.join(timeout=30)
+        raise NotImplementedError
 
     # -- blocking helpers -------------------------------------------------------------------
 
@@ -118,6 +106,125 @@ class EngineLoop:
         finally:
             if not finished:
                 self.abort(request_id)
+
+
+class AsyncEngineLoop(Loop):
+    """vLLM's ``AsyncLLM`` (engine core in its own processes) on an event loop of its own
+    thread. ``make_engine`` builds it there, so its output handler runs on that loop."""
+
+    def __init__(self, make_engine: Callable[[], AsyncLLM], name: str = "inferscale-engine") -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+        self._ids = itertools.count()
+        self._tasks: dict[str, tuple[asyncio.Task, Listener]] = {}
+        self._closed = False
+
+        async def make() -> AsyncLLM:
+            return make_engine()
+
+        try:
+            self.engine = asyncio.run_coroutine_threadsafe(make(), self._loop).result()
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            raise
+
+    def submit(self, prompt: dict[str, Any], params: SamplingParams, listener: Listener) -> str:
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        request_id = f"is-{next(self._ids)}"
+        self._loop.call_soon_threadsafe(self._start, request_id, prompt, params, listener)
+        return request_id
+
+    def _start(self, request_id: str, prompt: dict[str, Any], params: SamplingParams, listener: Listener) -> None:
+        task = self._loop.create_task(self._consume(request_id, prompt, params, listener))
+        self._tasks[request_id] = (task, listener)
+
+    async def _consume(self, request_id: str, prompt: dict[str, Any], params: SamplingParams,
+                       listener: Listener) -> None:
+        try:
+            async for out in self.engine.generate(prompt, params, request_id):  # type: ignore[arg-type]
+                _tell(listener, out, request_id)
+        except asyncio.CancelledError:
+            pass  # aborted: vLLM's generate() aborted the request on its way out
+        except Exception as exc:  # bad prompt, or the engine died: this request learns why
+            _tell(listener, exc, request_id)
+        finally:
+            self._tasks.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        def cancel() -> None:
+            entry = self._tasks.get(request_id)
+            if entry is not None:
+                entry[0].cancel()
+
+        if not self._closed:
+            self._loop.call_soon_threadsafe(cancel)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        async def stop() -> None:
+            for task, listener in list(self._tasks.values()):
+                _tell(listener, RuntimeError("engine closed"), "")
+                task.cancel()
+            self.engine.shutdown()
+            # Dropped now: vLLM's __del__ shuts it down again, which at interpreter exit (module
+            # globals gone) prints a TypeError.
+            del self.engine
+
+        try:
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=60)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+
+
+def _tell(listener: Listener, out: RequestOutput | BaseException, request_id: str) -> None:
+    try:
+        listener(out, time.perf_counter())
+    except Exception:  # a caller's listener must not stop the engine
+        logger.exception("listener for %s failed", request_id)
+
+
+class EngineLoop(Loop):
+    """Serialises access to one in-process ``LLMEngine``."""
+
+    def __init__(self, engine: LLMEngine, name: str = "inferscale-engine") -> None:
+        self._engine = engine
+        self._inbox: queue.SimpleQueue[_Submission | tuple[str, str] | None] = queue.SimpleQueue()
+        self._listeners: dict[str, Listener] = {}
+        self._ids = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt: dict[str, Any], params: SamplingParams, listener: Listener) -> str:
+        if self._closed:
+            raise RuntimeError("engine is closed")
+        request_id = f"is-{next(self._ids)}"
+        self._inbox.put(_Submission(request_id, prompt, params, listener))
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._inbox.put(None)
+            self._thread.join(timeout=30)
 
     # -- the loop ---------------------------------------------------------------------------
 

@@ -28,10 +28,12 @@ import numpy as np
 import torch
 
 from inferscale_engine.connector.connector import InferScaleConnector
+from inferscale_engine.connector.exchange import ExchangeReader, Geometry, KVExchange
 from inferscale_engine.connector.plan import (
     InjectionPlan,
     LoadPiece,
     LoadRequest,
+    SharedKV,
     SpanRef,
 )
 from inferscale_engine.connector.table import InjectionTable, SpanRows
@@ -119,24 +121,32 @@ def main() -> None:
     # Worker half: a connector without vLLM behind it; the CPU path's torch writer is replaced by
     # the table build alone, so only the per-span Python is timed.
     keys = [f"fact-{i}" for i in range(spans)]
-    plan = InjectionPlan(tuple(SpanRef(key, i * tokens, tokens) for i, key in enumerate(keys)))
+    geometry = Geometry(args.layers, args.heads, args.dim, "bfloat16")
+    exchange = KVExchange(geometry, device)
+    _report("exchange stage (cold)", _timed(lambda: exchange.stage(list(zip(keys, _facts(block, spans, tokens)))),
+                                            lambda: exchange.unstage(keys), args.repeat))
+    at = exchange.stage(list(zip(keys, _facts(block, spans, tokens))))
+    shared = SharedKV(geometry, at, exchange.descriptors({loc.segment for loc in at.values()}))
+    plan = InjectionPlan(tuple(SpanRef(key, i * tokens, tokens) for i, key in enumerate(keys)), shared)
     bs = args.block_size
     block_ids = list(range((rows + bs - 1) // bs))
     load = LoadRequest(block_ids, 0, rows, [LoadPiece(key, 0, i * tokens, tokens) for i, key in enumerate(keys)])
     conn = object.__new__(InferScaleConnector)
     conn._block_size = bs
     conn._fused = False
-    conn._bridge_obj = SimpleNamespace(staged={})
+    conn._reader = ExchangeReader()
+    conn._reader.map(shared.segments)
+    conn._worker_geometry, conn._heads, conn._at, conn._spans = geometry, (0, args.heads), at, {}
     layer = SimpleNamespace(kv_cache=torch.empty(0, device=device))
     conn._layers = [(f"layer.{i}", layer) for i in range(args.layers)]
     conn._inject_torch = lambda spans_, slots_, device, fc: InjectionTable.build_columns(spans_, slots_, device)
     forward_context = SimpleNamespace(virtual_engine=0)
 
     def stage() -> None:
-        conn._bridge_obj.staged = dict(zip(keys, _facts(block, spans, tokens)))
+        conn._spans = {}  # every span's views cut again, as for spans staged at new offsets
 
     _report("worker _inject (cold)", _timed(lambda: conn._inject([load], forward_context), stage, args.repeat))
-    stage()  # the same FactKVs from here on, as static spans and facts shared by requests are
+    # The same views from here on, as for spans staged at the offsets they had before
     _report("worker _inject (warm)", _timed(lambda: conn._inject([load], forward_context), lambda: None, args.repeat))
 
     # Scheduler half: claim everything but the last token, as get_num_new_matched_tokens does.
@@ -148,7 +158,7 @@ def main() -> None:
         conn._plans = {"r": plan}
         conn._claimed = {"r": (0, claimed)}
         conn._injected = {}
-        conn._loads = []
+        conn._loads, conn._load_at = [], {}
 
     def alloc() -> None:
         conn.update_state_after_alloc(request, blocks, claimed)

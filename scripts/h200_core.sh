@@ -8,7 +8,8 @@
 # STEPS picks what runs (default: all but knob — TTFT with the quality knob, KV injection with its
 # last R facts prefilled, R in $RECOMPUTE — and the diagnostics graphcheck — each graph mode against
 # eager, one process each — graphab — vLLM's default piecewise graphs, for the A/B — cacheab —
-# injected prompts kept in vLLM's prefix cache (prefix_cache_injected), for the A/B — profile,
+# injected prompts kept in vLLM's prefix cache (prefix_cache_injected), for the A/B — mp — TTFT
+# multiprocess against in-process and 100-user throughput multiprocess — profile,
 # promote and hosttier, in this order, ~9 min: more than one call may run, hence the two calls
 # above).
 set -uo pipefail
@@ -48,6 +49,8 @@ for step in $STEPS; do
         --repeats ${REPEATS:-20} --engine-option prefix_cache_injected=true \
         --json "$OUT/ttft-llama-3.1-8b-prefix-cached.json" > "$OUT/cacheab.log" 2>&1
       tail -12 "$OUT/cacheab.log" | grep -v "it/s" ;;
+    mp) python3 scripts/h200_mp.py "$M" "$OUT" ${MP_MODES:-} > "$OUT/mp.log" 2>&1
+      grep -E "^(multiprocess|inprocess) |Error|error" "$OUT/mp.log" | tail -40 ;;
     profile) python3 scripts/h200_profile.py "$M" 2>&1 | grep "k=" ;;
     promote) python3 scripts/h200_promote.py 50 2>&1 | grep -E "k=|copies" ;;
     hosttier) python3 scripts/h200_hosttier.py "$M" 50 2>&1 | grep "^k=" ;;

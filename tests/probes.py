@@ -48,8 +48,15 @@ def share_embedder_weights(source: Any, target: Any) -> None:
 
 
 def staged_refs(engine: Any) -> dict[str, int]:
-    """Spans the engine holds staged for requests in flight (key → count)."""
-    return engine._stage_refs
+    """Spans the engine holds staged in shared memory for requests in flight (key → count)."""
+    return {key: staged.refs for key, staged in engine.exchange._staged.items()}
+
+
+def shm_segments() -> set[str]:
+    """InferScale's shared-memory KV segments on this host (CPU engines)."""
+    import os
+
+    return {name for name in os.listdir("/dev/shm") if name.startswith("inferscale-")}
 
 
 def prepare(engine: Any, segments: Sequence[Any], user_id: str, **kw: Any) -> tuple[Any, Any]:

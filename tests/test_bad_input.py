@@ -102,7 +102,7 @@ def snapshot(store: Any) -> dict[str, Any]:
 
 
 def assert_nothing_staged(engine: Any) -> None:
-    assert not engine.bridge.staged and not staged_refs(engine)
+    assert not staged_refs(engine)
 
 
 # ------------------------------------------------------------------------------ facts

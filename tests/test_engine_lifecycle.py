@@ -7,6 +7,9 @@ cycle) used to tear down the state of the *next* engine whenever the collector g
 inside that engine's construction ("tensor model parallel group is not initialized", seen when
 test_memory_store.py ran before test_bench_quick.py) or while it served. ``close()`` now shuts
 vLLM down itself, so collecting a closed engine later changes nothing.
+
+That state is this process's only in-process mode (``multiprocess=False``), which these tests
+run; a multiprocess engine keeps it in vLLM's own processes.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from inferscale_engine import InferScaleEngine, Span
 
 pytestmark = pytest.mark.timeout(300)
 
-OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 256, "recompute": 0}
+OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 256, "recompute": 0, "multiprocess": False}
 
 
 def _build(model: str, store) -> InferScaleEngine:
@@ -81,15 +84,16 @@ def test_rebuild_after_close_survives_collection_of_the_closed_engine(tiny_llama
 
 
 def test_settings_vllm_refuses_are_one_clear_error_and_leave_nothing_behind(tiny_llama, tmp_path):
-    from inferscale_engine.connector.bridge import _BRIDGES
+    from probes import shm_segments
+
     from inferscale_engine.errors import EngineSettingsError
 
-    bridges = set(_BRIDGES)
+    segments = shm_segments()
     with pytest.raises(EngineSettingsError, match=r"max_model_len \(100000\) is greater than") as caught:
         InferScaleEngine(model=tiny_llama, store_path=tmp_path, **{**OPTIONS, "max_model_len": 100_000})
     assert caught.value.__cause__ is None and caught.value.__suppress_context__  # no pydantic trace
     assert isinstance(caught.value, ValueError)  # what callers of a settings error catch
-    assert set(_BRIDGES) == bridges
+    assert shm_segments() == segments
     engine = _build(tiny_llama, tmp_path / "after")  # the failed start left the process usable
     try:
         _serves_injected_kv(engine)
@@ -98,13 +102,14 @@ def test_settings_vllm_refuses_are_one_clear_error_and_leave_nothing_behind(tiny
 
 
 def test_kv_transfer_config_is_refused_before_anything_starts(tiny_llama, tmp_path):
-    from inferscale_engine.connector.bridge import _BRIDGES
+    from probes import shm_segments
+
     from inferscale_engine.errors import EngineSettingsError
 
-    bridges = set(_BRIDGES)
+    segments = shm_segments()
     with pytest.raises(EngineSettingsError, match="kv_transfer_config is InferScale's own"):
         InferScaleEngine(model=tiny_llama, store_path=tmp_path, kv_transfer_config={"kv_connector": "Other"}, **OPTIONS)
-    assert set(_BRIDGES) == bridges and not _process_state_is_live()
+    assert shm_segments() == segments and not _process_state_is_live()
 
 
 def test_prefix_caching_can_be_turned_off(tiny_llama, tmp_path, caplog):
@@ -123,10 +128,11 @@ def test_prefix_caching_can_be_turned_off(tiny_llama, tmp_path, caplog):
 
 
 def test_unknown_engine_options_are_named_before_anything_starts(tiny_llama, tmp_path):
-    from inferscale_engine.connector.bridge import _BRIDGES
+    from probes import shm_segments
+
     from inferscale_engine.errors import EngineSettingsError
 
-    bridges = set(_BRIDGES)
+    segments = shm_segments()
     with pytest.raises(EngineSettingsError, match=r"gpu_memory_utilisation \(did you mean gpu_memory_utilization\?\)"):
         InferScaleEngine(model=tiny_llama, store_path=tmp_path, gpu_memory_utilisation=0.5, **OPTIONS)
-    assert set(_BRIDGES) == bridges and not _process_state_is_live()
+    assert shm_segments() == segments and not _process_state_is_live()

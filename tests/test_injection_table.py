@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from inferscale_engine.connector.exchange import Geometry, Location
 from inferscale_engine.connector.plan import (
     InjectionPlan,
     LoadPiece,
     LoadRequest,
+    SharedKV,
     SpanRef,
 )
 from inferscale_engine.connector.table import InjectionTable, SpanColumns, SpanRows
@@ -203,6 +205,16 @@ def reference_pieces(plan: InjectionPlan, start: int, stop: int) -> list[LoadPie
     return pieces
 
 
+def shared(*keys: str) -> SharedKV:
+    """Where a plan's KV would lie (the plan's own tests read no KV)."""
+    geometry = Geometry(2, 2, 8, "float32")
+    at = {key: Location(SEGMENT, 1024 * i, 0, 4) for i, key in enumerate(keys)}
+    return SharedKV(geometry, at, {SEGMENT: {"name": SEGMENT, "size": 1 << 20}})
+
+
+SEGMENT = "inferscale-" + "0" * 32
+
+
 def test_plan_pieces_cover_every_range_as_a_scan_would():
     rng = np.random.default_rng(0)
     for lengths in ([5], [1, 1, 1], [3, 7, 1, 4, 2], rng.integers(1, 6, 12).tolist()):
@@ -210,7 +222,7 @@ def test_plan_pieces_cover_every_range_as_a_scan_would():
         for i, n in enumerate(lengths):
             spans.append(SpanRef(f"s{i}", position, n))
             position += n
-        plan = InjectionPlan(tuple(spans))
+        plan = InjectionPlan(tuple(spans), shared(*(s.key for s in spans)))
         for start in range(plan.end):
             for stop in range(start + 1, plan.end + 1):
                 got = plan.pieces(start, stop)
@@ -244,11 +256,20 @@ def test_plans_travel_as_json_or_inline():
 
     from inferscale_engine.connector.plan import CapturePlan, CaptureRange, parse_params
 
-    plan = InjectionPlan((SpanRef("head", 0, 4), SpanRef("fact", 4, 3)))
-    capture = CapturePlan((CaptureRange("c1", 2, 5),))
+    plan = InjectionPlan((SpanRef("head", 0, 4), SpanRef("fact", 4, 3)), shared("head", "fact"))
+    capture = CapturePlan((CaptureRange("c1", 2, 5),), shared("c1"))
     for p in (plan, capture):
         assert parse_params(p.to_params()) == p  # JSON: rebuilt and validated
         assert parse_params(p.to_params(inline=True)) is p
+    # A plan whose KV has no location, or lies in a segment it does not describe, is refused.
+    bad = plan.to_params()
+    del bad["inferscale"]["kv"]["at"]["fact"]
+    with pytest.raises(ValueError, match="no KV location"):
+        parse_params(bad)
+    bad = plan.to_params()
+    bad["inferscale"]["kv"]["segments"] = {}
+    with pytest.raises(ValueError, match="undescribed segments"):
+        parse_params(bad)
     # The engine's requests carry the plan inline with skip_clone: vLLM's clone must hand the
     # connector that same object, not a deep copy of it.
     params = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": plan.to_params(inline=True)},

@@ -21,7 +21,7 @@ from typing import Any, Self
 
 import httpx
 import pytest
-from probes import prepare, spy_on_prepare, stop_spying_on_prepare, unstage
+from probes import prepare, spy_on_prepare, staged_refs, stop_spying_on_prepare, unstage
 
 from inferscale_engine.errors import (
     FactNotFoundError,
@@ -232,7 +232,7 @@ def test_cache_salt_is_per_user_and_per_kv(engine, people, monkeypatch):
     finally:  # _prepare staged the spans for requests that will not run: release them
         for p in prepared:
             unstage(engine, p.staged)
-    assert not engine.bridge.staged
+    assert not staged_refs(engine)
 
 
 def test_injected_kv_in_the_prefix_cache_never_serves_another_user_or_a_plain_request(engine, monkeypatch):

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import httpx
 import pytest
@@ -47,10 +48,14 @@ def test_recall_through_handles_and_memory_k(server):
     client = openai.OpenAI(base_url=server + "/v1", api_key="none", max_retries=0, timeout=120)
     # The layout the server encodes REST-added facts for (and that memory_k / inferscale chat use).
     system = memory_system_message([fact["handle"]])
-    r = client.chat.completions.create(
-        model="smollm2", user="erin", temperature=0, max_tokens=24,
-        messages=[{"role": "system", "content": system}, {"role": "user", "content": "What is my dog's name?"}],
-    )
+    for _ in range(30):  # a memory still being encoded is served as text (serve_as_text_after)
+        r = client.chat.completions.create(
+            model="smollm2", user="erin", temperature=0, max_tokens=24,
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": "What is my dog's name?"}],
+        )
+        if not r.usage.model_extra["memories_as_text"]:
+            break
+        time.sleep(1)
     assert "Rex" in r.choices[0].message.content
     injected = r.usage.model_extra["injected_tokens"]
     assert injected > 0 and r.usage.prompt_tokens_details.cached_tokens >= injected

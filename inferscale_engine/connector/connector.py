@@ -4,8 +4,14 @@ the KV of spans being encoded.
 Loaded out of tree::
 
     KVTransferConfig(kv_connector="InferScaleConnector",
-                     kv_connector_module_path="inferscale_engine.connector.connector",
-                     kv_role="kv_both", kv_connector_extra_config={"bridge_id": ...})
+                     kv_connector_module_path="inferscale_engine.connector",
+                     kv_role="kv_both")
+
+(``vllm serve MODEL --kv-transfer-config '{"kv_connector": "InferScaleConnector",
+"kv_connector_module_path": "inferscale_engine.connector", "kv_role": "kv_both"}'`` alike.)
+The KV itself never travels through vLLM: requests say where it lies in shared memory
+(:mod:`inferscale_engine.connector.exchange`), and each worker process (one per
+tensor-parallel rank) maps it there and takes its own rank's KV heads.
 
 Scheduler half: a request whose ``kv_transfer_params`` hold an :class:`InjectionPlan` claims
 its prompt tokens ``[local prefix-cache hit, plan.end)`` as external hits (leaving at least one
@@ -31,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from inferscale_engine.connector import compat
-from inferscale_engine.connector.bridge import Bridge, CaptureBuffer, get_bridge
+from inferscale_engine.connector.exchange import ExchangeReader, Geometry, Location
 from inferscale_engine.connector.plan import (
     INJECTED_KEY,
     CapturePlan,
@@ -39,12 +45,13 @@ from inferscale_engine.connector.plan import (
     InferScaleConnectorMetadata,
     InjectionPlan,
     LoadRequest,
+    bypasses_prefix_cache,
     parse_params,
 )
 from inferscale_engine.connector.table import InjectionTable, SpanColumns
 from inferscale_engine.errors import ConnectorError
 from inferscale_engine.kv import FactKV
-from inferscale_engine.rope import rotate
+from inferscale_engine.rope import RopeTable, rotate
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -68,9 +75,6 @@ class InferScaleConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # vLLM builds a connector only from its kv_transfer_config
         extra = transfer.kv_connector_extra_config or {}
-        if "bridge_id" not in extra:
-            raise ValueError("InferScaleConnector needs kv_connector_extra_config={'bridge_id': ...}")
-        self._bridge_id: str = extra["bridge_id"]
         self._fused = bool(extra.get("fused_rope", True))
         # Per layer [blocks, block_size, heads, head_dim] K/V views of vLLM's cache, and the Triton
         # writer's per-layer addresses; once known (False: the backend's layout is not known).
@@ -84,9 +88,19 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._injected: dict[str, int] = {}  # req_id -> prompt tokens injected at its last admission
         self._loads: list[LoadRequest] = []
         self._capture_blocks: dict[str, list[int]] = {}
+        self._load_at: dict[str, Location] = {}  # where this step's loads read
+        self._geometry: Geometry | None = None
+        self._descriptors: dict[str, dict[str, Any]] = {}  # every segment plans described
+        self._described: set[str] = set()  # segments the workers were told of
+        self._prefix_cache_hooked = False
 
         # Worker half.
-        self._bridge_obj: Bridge | None = None
+        self._reader = ExchangeReader()
+        self._ropes: dict[str, RopeTable] = {}
+        self._heads: tuple[int, int] | None = None  # this rank's KV heads [first, last)
+        self._worker_geometry: Geometry | None = None
+        self._spans: dict[Location, FactKV] = {}  # span views by location, for spans in flight
+        self._rooms: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._layers: list[tuple[str, Any]] = []
         self._writers: dict[str, Any] = {}
         self._step = 0
@@ -95,7 +109,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._cache_captures: list[CaptureSlots] = []
         self._hooked_captures: list[CaptureSlots] = []
         self._matched_step = -1
-        self._matches: list[tuple[CaptureBuffer, torch.Tensor, torch.Tensor]] = []
+        self._matches: list[tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]] = []
 
     @staticmethod
     def _find_block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> int:
@@ -110,6 +124,12 @@ class InferScaleConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ scheduler half
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self._prefix_cache_hooked:
+            # Once, from the engine core's first step (it hands the connector no reference).
+            self._prefix_cache_hooked = True
+            core = compat.calling_engine_core()
+            if core is not None:
+                compat.keep_out_of_prefix_cache(core, lambda r: bypasses_prefix_cache(r.kv_transfer_params))
         try:
             plan = parse_params(request.kv_transfer_params)
         except (ValueError, TypeError) as exc:  # the engine validates first; never kill the scheduler
@@ -118,6 +138,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         if plan is None:
             return 0, False
         self._plans[request.request_id] = plan
+        self._descriptors.update(plan.kv.segments)
         if not isinstance(plan, InjectionPlan):
             return 0, False
         # vLLM must compute at least one prompt token to produce logits.
@@ -138,11 +159,14 @@ class InferScaleConnector(KVConnectorBase_V1):
         pieces = plan.pieces(start, stop)
         block_ids = compat.single_group_block_ids(blocks.get_block_ids())
         self._loads.append(LoadRequest(block_ids, start, stop, pieces))
+        at = plan.kv.at
+        self._load_at.update((p.key, at[p.key]) for p in pieces)
+        self._geometry = plan.kv.geometry
         self._injected[request.request_id] = count
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = InferScaleConnectorMetadata(loads=self._loads)
-        self._loads = []
+        meta = InferScaleConnectorMetadata(loads=self._loads, at=self._load_at, geometry=self._geometry)
+        self._loads, self._load_at = [], {}
 
         scheduled = []  # (capture request, prompt tokens computed before this step)
         for new in scheduler_output.scheduled_new_reqs:
@@ -171,6 +195,12 @@ class InferScaleConnector(KVConnectorBase_V1):
                 lo, hi = max(r.start, done), min(r.start + r.length, end)
                 if lo < hi:
                     meta.captures.append(CaptureSlots(r.capture_id, r.length, lo - r.start, self._slots(blocks, lo, hi)))
+                    meta.at[r.capture_id] = plan.kv.at[r.capture_id]
+                    meta.geometry = plan.kv.geometry
+        undescribed = {loc.segment for loc in meta.at.values()} - self._described
+        if undescribed:
+            meta.segments = {name: self._descriptors[name] for name in undescribed}
+            self._described |= undescribed
         if meta.captures:
             compat.start_load_before_forward(scheduler_output)
         return meta
@@ -186,14 +216,11 @@ class InferScaleConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ worker half
 
-    def _bridge(self) -> Bridge:
-        if self._bridge_obj is None:
-            self._bridge_obj = get_bridge(self._bridge_id)
-        return self._bridge_obj
-
     def _install(self, forward_context: ForwardContext) -> None:
-        """Wrap every attention layer's KV write once, to see what vLLM writes."""
+        """Wrap every attention layer's KV write once, to see what vLLM writes; find this rank's
+        KV heads and the model's rotary tables."""
         self._layers = compat.attention_layers(forward_context)
+        self._ropes = _rope_tables(self._layers)
         for index, (name, layer) in enumerate(self._layers):
             # Bound per layer through the default: a closure would see the loop's last index.
             def after_write(
@@ -205,6 +232,48 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._writers[name] = compat.wrap_kv_cache_update(layer, after_write)
         logger.debug("InferScaleConnector hooked %d attention layers", len(self._layers))
 
+    def _check_geometry(self, g: Geometry) -> None:
+        """Check the owner's KV fits this model, and find this rank's KV heads: with tensor
+        parallelism rank r of R holds heads [r*H/R, (r+1)*H/R), or one replicated head where
+        R > H (vLLM's split)."""
+        layer = self._layers[0][1]
+        local, dim = int(layer.num_kv_heads), int(layer.head_size)
+        rank, ranks = compat.tensor_parallel_rank()
+        first = rank * g.heads // ranks
+        if g.layers != len(self._layers) or g.head_dim != dim or first + local > g.heads:
+            raise ConnectorError(
+                f"KV of {g.layers} layers x {g.heads} heads x {g.head_dim} does not fit this model "
+                f"({len(self._layers)} attention layers, {local} KV heads of {dim} on rank {rank} of {ranks})"
+            )
+        self._worker_geometry, self._heads = g, (first, first + local)
+        self._spans.clear()
+
+    def _span(self, location: Location) -> FactKV:
+        """This rank's heads of the span at ``location`` (views of shared memory)."""
+        kv = self._spans.get(location)
+        if kv is None:
+            assert self._worker_geometry is not None and self._heads is not None
+            kv = self._spans[location] = self._reader.span(location, self._worker_geometry, self._heads)
+            while len(self._spans) > _SPAN_VIEWS:
+                del self._spans[next(iter(self._spans))]
+        return kv
+
+    def _room(self, capture_id: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """This rank's heads of a capture's room: K, V and ``filled`` views (None: the
+        request is gone)."""
+        room = self._rooms.get(capture_id)
+        if room is None:
+            location = self._at.get(capture_id)
+            if location is None:
+                return None
+            assert self._worker_geometry is not None and self._heads is not None
+            k, v, filled = self._reader.views(location, self._worker_geometry, flags=True)
+            heads = slice(*self._heads)
+            room = self._rooms[capture_id] = (k[:, :, heads], v[:, :, heads], filled[:, :, heads])
+            while len(self._rooms) > _SPAN_VIEWS:
+                del self._rooms[next(iter(self._rooms))]
+        return room
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         pass  # caches are reached through the forward context, in the backend's own layout
 
@@ -214,6 +283,11 @@ class InferScaleConnector(KVConnectorBase_V1):
         if not self._layers:
             self._install(forward_context)
         self._step += 1
+        if meta.segments:
+            self._reader.map(meta.segments)
+        if meta.geometry is not None and meta.geometry != self._worker_geometry:
+            self._check_geometry(meta.geometry)
+        self._at = meta.at
         if meta.captures and self._paged_views(forward_context):
             self._cache_captures = meta.captures
         else:
@@ -238,22 +312,20 @@ class InferScaleConnector(KVConnectorBase_V1):
     def _inject(self, loads: list[LoadRequest], forward_context: ForwardContext) -> None:
         # Hundreds of spans per step at large k: per span a dict lookup and a few attribute reads
         # (FactKV.layout() reads the tensors once per FactKV); the arithmetic is numpy's.
-        staged = self._bridge().staged
+        at = self._at
         num_layers = len(self._layers)
         pieces = [piece for load in loads for piece in load.pieces]
         keys, rows, positions, counts = zip(*pieces) if pieces else ((), (), (), ())
         kvs: list[FactKV] = []
         encoded_at: list[int] = []
-        ready = {}  # events of copies that made the KV on other streams, by identity
         for key in keys:
-            kv = staged.get(key)
-            if kv is None:
-                raise ConnectorError(f"span {key!r} was not staged before its request ran")
+            location = at.get(key)
+            if location is None:
+                raise ConnectorError(f"span {key!r} has no KV location")
+            kv = self._span(location)
             _, _, _, layers = kv.layout()
             if layers != num_layers:
                 raise ConnectorError(f"stored KV has {layers} layers, the model has {num_layers}")
-            if kv.ready is not None:
-                ready[id(kv.ready)] = kv.ready
             kvs.append(kv)
             encoded_at.append(kv.position)
         row = np.array(rows, dtype=np.int64)
@@ -261,10 +333,6 @@ class InferScaleConnector(KVConnectorBase_V1):
         spans = SpanColumns(kvs, row, np.array(counts, dtype=np.int64), delta)
         slots = np.concatenate([load.slots(self._block_size) for load in loads])
         device = compat.layer_kv_cache(self._layers[0][1], forward_context).device
-        if ready:  # a device-side wait: the host never blocks, the writes queue behind the copies
-            stream = torch.cuda.current_stream(device)
-            for event in ready.values():
-                stream.wait_event(event)
         if self._fused and device.type == "cuda" and self._fused_ready(forward_context):
             self._inject_fused(spans, slots, device)
         else:
@@ -285,7 +353,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             from inferscale_engine.rope_triton import cache_pointers
 
             views = self._paged_views(forward_context)
-            ropes = self._bridge().ropes
+            ropes = self._ropes
             one_table = len({id(ropes[name]) for name, _ in self._layers}) == 1
             if one_table and views:
                 device = views[0][0].device
@@ -303,7 +371,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         assert isinstance(self._fused_views, tuple)
         key_ptrs, value_ptrs, view = self._fused_views
         table = InjectionTable.build_columns(spans, slots, device)
-        inject_rows(table, self._bridge().ropes[self._layers[0][0]], key_ptrs, value_ptrs, view)
+        inject_rows(table, self._ropes[self._layers[0][0]], key_ptrs, value_ptrs, view)
 
     def _inject_torch(
         self, spans: SpanColumns, slots: np.ndarray, device: torch.device, forward_context: ForwardContext
@@ -321,11 +389,7 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._writers[name](layer, k[index].to(cache.dtype), v[index].to(cache.dtype), cache, slot_mapping)
 
     def _rotate(self, k: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
-        ropes = self._bridge().ropes
-        try:
-            tables = [ropes[name] for name, _ in self._layers]
-        except KeyError:
-            raise ConnectorError("rotary tables were not registered for every attention layer") from None
+        tables = [self._ropes[name] for name, _ in self._layers]
         if all(t is tables[0] for t in tables):
             return rotate(k, deltas, tables[0])
         out = torch.empty_like(k)
@@ -337,8 +401,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         """Copy this step's capture rows out of the paged cache, all layers at once. Queued behind
         the forward pass on its stream, so it reads what vLLM wrote, whether the KV writes ran
         eagerly or inside a full CUDA graph (whose replay no wrapper sees)."""
-        captures = self._bridge().captures
-        todo = [(buf, cap) for cap in self._cache_captures if (buf := captures.get(cap.capture_id)) is not None]
+        todo = [(room, cap) for cap in self._cache_captures if (room := self._room(cap.capture_id)) is not None]
         self._cache_captures = []
         if not todo:
             return  # requests aborted
@@ -352,24 +415,28 @@ class InferScaleConnector(KVConnectorBase_V1):
         k = torch.stack([kc[block, offset] for kc, _ in views])
         v = torch.stack([vc[block, offset] for _, vc in views])
         at = 0
-        for buf, cap in todo:
-            buf.write_layers(cap.first_row, k[:, at : at + len(cap.slots)], v[:, at : at + len(cap.slots)])
+        for (keys, values, filled), cap in todo:
+            rows = slice(cap.first_row, cap.first_row + len(cap.slots))
+            keys[:, rows] = k[:, at : at + len(cap.slots)]
+            values[:, rows] = v[:, at : at + len(cap.slots)]
+            filled[:, rows] = 1
             at += len(cap.slots)
 
     def _capture(self, index: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self._matched_step != self._step:
             self._match(slot_mapping[: key.shape[0]])
-        for buf, batch_rows, buf_rows in self._matches:
-            buf.write(index, len(self._layers), buf_rows, key[batch_rows], value[batch_rows])
+        for (keys, values, filled), batch_rows, rows in self._matches:
+            keys[index, rows] = key[batch_rows].to(keys.dtype)
+            values[index, rows] = value[batch_rows].to(values.dtype)
+            filled[index, rows] = 1
 
     def _match(self, slot_mapping: torch.Tensor) -> None:
         """Find, once per step, which rows of the batch belong to which capture range."""
         self._matched_step = self._step
         self._matches = []
-        captures = self._bridge().captures
         for cap in self._hooked_captures:
-            buf = captures.get(cap.capture_id)
-            if buf is None or not cap.slots:
+            room = self._room(cap.capture_id)
+            if room is None or not cap.slots:
                 continue  # request was aborted
             wanted = torch.tensor(cap.slots, dtype=slot_mapping.dtype, device=slot_mapping.device)
             ordered, order = torch.sort(wanted)
@@ -377,4 +444,21 @@ class InferScaleConnector(KVConnectorBase_V1):
             hit = ordered[where] == slot_mapping
             batch_rows = hit.nonzero().squeeze(1)
             if batch_rows.numel():
-                self._matches.append((buf, batch_rows, order[where[batch_rows]] + cap.first_row))
+                self._matches.append((room, batch_rows, order[where[batch_rows]] + cap.first_row))
+
+
+#: Span and capture views a worker keeps (a request's spans are all injected in one step, or a
+#: few with chunked prefill: this covers every span of many requests in flight).
+_SPAN_VIEWS = 8192
+
+
+def _rope_tables(layers: list[tuple[str, Any]]) -> dict[str, RopeTable]:
+    """The rotary table of every attention layer, from the model's own rotary modules (one
+    table per module, shared by the layers that share it)."""
+    by_module: dict[int, RopeTable] = {}
+    tables: dict[str, RopeTable] = {}
+    for name, rope in compat.rotary_embeddings(layers).items():
+        if id(rope) not in by_module:
+            by_module[id(rope)] = RopeTable.from_module(rope).to(rope.cos_sin_cache.device)
+        tables[name] = by_module[id(rope)]
+    return tables

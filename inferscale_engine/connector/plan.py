@@ -2,9 +2,11 @@
 
 Requests carry an :class:`InjectionPlan` or a :class:`CapturePlan` inside
 ``kv_transfer_params``: as plain JSON (what vLLM's OpenAI server and
-``SamplingParams.extra_args`` both take), or, for a request made in this process, as the plan
-object itself (``to_params(inline=True)``), which is never encoded or parsed again.
-The scheduler half turns them into :class:`InferScaleConnectorMetadata` once per step.
+``SamplingParams.extra_args`` both take, and what crosses to vLLM's engine-core process), or,
+for a request that never leaves this process (``multiprocess=False``), as the plan object
+itself (``to_params(inline=True)``), which is never encoded or parsed again. Each plan says
+where its KV lies in shared memory (:class:`SharedKV`). The scheduler half turns them into
+:class:`InferScaleConnectorMetadata` once per step.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from inferscale_engine.connector.exchange import Geometry, Location
 
 PARAMS_KEY = "inferscale"
 
@@ -33,10 +37,36 @@ class SpanRef(NamedTuple):  # a tuple: hundreds are built per request, on the sc
 
 
 @dataclass(frozen=True, slots=True)
+class SharedKV:
+    """Where a plan's KV lies: a :class:`Location` per span key (or capture id), in segments a
+    worker maps from their descriptors (:mod:`inferscale_engine.connector.exchange`)."""
+
+    geometry: Geometry
+    at: dict[str, Location]
+    segments: dict[str, dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"geometry": list(self.geometry), "at": {k: list(loc) for k, loc in self.at.items()},
+                "segments": self.segments}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SharedKV:
+        layers, heads, dim, dtype = data["geometry"]
+        return cls(
+            Geometry(int(layers), int(heads), int(dim), str(dtype)),
+            {str(k): Location(str(s), int(o), int(p), int(n)) for k, (s, o, p, n) in data["at"].items()},
+            {str(name): dict(d) for name, d in data["segments"].items()},
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class InjectionPlan:
     """Prompt tokens ``[0, end)`` come from stored spans that tile them exactly."""
 
     spans: tuple[SpanRef, ...]
+    kv: SharedKV
+    #: Let vLLM's prefix cache keep this request's blocks (``EngineConfig.prefix_cache_injected``).
+    keep_cached: bool = False
 
     def __post_init__(self) -> None:
         cursor = 0
@@ -54,7 +84,8 @@ class InjectionPlan:
         request that never leaves this process: nothing to encode or parse again)."""
         if inline:
             return {PARAMS_KEY: self}
-        return {PARAMS_KEY: {"inject": [[s.key, s.position, s.length] for s in self.spans]}}
+        return {PARAMS_KEY: {"inject": [[s.key, s.position, s.length] for s in self.spans], "kv": self.kv.to_json(),
+                             "keep_cached": self.keep_cached}}
 
     def pieces(self, start: int, stop: int) -> list[LoadPiece]:
         """What loads prompt positions ``[start, stop)`` (``0 <= start < stop <= end``): a piece
@@ -88,12 +119,14 @@ class CaptureRange:
 @dataclass(frozen=True, slots=True)
 class CapturePlan:
     ranges: tuple[CaptureRange, ...]
+    kv: SharedKV  # where each range's rows go, by capture id
 
     def to_params(self, inline: bool = False) -> dict[str, Any]:
         """As :meth:`InjectionPlan.to_params`."""
         if inline:
             return {PARAMS_KEY: self}
-        return {PARAMS_KEY: {"capture": [[r.capture_id, r.start, r.length] for r in self.ranges]}}
+        return {PARAMS_KEY: {"capture": [[r.capture_id, r.start, r.length] for r in self.ranges],
+                             "kv": self.kv.to_json()}}
 
 
 #: In a finished request's output ``kv_transfer_params``: prompt tokens the connector injected.
@@ -106,15 +139,22 @@ def injected_tokens(output_params: dict[str, Any] | None) -> int:
     return int((output_params or {}).get(INJECTED_KEY, 0))
 
 
-def plan_kind(params: dict[str, Any] | None) -> Literal["inject", "capture"] | None:
-    """Which plan a request's ``kv_transfer_params`` carry, without parsing them (vLLM asks for
-    every block of every request)."""
+def bypasses_prefix_cache(params: dict[str, Any] | None) -> bool:
+    """Whether vLLM's prefix cache should neither serve nor keep a request's blocks.
+
+    Captures always bypass it: their rows must be computed, and no window is encoded twice.
+    Injected prompts do unless their plan says ``keep_cached``: their blocks could only serve
+    the same user asking with the same memories in the same order, and caching them costs every
+    request 1–2 ms at k=200 and pushes out blocks plain prompts would hit.
+    """
     ours = (params or {}).get(PARAMS_KEY)
-    if isinstance(ours, InjectionPlan) or (isinstance(ours, dict) and "inject" in ours):
-        return "inject"
-    if isinstance(ours, CapturePlan) or (isinstance(ours, dict) and "capture" in ours):
-        return "capture"
-    return None
+    if isinstance(ours, InjectionPlan):
+        return not ours.keep_cached
+    if isinstance(ours, CapturePlan):
+        return True
+    if isinstance(ours, dict):
+        return "capture" in ours or ("inject" in ours and not ours.get("keep_cached"))
+    return False
 
 
 def parse_params(params: dict[str, Any] | None) -> InjectionPlan | CapturePlan | None:
@@ -125,10 +165,25 @@ def parse_params(params: dict[str, Any] | None) -> InjectionPlan | CapturePlan |
     if not ours:
         return None
     if "inject" in ours:
-        return InjectionPlan(tuple(SpanRef(str(k), int(p), int(n)) for k, p, n in ours["inject"]))
+        spans = tuple(SpanRef(str(k), int(p), int(n)) for k, p, n in ours["inject"])
+        return InjectionPlan(spans, _shared(ours, [s.key for s in spans]), bool(ours.get("keep_cached", False)))
     if "capture" in ours:
-        return CapturePlan(tuple(CaptureRange(str(c), int(s), int(n)) for c, s, n in ours["capture"]))
+        ranges = tuple(CaptureRange(str(c), int(s), int(n)) for c, s, n in ours["capture"])
+        return CapturePlan(ranges, _shared(ours, [r.capture_id for r in ranges]))
     raise ValueError(f"unknown inferscale kv_transfer_params: {sorted(ours)}")
+
+
+def _shared(ours: dict[str, Any], keys: list[str]) -> SharedKV:
+    if "kv" not in ours:
+        raise ValueError("inferscale kv_transfer_params need 'kv': where the KV lies")
+    kv = SharedKV.from_json(ours["kv"])
+    missing = [k for k in keys if k not in kv.at]
+    if missing:
+        raise ValueError(f"no KV location for {missing[:3]}")
+    unknown = {loc.segment for loc in kv.at.values()} - set(kv.segments)
+    if unknown:
+        raise ValueError(f"KV locations in undescribed segments {sorted(unknown)[:3]}")
+    return kv
 
 
 class LoadPiece(NamedTuple):
@@ -178,3 +233,8 @@ class CaptureSlots:
 class InferScaleConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadRequest] = field(default_factory=list)
     captures: list[CaptureSlots] = field(default_factory=list)
+    #: Where the KV of this step's span keys and capture ids lies.
+    at: dict[str, Location] = field(default_factory=dict)
+    geometry: Geometry | None = None
+    #: Segments the workers have not been told of yet.
+    segments: dict[str, dict[str, Any]] = field(default_factory=dict)

@@ -1,0 +1,440 @@
+"""Fact KV handed between processes through named shared memory.
+
+Whoever holds the facts (an :class:`~inferscale_engine.engine.InferScaleEngine`, or the
+``inferscale serve --vllm-url`` front end of a separate ``vllm serve``) is the *owner*: it
+copies each span a request injects into a shared segment (:meth:`KVExchange.stage`) and sends
+the span's :class:`Location` with the request, in ``kv_transfer_params``. vLLM's worker
+processes (one per tensor-parallel rank) map the segment by its descriptor and read the span
+where it lies (:class:`ExchangeReader`). Captures go the other way: the owner reserves room
+for the rows a request encodes, the worker writes them there, the owner reads them once the
+request has finished.
+
+Segments are files in ``/dev/shm`` for a CPU owner, and device memory shared through CUDA IPC
+handles for a CUDA one (same host: vLLM's workers open the owner's allocation). A segment is
+named by a random id; a worker opens each one once. Only descriptors travel: never pickles,
+since ``kv_transfer_params`` come from HTTP clients of vLLM's server.
+
+Layouts: a span of ``n`` tokens is ``K[layers, n, heads, head_dim]`` then ``V`` alike, both
+contiguous, at a byte offset; a capture adds ``filled[layers, n, heads]`` bytes after them,
+which each rank sets for the heads it wrote, so the owner knows every row was computed.
+"""
+
+from __future__ import annotations
+
+import base64
+import bisect
+import logging
+import os
+import re
+import threading
+import uuid
+import weakref
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from inferscale_engine.errors import ConnectorError
+from inferscale_engine.kv import FactKV
+
+logger = logging.getLogger(__name__)
+
+#: New segments hold at least this much (a span larger than this gets a segment of its own).
+SEGMENT_BYTES = 256 << 20
+_ALIGN = 256
+_SHM_DIR = "/dev/shm"
+_SHM_NAME = re.compile(r"^inferscale-[0-9a-f]{32}$")
+
+
+class Geometry(NamedTuple):
+    """What every span of one model looks like: ``layers`` attention layers of ``heads`` KV
+    heads (all ranks together) of ``head_dim``, in ``dtype`` (a torch dtype name)."""
+
+    layers: int
+    heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ConnectorError(f"unknown KV dtype {self.dtype!r}")
+        return dtype
+
+    def kv_bytes(self, n: int) -> int:
+        """Bytes of one of K or V for ``n`` tokens."""
+        return self.layers * n * self.heads * self.head_dim * self.torch_dtype.itemsize
+
+    @classmethod
+    def of_model(cls, model_config: Any) -> Geometry:
+        """From a vLLM ``ModelConfig``."""
+        from vllm.config import ParallelConfig
+
+        return cls(
+            model_config.get_num_layers(ParallelConfig()),
+            model_config.get_total_num_kv_heads(),
+            model_config.get_head_size(),
+            str(model_config.dtype).removeprefix("torch."),
+        )
+
+
+class Location(NamedTuple):
+    """Where the KV of a span of ``tokens`` tokens (or a capture's room) lies: ``offset`` bytes
+    into ``segment``; its keys were encoded at ``position`` (0 for captures)."""
+
+    segment: str
+    offset: int
+    position: int
+    tokens: int
+
+
+def _segment_descriptor(name: str, buffer: torch.Tensor) -> dict[str, Any]:
+    """What a worker needs to map ``buffer`` (a uint8 segment) in its own process."""
+    if buffer.device.type != "cuda":
+        return {"name": name, "size": buffer.numel()}
+    storage = buffer.untyped_storage()
+    (_, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync) = storage._share_cuda_()
+    return {
+        "name": name,
+        "size": buffer.numel(),
+        "cuda": {
+            "uuid": str(torch.cuda.get_device_properties(buffer.device).uuid),
+            "handle": base64.b64encode(handle).decode(),
+            "storage_size": int(size),
+            "storage_offset": int(offset),
+            "ref_handle": base64.b64encode(ref_handle).decode(),
+            "ref_offset": int(ref_offset),
+            "event_handle": base64.b64encode(event_handle).decode() if event_handle else None,
+            "event_sync": bool(event_sync),
+        },
+    }
+
+
+class _Segment:
+    """One shared buffer and its free list (byte ranges)."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.name = f"inferscale-{uuid.uuid4().hex}"
+        self.size = size
+        self.path: str | None = None
+        if device.type == "cuda":
+            self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        else:
+            self.path = os.path.join(_SHM_DIR, self.name)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            self.buffer = torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)
+            weakref.finalize(self, _unlink, self.path)
+        self.descriptor = _segment_descriptor(self.name, self.buffer)
+        _LOCAL[self.name] = self.buffer
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self.free: list[tuple[int, int]] = [(0, size)]  # (offset, size), by offset
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        return _typed(self._typed, self.buffer, dtype)
+
+    def allocate(self, size: int) -> int | None:
+        for i, (offset, room) in enumerate(self.free):
+            if room >= size:
+                if room == size:
+                    del self.free[i]
+                else:
+                    self.free[i] = (offset + size, room - size)
+                return offset
+        return None
+
+    def release(self, offset: int, size: int) -> None:
+        i = bisect.bisect_left(self.free, (offset, 0))
+        if i < len(self.free) and offset + size == self.free[i][0]:  # merge with the next range
+            size += self.free.pop(i)[1]
+        if i > 0 and self.free[i - 1][0] + self.free[i - 1][1] == offset:  # and the previous one
+            self.free[i - 1] = (self.free[i - 1][0], self.free[i - 1][1] + size)
+        else:
+            self.free.insert(i, (offset, size))
+
+
+#: Segments of owners in this process, by name: an in-process vLLM reads them directly (a process
+#: cannot open its own CUDA IPC handle).
+_LOCAL: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+@dataclass
+class _Staged:
+    location: Location
+    size: int
+    refs: int
+
+
+class KVExchange:
+    """The owner's side: stages spans for injection and reserves room for captures. Thread-safe.
+
+    Args:
+        geometry: the served model's KV shape.
+        device: where segments live (``cuda``: shared through CUDA IPC; ``cpu``: ``/dev/shm``).
+        segment_bytes: size of each new segment.
+    """
+
+    def __init__(self, geometry: Geometry, device: torch.device | str, segment_bytes: int = SEGMENT_BYTES) -> None:
+        self.geometry = geometry
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.segment_bytes = segment_bytes
+        self._segments: dict[str, _Segment] = {}
+        self._staged: dict[str, _Staged] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ memory
+
+    def _allocate(self, size: int) -> tuple[_Segment, int]:
+        size = -(-size // _ALIGN) * _ALIGN
+        for segment in self._segments.values():
+            offset = segment.allocate(size)
+            if offset is not None:
+                return segment, offset
+        segment = _Segment(max(size, self.segment_bytes), self.device)
+        self._segments[segment.name] = segment
+        logger.debug("KV exchange: new %d MiB segment %s", segment.size >> 20, segment.name)
+        offset = segment.allocate(size)
+        assert offset is not None
+        return segment, offset
+
+    def _release(self, location: Location, size: int) -> None:
+        self._segments[location.segment].release(location.offset, -(-size // _ALIGN) * _ALIGN)
+
+    def descriptors(self, names: set[str]) -> dict[str, dict[str, Any]]:
+        return {name: self._segments[name].descriptor for name in names}
+
+    def _views(self, location: Location, flags: bool = False) -> tuple[torch.Tensor, ...]:
+        return span_views(self._segments[location.segment].buffer, location, self.geometry, flags=flags)
+
+    # ------------------------------------------------------------------ injection
+
+    def stage(self, spans: list[tuple[str, FactKV]]) -> dict[str, Location]:
+        """Copy each ``(key, kv)`` not staged yet into shared memory (a key staged twice is
+        copied once and counted twice); return every key's location."""
+        out: dict[str, Location] = {}
+        copies = []
+        for _, kv in spans:  # all refused before any is counted
+            self._check(kv)
+        with self._lock:
+            for key, kv in spans:
+                staged = self._staged.get(key)
+                if staged is None:
+                    n = kv.num_tokens
+                    size = 2 * self.geometry.kv_bytes(n)
+                    segment, offset = self._allocate(size)
+                    staged = self._staged[key] = _Staged(Location(segment.name, offset, kv.position, n), size, 0)
+                    copies.append((staged.location, kv))
+                staged.refs += 1
+                out[key] = staged.location
+        if not copies:
+            return out
+        cuda = self.device.type == "cuda"
+        stream = torch.cuda.current_stream(self.device) if cuda else None
+        # Per span two strided views and no copy of its own: one foreach copy moves them all
+        # (hundreds of spans a request; a copy call per span cost ~0.1 ms on this box's CPU).
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        ready: dict[int, Any] = {}
+        dtype = self.geometry.torch_dtype
+        for location, kv in copies:
+            if cuda and kv.ready is not None:
+                ready[id(kv.ready)] = kv.ready
+            dsts.extend(span_views(self._segments[location.segment].typed(dtype), location, self.geometry, typed=True))
+            srcs.extend((kv.k, kv.v))
+        for event in ready.values():
+            stream.wait_event(event)  # type: ignore[union-attr]
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        if cuda:
+            # The worker reads on its own stream, in another process: the bytes must be there
+            # before the request is sent.
+            stream.synchronize()  # type: ignore[union-attr]
+        return out
+
+    def _check(self, kv: FactKV) -> None:
+        layers, _, heads, dim = kv.k.shape
+        g = self.geometry
+        if (layers, heads, dim) != (g.layers, g.heads, g.head_dim):
+            raise ConnectorError(
+                f"span KV of shape {tuple(kv.k.shape)} does not fit the served model "
+                f"({g.layers} layers, {g.heads} KV heads of {g.head_dim})"
+            )
+
+    def unstage(self, keys: list[str]) -> None:
+        """Drop one reference to each key; the last one frees its room."""
+        with self._lock:
+            for key in keys:
+                staged = self._staged.get(key)
+                if staged is None:
+                    continue
+                staged.refs -= 1
+                if staged.refs <= 0:
+                    del self._staged[key]
+                    self._release(staged.location, staged.size)
+
+    # ------------------------------------------------------------------ capture
+
+    def reserve_capture(self, n: int) -> Location:
+        """Room for ``n`` captured rows, their ``filled`` flags cleared."""
+        with self._lock:
+            segment, offset = self._allocate(self._capture_bytes(n))
+        location = Location(segment.name, offset, 0, n)
+        self._views(location, flags=True)[2].zero_()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # cleared before a worker writes
+        return location
+
+    def _capture_bytes(self, n: int) -> int:
+        g = self.geometry
+        return 2 * g.kv_bytes(n) + g.layers * n * g.heads
+
+    def take_capture(self, location: Location, position: int) -> FactKV:
+        """The captured rows, encoded at ``position``, as a FactKV of the owner's own (the room
+        is freed)."""
+        try:
+            k, v, filled = self._views(location, flags=True)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
+            if not bool(filled.all()):
+                raise ConnectorError(
+                    "capture incomplete: vLLM did not compute every row of the span (with a KV cache "
+                    "layout InferScale cannot read back, full CUDA graphs hide vLLM's KV writes: "
+                    "use compilation_config={'cudagraph_mode': 'FULL_AND_PIECEWISE'})"
+                )
+            return FactKV(k.clone(), v.clone(), position)
+        finally:
+            self.release_capture(location)
+
+    def release_capture(self, location: Location) -> None:
+        with self._lock:
+            if location.segment in self._segments:
+                self._release(location, self._capture_bytes(location.tokens))
+
+    def close(self) -> None:
+        """Free every segment (a CPU one's file goes at once; workers keep their mappings)."""
+        with self._lock:
+            for segment in self._segments.values():
+                if segment.path is not None:
+                    _unlink(segment.path)
+            self._segments.clear()
+            self._staged.clear()
+
+
+def _typed(cache: dict[torch.dtype, torch.Tensor], buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The whole segment as ``dtype`` elements (its tail bytes dropped), made once."""
+    typed = cache.get(dtype)
+    if typed is None:
+        typed = cache[dtype] = buffer[: buffer.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+    return typed
+
+
+def span_views(
+    buffer: torch.Tensor, location: Location, g: Geometry, flags: bool = False, typed: bool = False,
+    heads: tuple[int, int] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """``K`` and ``V`` (``[layers, n, heads, head_dim]``) of the span at ``location`` in its
+    uint8 segment ``buffer``, and with ``flags`` the capture's ``filled[layers, n, heads]``.
+
+    ``typed``: ``buffer`` is the segment as ``g``'s dtype already (:func:`_typed`), and the views
+    are two ``as_strided`` calls, of the KV heads ``[first, last)`` where ``heads`` says: the cheap
+    way, for the hundreds of spans a request stages and injects."""
+    offset, n = location.offset, location.tokens
+    if n <= 0:
+        raise ConnectorError(f"KV location of {n} tokens")
+    kv_bytes = g.kv_bytes(n)
+    end = offset + 2 * kv_bytes + (g.layers * n * g.heads if flags else 0)
+    size = buffer.numel() * buffer.element_size()
+    if offset < 0 or end > size:
+        raise ConnectorError(f"KV at bytes [{offset}, {end}) lies outside its {size}-byte segment")
+    if typed:
+        first, last = heads or (0, g.heads)
+        itemsize = buffer.element_size()
+        stride = (n * g.heads * g.head_dim, g.heads * g.head_dim, g.head_dim, 1)
+        shape_h = (g.layers, n, last - first, g.head_dim)
+        at = offset // itemsize + first * g.head_dim
+        return (buffer.as_strided(shape_h, stride, at),
+                buffer.as_strided(shape_h, stride, at + kv_bytes // itemsize))
+    shape = (g.layers, n, g.heads, g.head_dim)
+    dtype = g.torch_dtype
+    k = buffer[offset : offset + kv_bytes].view(dtype).view(shape)
+    v = buffer[offset + kv_bytes : offset + 2 * kv_bytes].view(dtype).view(shape)
+    if not flags:
+        return k, v
+    filled = buffer[offset + 2 * kv_bytes : end].view(g.layers, n, g.heads)
+    return k, v, filled
+
+
+class ExchangeReader:
+    """A worker's side: maps the owners' segments by descriptor (once each) and cuts spans
+    and capture rooms out of them."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._typed: dict[str, dict[torch.dtype, torch.Tensor]] = {}
+
+    def map(self, descriptors: dict[str, dict[str, Any]]) -> None:
+        for name, descriptor in descriptors.items():
+            if name not in self._buffers:
+                local = _LOCAL.get(name)
+                self._buffers[name] = local if local is not None else _open_segment(name, descriptor)
+
+    def views(self, location: Location, g: Geometry, flags: bool = False) -> tuple[torch.Tensor, ...]:
+        return span_views(self._buffer(location), location, g, flags=flags)
+
+    def span(self, location: Location, g: Geometry, heads: tuple[int, int]) -> FactKV:
+        """KV heads ``[first, last)`` of the span at ``location`` (two strided views)."""
+        typed = _typed(self._typed.setdefault(location.segment, {}), self._buffer(location), g.torch_dtype)
+        k, v = span_views(typed, location, g, typed=True, heads=heads)
+        return FactKV(k, v, location.position)
+
+    def _buffer(self, location: Location) -> torch.Tensor:
+        buffer = self._buffers.get(location.segment)
+        if buffer is None:
+            raise ConnectorError(f"KV segment {location.segment!r} was never described to this worker")
+        return buffer
+
+
+def _open_segment(name: str, descriptor: dict[str, Any]) -> torch.Tensor:
+    if not _SHM_NAME.match(name):
+        raise ConnectorError(f"bad KV segment name {name!r}")
+    size = int(descriptor["size"])
+    cuda = descriptor.get("cuda")
+    if cuda is None:
+        path = os.path.join(_SHM_DIR, name)
+        # torch.from_file would create a missing file: look first.
+        if not os.path.isfile(path) or os.path.getsize(path) < size:
+            raise ConnectorError(
+                f"cannot map KV segment {path}: the process holding the facts must run on this host"
+            )
+        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    index = _cuda_index(cuda["uuid"])
+    storage = torch.UntypedStorage._new_shared_cuda(
+        index,
+        base64.b64decode(cuda["handle"]),
+        int(cuda["storage_size"]),
+        int(cuda["storage_offset"]),
+        base64.b64decode(cuda["ref_handle"]),
+        int(cuda["ref_offset"]),
+        base64.b64decode(cuda["event_handle"]) if cuda.get("event_handle") else None,
+        bool(cuda["event_sync"]),
+    )
+    return torch.empty(0, dtype=torch.uint8, device=torch.device("cuda", index)).set_(storage, 0, (size,), (1,))
+
+
+def _cuda_index(device_uuid: str) -> int:
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == device_uuid:
+            return i
+    raise ConnectorError(f"KV segment lives on GPU {device_uuid}, which this worker cannot see")

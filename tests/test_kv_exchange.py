@@ -1,0 +1,100 @@
+"""The shared-memory KV exchange between the process holding facts and vLLM's workers (CPU).
+
+A worker is another process: the spans staged here are read there by descriptor alone, and
+what it writes into a capture's room comes back here, bit for bit.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from inferscale_engine.connector.exchange import ExchangeReader, Geometry, KVExchange, Location
+from inferscale_engine.errors import ConnectorError
+from inferscale_engine.kv import FactKV
+
+GEOMETRY = Geometry(layers=3, heads=2, head_dim=8, dtype="bfloat16")
+
+
+def _fact(n: int, seed: int, position: int = 0) -> FactKV:
+    g = torch.Generator().manual_seed(seed)
+    shape = (GEOMETRY.layers, n, GEOMETRY.heads, GEOMETRY.head_dim)
+    return FactKV(torch.randn(shape, generator=g).bfloat16(), torch.randn(shape, generator=g).bfloat16(), position)
+
+
+def _worker(descriptors, spans, room, heads, out) -> None:
+    """In another process: read spans, and fill a capture room's ``heads`` with 1s."""
+    reader = ExchangeReader()
+    reader.map(descriptors)
+    out.put([tuple(t.float().numpy().copy() for t in reader.views(loc, GEOMETRY)) for loc in spans])  # not torch's fd-shared pickles
+    k, v, filled = reader.views(room, GEOMETRY, flags=True)
+    k[:, :, heads], v[:, :, heads] = 1, 2
+    filled[:, :, heads] = 1
+    out.put("done")
+
+
+def _in_worker(descriptors, spans, room, heads) -> list:
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_worker, args=(descriptors, spans, room, heads, out))
+    proc.start()
+    read, done = out.get(timeout=120), out.get(timeout=120)
+    proc.join(timeout=60)
+    assert done == "done" and proc.exitcode == 0
+    return read
+
+
+def test_another_process_reads_staged_spans_and_fills_capture_rooms():
+    exchange = KVExchange(GEOMETRY, "cpu", segment_bytes=1 << 16)
+    try:
+        facts = {"a": _fact(5, 0, position=7), "b": _fact(40, 1), "c": _fact(300, 2)}  # c: a segment of its own
+        at = exchange.stage(list(facts.items()))
+        assert len({loc.segment for loc in at.values()}) == 2 and at["a"].position == 7
+        room = exchange.reserve_capture(4)
+        names = {loc.segment for loc in [*at.values(), room]}
+        read = _in_worker(exchange.descriptors(names), [at[k] for k in facts], room, slice(0, 2))
+        for (k, v), fact in zip(read, facts.values()):
+            assert torch.equal(torch.from_numpy(k), fact.k.float()) and torch.equal(torch.from_numpy(v), fact.v.float())
+        captured = exchange.take_capture(room, position=3)
+        assert captured.position == 3 and bool((captured.k == 1).all()) and bool((captured.v == 2).all())
+    finally:
+        exchange.close()
+
+
+def test_a_capture_missing_rows_of_a_rank_is_refused():
+    exchange = KVExchange(GEOMETRY, "cpu", segment_bytes=1 << 16)
+    try:
+        room = exchange.reserve_capture(4)
+        _in_worker(exchange.descriptors({room.segment}), [], room, slice(0, 1))  # one of two heads
+        with pytest.raises(ConnectorError, match="capture incomplete"):
+            exchange.take_capture(room, position=0)
+    finally:
+        exchange.close()
+
+
+def test_staging_counts_references_and_frees_room_for_reuse():
+    exchange = KVExchange(GEOMETRY, "cpu", segment_bytes=1 << 16)
+    try:
+        fact = _fact(10, 0)
+        first = exchange.stage([("a", fact), ("a", fact)])["a"]
+        exchange.unstage(["a"])
+        assert exchange.stage([("b", _fact(10, 1))])["b"] != first  # "a" still staged once
+        exchange.unstage(["a", "b"])
+        # Everything freed and merged: one range as large as the segment again.
+        assert [seg.free for seg in exchange._segments.values()] == [[(0, 1 << 16)]]
+        with pytest.raises(ConnectorError, match="does not fit the served model"):
+            exchange.stage([("x", FactKV(torch.zeros(3, 2, 1, 8), torch.zeros(3, 2, 1, 8), 0))])
+    finally:
+        exchange.close()
+
+
+def test_workers_refuse_segments_they_were_not_given_or_cannot_map():
+    reader = ExchangeReader()
+    with pytest.raises(ConnectorError, match="never described"):
+        reader.views(Location("inferscale-" + "1" * 32, 0, 0, 1), GEOMETRY)
+    with pytest.raises(ConnectorError, match="bad KV segment name"):
+        reader.map({"../etc/passwd": {"name": "../etc/passwd", "size": 10}})
+    with pytest.raises(ConnectorError, match="must run on this host"):
+        reader.map({"inferscale-" + "2" * 32: {"size": 10}})
