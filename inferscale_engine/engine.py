@@ -87,10 +87,10 @@ class _Prepared:
 class InferScaleEngine:
     """One vLLM engine, wired to InferScale's KV connector.
 
-    vLLM runs as it does under ``vllm serve``: its engine core (scheduler, and the model in
-    one worker process per tensor-parallel rank) in processes of its own, which read the
-    facts' KV from shared memory this engine stages it in (``multiprocess=False``: all in this
-    process, one engine per process).
+    vLLM runs in this process (one engine per process), or with ``multiprocess=True`` (the
+    default with tensor or pipeline parallelism) as it does under ``vllm serve``: its engine core
+    and one worker process per rank, which read the facts' KV from shared memory this engine
+    stages it in.
 
     Args:
         model: a local model folder or an alias (``"smollm2"``).
@@ -121,7 +121,7 @@ class InferScaleEngine:
             # vLLM keeps the KV connector process-global: a second live engine would share it.
             raise InferScaleError(
                 "another in-process InferScaleEngine is already running in this process; close() it "
-                "first, share it, or run with multiprocess=True (the default)"
+                "first, share it, or run with multiprocess=True"
             )
         self._static: OrderedDict[tuple[str | int, ...], Span] = OrderedDict()  # (owner, len(context), *context, *ids)
         self._memory: MemoryStore | None = None
