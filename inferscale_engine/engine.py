@@ -26,7 +26,7 @@ import operator
 import os
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -82,6 +82,8 @@ class _Prepared:
     started: float  # perf_counter() when preparation began: TTFT counts the layout and plan too
     memories_as_text: int = 0
     memory_mix: MemoryMix | None = None
+    # Run once the first token is out (planner.plan's promotions of prefilled cold memories).
+    after_first_token: Callable[[], None] | None = None
 
 
 class InferScaleEngine:
@@ -544,12 +546,12 @@ class InferScaleEngine:
                 f"prompt of {n} tokens ({sum(len(s.token_ids) for s in segments if isinstance(s, Span))} from memory) "
                 f"plus max_tokens={max_tokens} exceeds the model's context of {self.max_model_len}"
             )
-        mix = None
+        mix = promote = None
         if mode == "inject":
             # Cold memories: wait for their reads or prefill them, whichever the cost model expects
             # to be faster (planner.py); the layout then injects the prefix it leaves as spans.
             cold = any(isinstance(s, ColdFact) for s in segments)
-            segments, mix = planner.plan(segments, recompute, self._rates() if cold else None)
+            segments, mix, promote = planner.plan(segments, recompute, self._rates() if cold else None)
         spans, tail = self._layout(segments, recompute, user_id)
         token_ids = [*itertools.chain.from_iterable(s.token_ids for s in spans), *tail]
         extra: dict[str, Any] = {}
@@ -593,7 +595,7 @@ class InferScaleEngine:
             self._unstage(staged)
             raise
         as_text = sum(isinstance(s, TextFact) for s in segments)
-        return _Prepared(prompt, plan, staged, started, as_text, mix), params
+        return _Prepared(prompt, plan, staged, started, as_text, mix, promote), params
 
     def _layout(self, segments: Sequence[Segment], recompute: int = 0,
                 user_id: str = "default") -> tuple[list[Span], list[int]]:
@@ -646,6 +648,8 @@ class _Accumulator:
         completion = out.outputs[0]
         if self.ttft is None and completion.token_ids:
             self.ttft = t
+            if self.prepared.after_first_token is not None:
+                self.prepared.after_first_token()
         text = completion.text[self.sent :]
         self.sent = len(completion.text)
         if not out.finished:

@@ -33,7 +33,7 @@ import platform
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -91,9 +91,13 @@ class Plan:
     prompt_s: float  # what prefilling every memory would cost (the bound never to exceed)
 
 
-def plan(segments: Sequence[Segment], recompute: int, rates: Rates | None) -> tuple[list[Segment], MemoryMix]:
-    """Segments with the cold memories the cost model injects loaded (waited for), and the
-    mix of the request. The rest stay text (``TextFact``) and, with the quality knob's last
+def plan(
+    segments: Sequence[Segment], recompute: int, rates: Rates | None
+) -> tuple[list[Segment], MemoryMix, Callable[[], None]]:
+    """Segments with the cold memories the cost model injects loaded (waited for), the mix of
+    the request, and what moves the prefilled cold memories up a tier for the next request: the
+    caller runs it once the request's first token is out, since reads running during the prefill
+    compete with vLLM's host work (GIL, memory bandwidth). The rest stay text (``TextFact``) and, with the quality knob's last
     ``recompute`` memories, form the prefilled tail laid out by the engine."""
     facts = [i for i, s in enumerate(segments) if isinstance(s, (Span, TextFact))]
     limit = max(0, len(facts) - recompute)
@@ -121,11 +125,14 @@ def plan(segments: Sequence[Segment], recompute: int, rates: Rates | None) -> tu
         if not isinstance(loaded, Span):  # the file was unusable: the prefix ends here
             split = j
             break
-    for j in cold:
-        if j >= split:  # prefilled now; in a memory tier for the next request
-            segments[facts[j]].read.promote()  # type: ignore[union-attr]
+    later = [segments[facts[j]].read for j in cold if j >= split]  # type: ignore[union-attr]
+
+    def promote() -> None:  # prefilled now; in a memory tier for the next request
+        for read in later:
+            read.promote()
+
     from_disk = sum(1 for j in cold if j < split)
-    return out, MemoryMix(injected=split - from_disk, from_disk=from_disk, recomputed=len(facts) - split)
+    return out, MemoryMix(injected=split - from_disk, from_disk=from_disk, recomputed=len(facts) - split), promote
 
 
 def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rates) -> Plan:

@@ -68,15 +68,17 @@ def test_prefill_curve_interpolates_and_extrapolates():
 
 def test_slow_disk_recomputes_and_promotes():
     segs, reads = _prompt("cccc")
-    out, mix = plan(segs, 0, _rates(1e7))  # 0.1 s a fact against 1 ms of prefill
+    out, mix, promote = plan(segs, 0, _rates(1e7))  # 0.1 s a fact against 1 ms of prefill
     assert mix == MemoryMix(0, 0, 4)
+    assert all(r.calls == [] for r in reads)  # nothing read during the request's prefill
+    promote()  # the engine's call once the first token is out
     assert all(r.calls == ["promote"] for r in reads)
     assert out == segs
 
 
 def test_fast_disk_reads_all_in_parallel():
     segs, reads = _prompt("cccc")
-    out, mix = plan(segs, 0, _rates(1e12))
+    out, mix, _ = plan(segs, 0, _rates(1e12))
     assert mix == MemoryMix(0, 4, 0)
     assert all(r.calls == ["start", "wait"] for r in reads)
     assert all(isinstance(s, Span) for s in out[1:5])
@@ -86,25 +88,26 @@ def test_split_where_reading_stops_paying():
     # Warm memories first, cold ones after: reading a cold one (2 ms) costs more than
     # prefilling it (1 ms), so the split lands after the warm ones.
     segs, reads = _prompt("wwcc")
-    _, mix = plan(segs, 0, _rates(5e8))
+    _, mix, _ = plan(segs, 0, _rates(5e8))
     assert mix == MemoryMix(2, 0, 2)
     # A cold memory in front of warm ones is read when that saves their prefill.
     segs, reads = _prompt("cwww")
-    _, mix = plan(segs, 0, _rates(5e8))
+    _, mix, _ = plan(segs, 0, _rates(5e8))
     assert mix == MemoryMix(3, 1, 0)
 
 
 def test_the_knob_and_pending_text_bound_the_split():
     segs, reads = _prompt("cccc")
-    _, mix = plan(segs, 2, _rates(1e12))
+    _, mix, promote = plan(segs, 2, _rates(1e12))
     assert mix == MemoryMix(0, 2, 2)
+    promote()
     assert [r.calls for r in reads] == [["start", "wait"]] * 2 + [["promote"]] * 2
     segs, reads = _prompt("ctcc")
-    _, mix = plan(segs, 0, _rates(1e12))
+    _, mix, _ = plan(segs, 0, _rates(1e12))
     assert mix == MemoryMix(0, 1, 3)
 
 
 def test_no_rates_reads_as_before():
     segs, reads = _prompt("cc")
-    _, mix = plan(segs, 0, None)
+    _, mix, _ = plan(segs, 0, None)
     assert mix == MemoryMix(0, 2, 0)

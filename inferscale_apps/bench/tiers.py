@@ -205,11 +205,12 @@ def run_tiers(
                         t0 = time.perf_counter()
                         cold = [ColdFact(picked_ids[i], _Read(tiers, fp, picked_keys[i], f"tiers:{serial}:{i}",
                                                               picked_ids[i])) for i in order_i]
-                        segs, mix = planner.plan([work.head, *cold, question], 0, rates)
+                        segs, mix, promote_later = planner.plan([work.head, *cold, question], 0, rates)
                         # What the engine would prefill (its planner sees no cold fact left).
                         segs = [TextFact(s) if isinstance(s, ColdFact) else s for s in segs]
                         t_promote = time.perf_counter() - t0
                         result = engine.generate_segments(segs, max_tokens=1, mode="inject", first_logprobs=5)
+                        promote_later()  # as the engine does once the first token is out
                         # Promotions of the prefilled facts finish before the next request.
                         while any(t == "disk" for t in tiers.where_many(picked_keys)):
                             time.sleep(0.0005)
