@@ -93,8 +93,37 @@ def test_staging_counts_references_and_frees_room_for_reuse():
 def test_workers_refuse_segments_they_were_not_given_or_cannot_map():
     reader = ExchangeReader()
     with pytest.raises(ConnectorError, match="never described"):
-        reader.views(Location("inferscale-" + "1" * 32, 0, 0, 1), GEOMETRY)
+        reader.views(Location("inferscale-1-" + "1" * 32, 0, 0, 1), GEOMETRY)
     with pytest.raises(ConnectorError, match="bad KV segment name"):
         reader.map({"../etc/passwd": {"name": "../etc/passwd", "size": 10}})
     with pytest.raises(ConnectorError, match="must run on this host"):
-        reader.map({"inferscale-" + "2" * 32: {"size": 10}})
+        reader.map({"inferscale-1-" + "2" * 32: {"size": 10}})
+
+
+def test_segments_of_a_killed_owner_are_removed_by_the_next_one(tmp_path):
+    """A SIGKILLed owner never unlinks its /dev/shm segments; the next owner process does, and
+    leaves a live owner's alone."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = f"/dev/shm/inferscale-{dead.pid}-{uuid.uuid4().hex}"
+    live = f"/dev/shm/inferscale-{os.getpid()}-{uuid.uuid4().hex}"
+    for path in (stale, live):
+        open(path, "wb").close()
+    try:
+        code = ("from inferscale_engine.connector.exchange import Geometry, KVExchange; import torch; "
+                "from inferscale_engine.kv import FactKV; "
+                "g = Geometry(layers=1, heads=1, head_dim=8, dtype='bfloat16'); "
+                "x = KVExchange(g, 'cpu', segment_bytes=1 << 12); "
+                "t = torch.zeros(1, 2, 1, 8, dtype=torch.bfloat16); x.stage([('a', FactKV(t, t, 0))])")
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+        assert not os.path.exists(stale)
+        assert os.path.exists(live)
+    finally:
+        for path in (stale, live):
+            if os.path.exists(path):
+                os.unlink(path)

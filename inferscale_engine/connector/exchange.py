@@ -43,7 +43,8 @@ logger = logging.getLogger(__name__)
 SEGMENT_BYTES = 256 << 20
 _ALIGN = 256
 _SHM_DIR = "/dev/shm"
-_SHM_NAME = re.compile(r"^inferscale-[0-9a-f]{32}$")
+# inferscale-<owner pid>-<uuid>: the pid lets a later owner remove what a killed one left behind.
+_SHM_NAME = re.compile(r"^inferscale-(\d+)-[0-9a-f]{32}$")
 
 
 class Geometry(NamedTuple):
@@ -115,12 +116,13 @@ class _Segment:
     """One shared buffer and its free list (byte ranges)."""
 
     def __init__(self, size: int, device: torch.device) -> None:
-        self.name = f"inferscale-{uuid.uuid4().hex}"
+        self.name = f"inferscale-{os.getpid()}-{uuid.uuid4().hex}"
         self.size = size
         self.path: str | None = None
         if device.type == "cuda":
             self.buffer = torch.empty(size, dtype=torch.uint8, device=device)
         else:
+            _sweep_dead_owners()
             self.path = os.path.join(_SHM_DIR, self.name)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
@@ -160,6 +162,32 @@ class _Segment:
 #: Segments of owners in this process, by name: an in-process vLLM reads them directly (a process
 #: cannot open its own CUDA IPC handle).
 _LOCAL: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+_SWEPT = False
+
+
+def _sweep_dead_owners() -> None:
+    """Once per process: unlink the ``/dev/shm`` segments of owners that no longer run (a killed
+    owner's finalizers never ran), so killed servers do not pile up shared memory."""
+    global _SWEPT
+    if _SWEPT:
+        return
+    _SWEPT = True
+    try:
+        names = os.listdir(_SHM_DIR)
+    except OSError:
+        return
+    for name in names:
+        match = _SHM_NAME.match(name)
+        if match is None:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            _unlink(os.path.join(_SHM_DIR, name))
+        except OSError:  # alive, another user's
+            pass
 
 
 def _unlink(path: str) -> None:
