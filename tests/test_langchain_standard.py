@@ -19,26 +19,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
-from langchain_tests.integration_tests import (
-    ChatModelIntegrationTests,
-    RetrieversIntegrationTests,
-)
+from langchain_standard_base import ASYNC, MARKS, InjectedChatModelTests, module_engine
+from langchain_tests.integration_tests import RetrieversIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
-from inferscale_integrations import get_engine
 from inferscale_integrations.langchain import ChatInferScale, InferScaleRetriever
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.filterwarnings("ignore:The test <Function .* is marked with '@pytest.mark.asyncio':pytest.PytestWarning"),
-]
-
-
-# The suites' async tests need pytest-asyncio's mark (this repo runs it in strict mode); the
-# suites forbid overriding their tests, so the mark goes on the classes. pytest-asyncio ignores it
-# on the synchronous tests.
-ASYNC = pytest.mark.asyncio(loop_scope="class")
+pytestmark = MARKS
 
 _STATE: dict[str, Any] = {}
 USER = "standard-suite-user"
@@ -53,16 +40,7 @@ FACTS = [
 
 @pytest.fixture(scope="module", autouse=True)
 def engine(smollm2_path: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    # One engine per module, closed at the end: vLLM keeps the first live engine's KV-connector
-    # worker in a process global, so an engine left alive would break any engine built after it.
-    eng = get_engine("smollm2", store_path=tmp_path_factory.mktemp("lc-std-store"), recompute=0)
-    for fact in FACTS:
-        eng.memory.add(fact, user_id=USER)
-    eng.memory.wait_for_encoding()
-    _STATE["engine"] = eng
-    yield eng
-    _STATE.clear()
-    eng.close()
+    yield from module_engine("smollm2", tmp_path_factory.mktemp("lc-std-store"), USER, FACTS, _STATE)
 
 
 def _params() -> dict[str, Any]:
@@ -93,10 +71,9 @@ class TestChatInferScaleUnit(ChatModelUnitTests):
 
 
 @ASYNC
-class TestChatInferScaleIntegration(ChatModelIntegrationTests):
-    @property
-    def chat_model_class(self) -> type[ChatInferScale]:
-        return ChatInferScale
+class TestChatInferScaleIntegration(InjectedChatModelTests):
+    state = _STATE
+    user = USER
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
@@ -113,40 +90,6 @@ class TestChatInferScaleIntegration(ChatModelIntegrationTests):
     @property
     def supports_json_mode(self) -> bool:
         return False
-
-    @property
-    def supports_image_inputs(self) -> bool:
-        return False
-
-    @property
-    def supports_model_override(self) -> bool:
-        return False  # see module docstring
-
-    @property
-    def returns_usage_metadata(self) -> bool:
-        return True
-
-    @property
-    def supported_usage_metadata_details(self) -> dict[str, list[str]]:
-        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
-
-    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
-        """A prompt carrying memory handles: their KV is injected, so it is read, not prefilled."""
-        eng = _STATE["engine"]
-        handles = [item.handle for item in eng.memory.get_all(user_id=USER)[:3]]
-        llm = ChatInferScale(**self.chat_model_params)
-        messages = [SystemMessage("Memory:\n" + "\n".join(handles)), HumanMessage("What is my dog called?")]
-        if stream:
-            full = None
-            for chunk in llm.stream(messages):
-                full = chunk if full is None else full + chunk
-            assert full is not None
-            message: AIMessage = full  # type: ignore[assignment]
-        else:
-            message = llm.invoke(messages)
-        details = (message.usage_metadata or {}).get("input_token_details", {})
-        assert details.get("injected", 0) > 0
-        return message
 
 
 @ASYNC

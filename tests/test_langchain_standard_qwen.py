@@ -18,18 +18,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
-from langchain_tests.integration_tests import ChatModelIntegrationTests
+from langchain_standard_base import ASYNC, MARKS, InjectedChatModelTests, module_engine
 
-from inferscale_integrations import get_engine
-from inferscale_integrations.langchain import ChatInferScale
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.filterwarnings("ignore:The test <Function .* is marked with '@pytest.mark.asyncio':pytest.PytestWarning"),
-]
-
-ASYNC = pytest.mark.asyncio(loop_scope="class")  # see tests/test_langchain_standard.py
+pytestmark = MARKS
 
 MODEL = "qwen2.5-coder-0.5b"
 USER = "standard-suite-qwen"
@@ -39,22 +30,13 @@ _STATE: dict[str, Any] = {}
 
 @pytest.fixture(scope="module", autouse=True)
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    # One engine per module, closed at the end (vLLM keeps the KV connector process-global).
-    eng = get_engine(MODEL, store_path=tmp_path_factory.mktemp("lc-std-qwen"), recompute=0)
-    for fact in FACTS:
-        eng.memory.add(fact, user_id=USER)
-    eng.memory.wait_for_encoding()
-    _STATE["engine"] = eng
-    yield eng
-    _STATE.clear()
-    eng.close()
+    yield from module_engine(MODEL, tmp_path_factory.mktemp("lc-std-qwen"), USER, FACTS, _STATE)
 
 
 @ASYNC
-class TestChatInferScaleQwenIntegration(ChatModelIntegrationTests):
-    @property
-    def chat_model_class(self) -> type[ChatInferScale]:
-        return ChatInferScale
+class TestChatInferScaleQwenIntegration(InjectedChatModelTests):
+    state = _STATE
+    user = USER
 
     @property
     def chat_model_params(self) -> dict[str, Any]:
@@ -76,37 +58,3 @@ class TestChatInferScaleQwenIntegration(ChatModelIntegrationTests):
     @property
     def supports_json_mode(self) -> bool:
         return True
-
-    @property
-    def supports_image_inputs(self) -> bool:
-        return False
-
-    @property
-    def supports_model_override(self) -> bool:
-        return False  # see module docstring
-
-    @property
-    def returns_usage_metadata(self) -> bool:
-        return True
-
-    @property
-    def supported_usage_metadata_details(self) -> dict[str, list[str]]:
-        return {"invoke": ["cache_read_input"], "stream": ["cache_read_input"]}
-
-    def invoke_with_cache_read_input(self, *, stream: bool = False) -> AIMessage:
-        """A prompt carrying memory handles: their KV is injected, so it is read, not prefilled."""
-        eng = _STATE["engine"]
-        handles = [item.handle for item in eng.memory.get_all(user_id=USER)]
-        llm = ChatInferScale(**self.chat_model_params)
-        messages = [SystemMessage("Memory:\n" + "\n".join(handles)), HumanMessage("What is my dog called?")]
-        if stream:
-            full = None
-            for chunk in llm.stream(messages):
-                full = chunk if full is None else full + chunk
-            assert full is not None
-            message: AIMessage = full  # type: ignore[assignment]
-        else:
-            message = llm.invoke(messages)
-        details = (message.usage_metadata or {}).get("input_token_details", {})
-        assert details.get("injected", 0) > 0
-        return message
