@@ -108,11 +108,12 @@ class Loop:
                 self.abort(request_id)
 
 
-class AsyncEngineLoop(Loop):
-    """vLLM's ``AsyncLLM`` (engine core in its own processes) on an event loop of its own
-    thread. ``make_engine`` builds it there, so its output handler runs on that loop."""
+class ThreadedAsyncLoop(Loop):
+    """Requests as tasks on an event loop of this loop's own thread: submit, abort and close
+    from any thread. Subclasses say how a request runs (:meth:`_run`) and what closing releases
+    (:meth:`_shutdown`)."""
 
-    def __init__(self, make_engine: Callable[[], AsyncLLM], name: str = "inferscale-engine") -> None:
+    def __init__(self, name: str) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
         self._thread.start()
@@ -120,34 +121,33 @@ class AsyncEngineLoop(Loop):
         self._tasks: dict[str, tuple[asyncio.Task, Listener]] = {}
         self._closed = False
 
-        async def make() -> AsyncLLM:
-            return make_engine()
-
-        try:
-            self.engine = asyncio.run_coroutine_threadsafe(make(), self._loop).result()
-        except BaseException:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
-            raise
-
     def submit(self, prompt: dict[str, Any], params: SamplingParams, listener: Listener) -> str:
         if self._closed:
             raise RuntimeError("engine is closed")
         request_id = f"is-{next(self._ids)}"
-        self._loop.call_soon_threadsafe(self._start, request_id, prompt, params, listener)
+        work = self._request(request_id, prompt, params)
+        self._loop.call_soon_threadsafe(self._start, request_id, work, listener)
         return request_id
 
-    def _start(self, request_id: str, prompt: dict[str, Any], params: SamplingParams, listener: Listener) -> None:
-        task = self._loop.create_task(self._consume(request_id, prompt, params, listener))
+    def _request(self, request_id: str, prompt: dict[str, Any], params: SamplingParams) -> Any:
+        """What :meth:`_run` gets, built in the caller's thread."""
+        return prompt, params
+
+    async def _run(self, request_id: str, work: Any, listener: Listener) -> None:
+        raise NotImplementedError
+
+    async def _shutdown(self) -> None:
+        """Release what requests used, on the loop's thread, once every request is cancelled."""
+
+    def _start(self, request_id: str, work: Any, listener: Listener) -> None:
+        task = self._loop.create_task(self._track(request_id, work, listener))
         self._tasks[request_id] = (task, listener)
 
-    async def _consume(self, request_id: str, prompt: dict[str, Any], params: SamplingParams,
-                       listener: Listener) -> None:
+    async def _track(self, request_id: str, work: Any, listener: Listener) -> None:
         try:
-            async for out in self.engine.generate(prompt, params, request_id):  # type: ignore[arg-type]
-                _tell(listener, out, request_id)
+            await self._run(request_id, work, listener)
         except asyncio.CancelledError:
-            pass  # aborted: vLLM's generate() aborted the request on its way out
+            pass  # aborted: the request is aborted on its way out
         except Exception as exc:  # bad prompt, or the engine died: this request learns why
             _tell(listener, exc, request_id)
         finally:
@@ -175,16 +175,42 @@ class AsyncEngineLoop(Loop):
             for task, listener in list(self._tasks.values()):
                 _tell(listener, RuntimeError("engine closed"), "")
                 task.cancel()
-            self.engine.shutdown()
-            # Dropped now: vLLM's __del__ shuts it down again, which at interpreter exit (module
-            # globals gone) prints a TypeError.
-            del self.engine
+            await self._shutdown()
 
         try:
             asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=60)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
+
+
+class AsyncEngineLoop(ThreadedAsyncLoop):
+    """vLLM's ``AsyncLLM`` (engine core in its own processes) on an event loop of its own
+    thread. ``make_engine`` builds it there, so its output handler runs on that loop."""
+
+    def __init__(self, make_engine: Callable[[], AsyncLLM], name: str = "inferscale-engine") -> None:
+        super().__init__(name)
+
+        async def make() -> AsyncLLM:
+            return make_engine()
+
+        try:
+            self.engine = asyncio.run_coroutine_threadsafe(make(), self._loop).result()
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            raise
+
+    async def _run(self, request_id: str, work: Any, listener: Listener) -> None:
+        prompt, params = work
+        async for out in self.engine.generate(prompt, params, request_id):
+            _tell(listener, out, request_id)
+
+    async def _shutdown(self) -> None:
+        self.engine.shutdown()
+        # Dropped now: vLLM's __del__ shuts it down again, which at interpreter exit (module
+        # globals gone) prints a TypeError.
+        del self.engine
 
 
 def _tell(listener: Listener, out: RequestOutput | BaseException, request_id: str) -> None:

@@ -12,17 +12,15 @@ non-streamed response only, so requests are not streamed: a whole reply arrives 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from inferscale_engine.errors import EngineSettingsError, InferScaleError
-from inferscale_engine.loop import Listener, Loop
+from inferscale_engine.loop import Listener, ThreadedAsyncLoop
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -67,29 +65,17 @@ def server_info(url: str, timeout: float = 10.0) -> dict[str, Any]:
     return {"id": models[0]["id"], "max_model_len": int(models[0].get("max_model_len") or 0)}
 
 
-class RemoteLoop(Loop):
+class RemoteLoop(ThreadedAsyncLoop):
     """Sends requests to a vLLM OpenAI server from an event loop of its own thread."""
 
     def __init__(self, url: str, model_id: str, name: str = "inferscale-remote") -> None:
+        super().__init__(name)
         self.url = url.rstrip("/")
         self.model_id = model_id
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-        self._ids = itertools.count()
-        self._tasks: dict[str, tuple[asyncio.Task, Listener]] = {}
         self._session: Any = None
-        self._closed = False
 
-    def submit(self, prompt: dict[str, Any], params: SamplingParams, listener: Listener) -> str:
-        if self._closed:
-            raise RuntimeError("engine is closed")
-        request_id = f"is-{next(self._ids)}"
-        body = self._body(prompt, params)
-        self._loop.call_soon_threadsafe(self._start, request_id, body, listener)
-        return request_id
-
-    def _body(self, prompt: dict[str, Any], params: SamplingParams) -> dict[str, Any]:
+    def _request(self, request_id: str, prompt: dict[str, Any], params: SamplingParams) -> dict[str, Any]:
+        """The OpenAI completions body of one request."""
         body: dict[str, Any] = {
             "model": self.model_id,
             "prompt": list(prompt["prompt_token_ids"]),
@@ -119,64 +105,26 @@ class RemoteLoop(Loop):
             body["kv_transfer_params"] = transfer
         return body
 
-    def _start(self, request_id: str, body: dict[str, Any], listener: Listener) -> None:
-        task = self._loop.create_task(self._post(request_id, body, listener))
-        self._tasks[request_id] = (task, listener)
-
-    async def _post(self, request_id: str, body: dict[str, Any], listener: Listener) -> None:
+    async def _run(self, request_id: str, work: Any, listener: Listener) -> None:
         import aiohttp
 
         try:
             if self._session is None:
                 self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
-            async with self._session.post(f"{self.url}/v1/completions", json=body) as reply:
+            async with self._session.post(f"{self.url}/v1/completions", json=work) as reply:
                 data = await reply.json(content_type=None)
                 if reply.status != 200:
                     message = (data.get("error") or {}).get("message") if isinstance(data, dict) else data
                     raise InferScaleError(f"vLLM server refused the request ({reply.status}): {message}")
-            listener(_output(request_id, data), time.perf_counter())  # type: ignore[arg-type]  # RequestOutput's fields
-        except asyncio.CancelledError:
-            pass  # aborted: closing the connection aborts the request on the server
+        except (InferScaleError, asyncio.CancelledError):  # cancelled: closing the connection aborts it there
+            raise
         except Exception as exc:
-            if not isinstance(exc, InferScaleError):
-                exc = InferScaleError(f"vLLM server at {self.url} failed: {exc!r}")
-            try:
-                listener(exc, time.perf_counter())
-            except Exception:
-                logger.exception("listener for %s failed", request_id)
-        finally:
-            self._tasks.pop(request_id, None)
+            raise InferScaleError(f"vLLM server at {self.url} failed: {exc!r}") from None
+        listener(_output(request_id, data), time.perf_counter())  # type: ignore[arg-type]  # RequestOutput's fields
 
-    def abort(self, request_id: str) -> None:
-        def cancel() -> None:
-            entry = self._tasks.get(request_id)
-            if entry is not None:
-                entry[0].cancel()
-
-        if not self._closed:
-            self._loop.call_soon_threadsafe(cancel)
-
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-
-        async def stop() -> None:
-            for task, listener in list(self._tasks.values()):
-                listener(RuntimeError("engine closed"), time.perf_counter())
-                task.cancel()
-            if self._session is not None:
-                await self._session.close()
-
-        try:
-            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=30)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
+    async def _shutdown(self) -> None:
+        if self._session is not None:
+            await self._session.close()
 
 
 def _output(request_id: str, data: dict[str, Any]) -> RemoteOutput:
