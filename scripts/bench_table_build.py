@@ -7,7 +7,8 @@ Times, at ``--spans`` retrieved facts of ``--tokens`` tokens each (k=200 by defa
   request's first step, since tiers hand out new views per read), made as the tiers make them
   (:meth:`FactKV.cut_alike`) or one by one;
 * ``tier views``: making those 200 FactKVs, in bulk or one by one;
-* ``worker _inject``: the connector's worker half (piece loop, slots, table build), cold and warm;
+* ``worker _inject``: the connector's worker half (piece loop, slots, table build), cold and warm
+  (spans in shared memory) and local (spans by reference, an in-process owner);
 * ``scheduler alloc``: the scheduler half's ``update_state_after_alloc`` (LoadPiece per span).
 
 FactKVs are views into one ``[2, layers, rows, heads, dim]`` block, as the tiers hand them out.
@@ -147,6 +148,14 @@ def main() -> None:
     _report("worker _inject (cold)", _timed(lambda: conn._inject([load], forward_context), stage, args.repeat))
     # The same views from here on, as for spans staged at the offsets they had before
     _report("worker _inject (warm)", _timed(lambda: conn._inject([load], forward_context), lambda: None, args.repeat))
+
+    # An in-process owner: spans by reference, never cut again.
+    local = KVExchange(geometry, device, local=True)
+    shared_local = local.stage(list(zip(keys, _facts(block, spans, tokens))))
+    conn._reader = ExchangeReader()
+    conn._reader.map(shared_local.segments)
+    conn._at, conn._spans = shared_local.at, {}
+    _report("worker _inject (local)", _timed(lambda: conn._inject([load], forward_context), lambda: None, args.repeat))
 
     # Scheduler half: claim everything but the last token, as get_num_new_matched_tokens does.
     request = SimpleNamespace(request_id="r")

@@ -348,6 +348,8 @@ class KVExchange:
             return self._stage_local(spans)
         out: dict[str, Location] = {}
         copies = []
+        # Copies are queued under the lock, and every plan's event recorded after them: a
+        # request that finds its keys staged by another is ordered after that one's copies.
         with self._lock:
             for key, kv in spans:
                 staged = self._staged.get(key)
@@ -360,7 +362,7 @@ class KVExchange:
                 staged.refs += 1
                 out[key] = staged.location
             segments = self.descriptors({loc.segment for loc in out.values()})
-        ready = self._copy_in(copies) if copies else None
+            ready = self._copy_in(copies)
         if ready is not None:
             segments[ready[0]] = self._ring.descriptor  # type: ignore[union-attr]
         return SharedKV(self.geometry, out, segments, ready)
@@ -379,24 +381,26 @@ class KVExchange:
         return SharedKV(self.geometry, out, {self._table_name: {"name": self._table_name, "local": True}})
 
     def _copy_in(self, copies: list[tuple[Location, FactKV]]) -> tuple[str, int] | None:
-        """Copy spans into their rooms; on CUDA, the ring event (name, slot) recorded after the
-        copies, for the worker's stream to wait for."""
+        """Copy spans into their rooms (lock held); on CUDA, the ring event (name, slot) recorded
+        after them and every earlier staging copy, for the worker's stream to wait for."""
         cuda = self.device.type == "cuda"
         stream = torch.cuda.current_stream(self.device) if cuda else None
-        # Per span two strided views and no copy of its own: one foreach copy moves them all
-        # (hundreds of spans a request; a copy call per span cost ~0.1 ms on this box's CPU).
-        dsts: list[torch.Tensor] = []
-        srcs: list[torch.Tensor] = []
-        ready: dict[int, Any] = {}
-        dtype = self.geometry.torch_dtype
-        for location, kv in copies:
-            if cuda and kv.ready is not None:
-                ready[id(kv.ready)] = kv.ready
-            dsts.extend(span_views(self._segments[location.segment].typed(dtype), location, self.geometry, typed=True))
-            srcs.extend((kv.k, kv.v))
-        for event in ready.values():
-            stream.wait_event(event)  # type: ignore[union-attr]
-        torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        if copies:
+            # Per span two strided views and no copy of its own: one foreach copy moves them all
+            # (hundreds of spans a request; a copy call per span cost ~0.1 ms on this box's CPU).
+            dsts: list[torch.Tensor] = []
+            srcs: list[torch.Tensor] = []
+            ready: dict[int, Any] = {}
+            dtype = self.geometry.torch_dtype
+            for location, kv in copies:
+                if cuda and kv.ready is not None:
+                    ready[id(kv.ready)] = kv.ready
+                dsts.extend(span_views(self._segments[location.segment].typed(dtype), location, self.geometry,
+                                       typed=True))
+                srcs.extend((kv.k, kv.v))
+            for event in ready.values():
+                stream.wait_event(event)  # type: ignore[union-attr]
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
         if not cuda:
             return None
         if self._ring is None:

@@ -1,0 +1,82 @@
+"""Where the host time of many concurrent KV-injected requests goes (diagnostic, not a benchmark).
+
+usage: py-spy record --threads --format raw -o OUT.raw -- \
+           python scripts/profile_throughput.py MODEL_DIR [cuda|cpu] [USERS] [ENGINE OPTION=VALUE...]
+       python scripts/profile_throughput.py --summarize OUT.raw   (inclusive and self samples per function)
+Runs waves of USERS concurrent requests (k=50 injected facts, 32 output tokens) on an
+in-process engine, as ``bench throughput`` does, and prints each wave's request rate;
+``--dummy-weights`` models (config.json alone) load with load_format=dummy.
+"""
+
+import ast
+import asyncio
+import collections
+import re
+import sys
+import time
+
+from inferscale_apps.bench.common import SyntheticWorkload
+from inferscale_engine.engine import InferScaleEngine
+
+
+def _value(text: str) -> object:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def summarize(path: str, top: int = 150) -> None:
+    inclusive: collections.Counter[str] = collections.Counter()
+    own: collections.Counter[str] = collections.Counter()
+    threads: collections.Counter[str] = collections.Counter()
+    total = 0
+    with open(path) as f:
+        for line in f:
+            stack, _, count = line.rstrip().rpartition(" ")
+            n = int(count)
+            total += n
+            frames = [re.sub(r":\d+\)", ")", frame) for frame in stack.split(";")]
+            threads[frames[0]] += n
+            for frame in set(frames):
+                inclusive[frame] += n
+            own[frames[-1]] += n
+    print("samples", total)
+    for name, counts in (("threads", threads), ("inclusive", inclusive), ("self", own)):
+        print("---", name)
+        for frame, n in counts.most_common(top if name == "inclusive" else 40):
+            print(n, frame[:170])
+
+
+def main() -> None:
+    if sys.argv[1] == "--summarize":
+        summarize(sys.argv[2])
+        return
+    model = sys.argv[1]
+    device = sys.argv[2] if len(sys.argv) > 2 else "cuda"
+    users = int(sys.argv[3]) if len(sys.argv) > 3 else 100
+    options = {key: _value(value) for key, value in (a.split("=", 1) for a in sys.argv[4:])}
+    with InferScaleEngine(model=model, device=device, dtype="bfloat16", skip_tokenizer_init=True, recompute=0,
+                          **options) as engine:  # type: ignore[arg-type]
+        work = SyntheticWorkload.build(engine, pool=200, fact_tokens=28)
+
+        async def wave(n: int) -> float:
+            requests = []
+            for i in range(n):
+                picks, question = work.sample(50), work.question()
+                requests.append(engine.agenerate_segments(work.inject_segments(picks, question), user_id=f"u{i}",
+                                                          max_tokens=32, ignore_eos=True))
+            start = time.perf_counter()
+            await asyncio.gather(*requests)
+            return n / (time.perf_counter() - start)
+
+        async def waves() -> None:
+            await wave(4)
+            for _ in range(5):
+                print("inject", users, "users", round(await wave(users), 1), "req/s", flush=True)
+
+        asyncio.run(waves())
+
+
+if __name__ == "__main__":
+    main()
