@@ -66,6 +66,10 @@ class MissingUserError(InferScaleError, RuntimeError):
 
 
 
+class SchemaVersionError(InferScaleError, RuntimeError):
+    """A memory store's database was written by an InferScale of another schema version."""
+
+
 class SecretError(InferScaleError):
     """A store's handle secret is missing or is not the one its handles were made with."""
 

@@ -21,7 +21,6 @@ packaged for this Debian release, and the per-user indexes already answer from m
 
 from __future__ import annotations
 
-import json
 import secrets
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -32,67 +31,10 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from inferscale_engine.errors import FactNotFoundError, InferScaleError
-from inferscale_engine.memory.db import (
-    SCHEMA_VERSION,
-    Changes,
-    FactRow,
-    MetaDB,
-    blob_to_ids,
-    blob_to_vec,
-    ids_to_blob,
-    vec_to_blob,
-)
-from inferscale_engine.memory.item import text_hash
+from inferscale_engine.memory.db import Changes, FactRow, SQLMetaDB
 
 #: Key of the advisory lock every stamping transaction holds (any constant; ours spells "ISCL").
 _WRITE_LOCK = 0x4953434C
-
-_SCHEMA = """
-CREATE SEQUENCE IF NOT EXISTS fact_changes;
-CREATE TABLE IF NOT EXISTS meta (
-    key   TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS users (
-    user_id    TEXT PRIMARY KEY,
-    created_at TEXT NOT NULL
-);
-CREATE TABLE IF NOT EXISTS facts (
-    seq            BIGSERIAL PRIMARY KEY,              -- insertion order
-    id             TEXT NOT NULL UNIQUE,               -- 16 lowercase hex
-    user_id        TEXT NOT NULL REFERENCES users(user_id),
-    text           TEXT NOT NULL,
-    hash           TEXT NOT NULL,
-    token_ids      BYTEA,                              -- int32 LE
-    context_ids    BYTEA,                              -- int32 LE
-    context_text   TEXT,
-    context_kind   TEXT NOT NULL DEFAULT 'window',
-    context_window INTEGER NOT NULL DEFAULT 0,
-    metadata       TEXT NOT NULL DEFAULT '{}',
-    created_at     TEXT NOT NULL,
-    updated_at     TEXT NOT NULL,
-    deleted        BOOLEAN NOT NULL DEFAULT FALSE,
-    version        INTEGER NOT NULL DEFAULT 1,         -- the KV version: a replica's KV of another is stale
-    change_seq     BIGINT NOT NULL,                    -- from fact_changes, at the row's last change
-    embedding      BYTEA                               -- float32, L2-normalised
-);
-CREATE INDEX IF NOT EXISTS facts_by_user ON facts(user_id, deleted, seq);
-CREATE INDEX IF NOT EXISTS facts_by_change ON facts(change_seq);
-CREATE TABLE IF NOT EXISTS history (
-    seq        BIGSERIAL PRIMARY KEY,
-    id         TEXT NOT NULL UNIQUE,
-    memory_id  TEXT NOT NULL,
-    user_id    TEXT NOT NULL,
-    event      TEXT NOT NULL CHECK (event IN ('ADD', 'UPDATE', 'DELETE')),
-    old_memory TEXT,
-    new_memory TEXT,
-    created_at TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS history_by_memory ON history(memory_id, seq);
-"""
-
-_COLUMNS = ("seq, id, user_id, text, token_ids, context_ids, context_kind, context_window, metadata, created_at, "
-            "updated_at, version, embedding, context_text")
 _STAMP = "nextval('fact_changes')"
 
 
@@ -106,18 +48,22 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
 
 
-def _row(r: Sequence[Any]) -> FactRow:
-    return FactRow(
-        seq=r[0], id=r[1], user_id=r[2], text=r[3], token_ids=blob_to_ids(r[4]), context_ids=blob_to_ids(r[5]),
-        context_kind=r[6], context_window=r[7], metadata=json.loads(r[8]), created_at=r[9], updated_at=r[10],
-        kv_version=r[11], fingerprint=None, encode_error=None, embedding=blob_to_vec(r[12]), context_text=r[13],
-    )
-
-
-class PostgresDB(MetaDB):
+class PostgresDB(SQLMetaDB):
     """A memory store's metadata in a PostgreSQL database shared by replicas (``postgresql://`` URL)."""
 
     shared = True
+    # The dialect, and what sharing adds: a change stamp on every row, no KV state (see above).
+    PARAM = "%s"
+    SERIAL = "BIGSERIAL PRIMARY KEY"
+    BYTES = "BYTEA"
+    FLAG = "BOOLEAN NOT NULL DEFAULT FALSE"
+    VERSION = "version"
+    OWN_COLUMNS = "change_seq     BIGINT NOT NULL,                    -- from fact_changes, at the row's last change"
+    OWN_SCHEMA = """CREATE SEQUENCE IF NOT EXISTS fact_changes;
+CREATE INDEX IF NOT EXISTS facts_by_change ON facts(change_seq);
+"""
+    KV_STATE = "NULL, NULL"
+    STAMP = f", change_seq={_STAMP}"
 
     def __init__(self, url: str) -> None:
         try:
@@ -132,13 +78,8 @@ class PostgresDB(MetaDB):
         self.conn = self._connect()
         try:
             with self._writing() as c:  # the lock: replicas starting together create the schema once
-                c.execute(_SCHEMA)
-                c.execute("INSERT INTO meta(key, value) VALUES ('schema_version', %s) ON CONFLICT (key) DO NOTHING",
-                          (str(SCHEMA_VERSION),))
-                version = c.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0]
-            if int(version) != SCHEMA_VERSION:
-                raise InferScaleError(f"memory store {self.location} has schema version {version}, "
-                                      f"this InferScale reads {SCHEMA_VERSION}")
+                c.execute(self._schema)
+                self._check_schema(c)
         except BaseException:
             self.conn.close()
             raise
@@ -162,8 +103,13 @@ class PostgresDB(MetaDB):
                 raise InferScaleError(f"memory store {self.location}: {exc}".strip()) from exc
 
     @contextmanager
+    def _reading(self) -> Iterator[Any]:
+        with self._session() as conn, conn.cursor() as c:
+            yield c
+
+    @contextmanager
     def _transaction(self) -> Iterator[Any]:
-        with self._session() as c, c.transaction():
+        with self._session() as conn, conn.transaction(), conn.cursor() as c:
             yield c
 
     @contextmanager
@@ -177,120 +123,62 @@ class PostgresDB(MetaDB):
         with self.lock:
             self.conn.close()
 
-    # ------------------------------------------------------------------ meta
-
-    def get_meta(self, key: str) -> str | None:
-        with self._session() as c:
-            row = c.execute("SELECT value FROM meta WHERE key=%s", (key,)).fetchone()
-        return None if row is None else row[0]
-
-    def set_meta(self, key: str, value: str) -> None:
-        with self._transaction() as c:
-            c.execute("INSERT INTO meta(key, value) VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET value=excluded.value",
-                      (key, value))
-
     def handle_secret(self) -> bytes:
         with self._transaction() as c:
-            c.execute("INSERT INTO meta(key, value) VALUES ('handle_secret', %s) ON CONFLICT (key) DO NOTHING",
-                      (secrets.token_hex(32),))
-            value = c.execute("SELECT value FROM meta WHERE key='handle_secret'").fetchone()[0]
-        secret = bytes.fromhex(value)
+            secret = bytes.fromhex(self._meta_once(c, "handle_secret", secrets.token_hex(32)))
         if len(secret) < 32:
             raise InferScaleError(f"the handle secret in {self.location} is damaged ({len(secret)} bytes)")
         return secret
 
     # ------------------------------------------------------------------ facts
 
-    def count_facts(self) -> int:
-        with self._session() as c:
-            return int(c.execute("SELECT COUNT(*) FROM facts WHERE NOT deleted").fetchone()[0])
-
     def load_live_facts(self) -> list[FactRow]:
         # One snapshot for the rows and the stamp they are current to.
         with self._transaction() as c:
             c.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             self._cursor = int(c.execute("SELECT COALESCE(MAX(change_seq), 0) FROM facts").fetchone()[0])
-            rows = c.execute(f"SELECT {_COLUMNS} FROM facts WHERE NOT deleted ORDER BY seq").fetchall()
-        return [_row(r) for r in rows]
+            return self._live_facts(c)
 
     def changes(self) -> Changes:
-        with self._session() as c:
+        with self._reading() as c:
             rows = c.execute(
-                f"SELECT {_COLUMNS}, deleted, change_seq FROM facts WHERE change_seq > %s ORDER BY change_seq",
+                f"SELECT {self._fact_columns}, deleted, change_seq FROM facts WHERE change_seq > %s ORDER BY change_seq",
                 (self._cursor,),
             ).fetchall()
             if rows:
                 self._cursor = int(rows[-1][-1])
-        live = sorted((_row(r) for r in rows if not r[-2]), key=lambda f: f.seq)
+        live = sorted((self._row(r) for r in rows if not r[-2]), key=lambda f: f.seq)
         return Changes(live=live, deleted=[r[1] for r in rows if r[-2]])
 
     def live_versions(self, fact_ids: Sequence[str], user_id: str) -> dict[str, int]:
-        with self._session() as c:
+        with self._reading() as c:
             rows = c.execute(
                 "SELECT id, version FROM facts WHERE id = ANY(%s) AND user_id=%s AND NOT deleted",
                 (list(fact_ids), user_id),
             ).fetchall()
         return {r[0]: int(r[1]) for r in rows}
 
-    def insert_facts(self, facts: Sequence[FactRow], now: str) -> None:
-        if not facts:
-            return
-        with self._writing() as c:
-            c.execute("INSERT INTO users(user_id, created_at) VALUES (%s, %s) ON CONFLICT (user_id) DO NOTHING",
-                      (facts[0].user_id, now))
-            for f in facts:
-                f.seq = int(c.execute(
-                    "INSERT INTO facts(id, user_id, text, hash, token_ids, context_ids, context_kind, context_window, "
-                    "metadata, created_at, updated_at, version, embedding, context_text, change_seq) "
-                    f"VALUES (%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,%s,{_STAMP}) RETURNING seq",
-                    (
-                        f.id, f.user_id, f.text, text_hash(f.text), ids_to_blob(f.token_ids), ids_to_blob(f.context_ids),
-                        f.context_kind, f.context_window, json.dumps(f.metadata), f.created_at, f.updated_at,
-                        f.kv_version, vec_to_blob(f.embedding), f.context_text,
-                    ),
-                ).fetchone()[0])
-                _add_history(c, f.id, f.user_id, "ADD", None, f.text, now)
+    def _insert_fact(self, c: Any, f: FactRow) -> int:
+        return int(c.execute(
+            self._sql(f"INSERT INTO facts({self._INSERTED}, version, change_seq) VALUES ({self._params(14)}, {_STAMP}) "
+                      "RETURNING seq"),
+            self._fact_values(f),
+        ).fetchone()[0])
 
-    def update_text(self, old: FactRow, new: FactRow, embedding: np.ndarray) -> int:
-        """As :meth:`SQLiteDB.update_text`, except that the version is the stored one plus one
-        (another replica may have updated the fact meanwhile): returns it."""
-        with self._writing() as c:
-            row = c.execute(
-                "UPDATE facts SET text=%s, hash=%s, token_ids=%s, context_ids=%s, updated_at=%s, version=version+1, "
-                f"embedding=%s, change_seq={_STAMP} WHERE id=%s AND NOT deleted RETURNING version",
-                (new.text, text_hash(new.text), ids_to_blob(new.token_ids), ids_to_blob(new.context_ids),
-                 new.updated_at, vec_to_blob(embedding), new.id),
-            ).fetchone()
-            if row is None:
-                raise FactNotFoundError(f"memory {new.id} was deleted (by another replica)")
-            _add_history(c, new.id, old.user_id, "UPDATE", old.text, new.text, new.updated_at)
+    def _write_text(self, c: Any, new: FactRow, embedding: np.ndarray) -> int:
+        """Writes the stored version plus one (another replica may have updated the fact meanwhile)."""
+        row = c.execute(
+            self._sql(f"UPDATE facts SET {self._TEXT_SET}, version=version+1{self.STAMP} WHERE id=? AND NOT deleted "
+                      "RETURNING version"),
+            (*self._text_values(new, embedding), new.id),
+        ).fetchone()
+        if row is None:
+            raise FactNotFoundError(f"memory {new.id} was deleted (by another replica)")
         return int(row[0])
 
-    def delete_facts(self, facts: Sequence[FactRow], now: str) -> None:
+    def new_kv_versions(self, facts: Iterable[tuple[int, str]]) -> None:
         with self._writing() as c:
-            for f in facts:
-                gone = c.execute(
-                    "UPDATE facts SET deleted=TRUE, embedding=NULL, token_ids=NULL, context_ids=NULL, "
-                    f"context_text=NULL, updated_at=%s, change_seq={_STAMP} WHERE id=%s AND NOT deleted", (now, f.id),
-                ).rowcount
-                if gone:  # another replica may have deleted it first: one DELETE event
-                    _add_history(c, f.id, f.user_id, "DELETE", f.text, None, now)
-
-    def set_embeddings(self, facts: Iterable[tuple[str, np.ndarray]]) -> None:
-        with self._transaction() as c, c.cursor() as cur:
-            cur.executemany("UPDATE facts SET embedding=%s WHERE id=%s", [(vec_to_blob(v), i) for i, v in facts])
-
-    def set_token_ids(self, facts: Iterable[tuple[str, Sequence[int] | None]]) -> None:
-        with self._transaction() as c, c.cursor() as cur:
-            cur.executemany("UPDATE facts SET token_ids=%s, context_ids=NULL WHERE id=%s",
-                            [(ids_to_blob(t), i) for i, t in facts])
-
-    def set_context(self, f: FactRow) -> None:
-        with self._transaction() as c:
-            c.execute(
-                "UPDATE facts SET context_ids=%s, context_text=%s, context_kind=%s, context_window=%s WHERE id=%s",
-                (ids_to_blob(f.context_ids), f.context_text, f.context_kind, f.context_window, f.id),
-            )
+            c.executemany(f"UPDATE facts SET version=GREATEST(version, %s){self.STAMP} WHERE id=%s", list(facts))
 
     # Whether this replica holds a fact's KV is its own business (see the module docstring).
 
@@ -305,36 +193,3 @@ class PostgresDB(MetaDB):
 
     def set_encode_errors(self, errors: Iterable[tuple[str, str]]) -> None:
         return None
-
-    def new_kv_versions(self, facts: Iterable[tuple[int, str]]) -> None:
-        with self._writing() as c, c.cursor() as cur:
-            cur.executemany(f"UPDATE facts SET version=GREATEST(version, %s), change_seq={_STAMP} WHERE id=%s",
-                            list(facts))
-
-    def new_kv_version(self, fact_id: str, old: int, new: int) -> None:
-        with self._writing() as c:
-            c.execute(f"UPDATE facts SET version=%s, change_seq={_STAMP} WHERE id=%s AND version=%s",
-                      (new, fact_id, old))
-
-    def set_metadata(self, fact_id: str, metadata: dict[str, Any], now: str) -> None:
-        with self._writing() as c:
-            c.execute(f"UPDATE facts SET metadata=%s, updated_at=%s, change_seq={_STAMP} WHERE id=%s",
-                      (json.dumps(metadata), now, fact_id))
-
-    def history(self, memory_id: str) -> list[dict[str, Any]]:
-        with self._session() as c:
-            rows = c.execute(
-                "SELECT id, memory_id, user_id, event, old_memory, new_memory, created_at FROM history "
-                "WHERE memory_id=%s ORDER BY seq",
-                (memory_id,),
-            ).fetchall()
-        keys = ("id", "memory_id", "user_id", "event", "old_memory", "new_memory", "created_at")
-        return [dict(zip(keys, r)) for r in rows]
-
-
-def _add_history(c: Any, memory_id: str, user_id: str, event: str, old: str | None, new: str | None, now: str) -> None:
-    c.execute(
-        "INSERT INTO history(id, memory_id, user_id, event, old_memory, new_memory, created_at) "
-        "VALUES (%s,%s,%s,%s,%s,%s,%s)",
-        (secrets.token_hex(8), memory_id, user_id, event, old, new, now),
-    )

@@ -23,7 +23,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
+from llama_index.core.bridge.pydantic import Field
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events import BaseEvent
@@ -34,14 +34,8 @@ from llama_index.core.llms.custom import CustomLLM
 from inferscale_engine.errors import MissingUserError
 from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_engine.prompting import engine_role, usage_dict
-from inferscale_integrations._common import (
-    EngineConstructors,
-    EngineRef,
-    check_arguments,
-    model_name_of,
-    pydantic_fields,
-    warn_foreign_handles,
-)
+from inferscale_integrations._common import warn_foreign_handles
+from inferscale_integrations.llamaindex._base import InferScaleComponent
 from inferscale_integrations.llamaindex.retrievers import issued_to
 
 if TYPE_CHECKING:
@@ -66,7 +60,7 @@ def to_engine_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     return out
 
 
-class InferScaleLLM(EngineConstructors, CustomLLM):
+class InferScaleLLM(InferScaleComponent, CustomLLM):
     """LlamaIndex LLM on a co-located InferScale engine.
 
     Example:
@@ -96,24 +90,11 @@ class InferScaleLLM(EngineConstructors, CustomLLM):
     stop: list[str] | None = Field(default=None)
     raw_completion: bool = Field(default=False, description="complete() without the chat template.")
     sampling_kwargs: dict[str, Any] = Field(default_factory=dict, description="Extra vLLM SamplingParams.")
-    engine_options: dict[str, Any] = Field(default_factory=dict)
 
-    _engine: EngineRef = PrivateAttr()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_arguments(cls, data: Any) -> Any:
-        # user_id=None has a rule of its own here: the user the recalled handles were issued to.
-        check_arguments(cls, data, pydantic_fields(cls), user=False)
-        return data
-
-    def __init__(self, *, engine: InferScaleEngine | None = None, model: str | None = None, **kwargs: Any) -> None:
-        if model is not None:
-            kwargs["model_name"] = model
-        elif engine is not None and "model_name" not in kwargs:
-            kwargs["model_name"] = model_name_of(engine, None)
-        super().__init__(**kwargs)
-        self._engine = EngineRef(engine, self.model_name, self.engine_options)
+    # user_id=None has a rule of its own here: the user the recalled handles were issued to.
+    _WARN_NO_USER = False
+    _NAME_FROM_ENGINE = True
+    __init__ = InferScaleComponent.__init__  # so that type checkers know engine=, model=
 
     @classmethod
     def class_name(cls) -> str:

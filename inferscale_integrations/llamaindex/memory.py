@@ -18,29 +18,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.memory.memory import BaseMemoryBlock
 from llama_index.core.memory.types import BaseMemory
 
 from inferscale_integrations._common import (
-    EngineConstructors,
-    EngineRef,
     OnEngine,
     RecallMode,
     all_items,
-    check_arguments,
     check_mode,
     content_of,
-    pydantic_fields,
     recall,
     recall_for,
     role_of,
     save_messages,
 )
+from inferscale_integrations.llamaindex._base import InferScaleComponent
 from inferscale_integrations.llamaindex.retrievers import remember_issued
 
 if TYPE_CHECKING:
-    from inferscale_engine import InferScaleEngine
     from inferscale_engine.memory import MemoryItem
 
 SOURCE = "llamaindex"
@@ -52,24 +48,17 @@ def chat_message_for(item: MemoryItem, mode: str) -> ChatMessage:
     return ChatMessage(role=role, content=content_of(item, mode), additional_kwargs={"fact_id": item.id})
 
 
-class _OnEngine(OnEngine, EngineConstructors):
-    """Construction and store of both memory classes (a mixin before their pydantic base)."""
+class _MemoryBase(OnEngine, InferScaleComponent):
+    """The store and the checked ``mode`` of both memory classes (before their LlamaIndex base)."""
 
     if TYPE_CHECKING:
         mode: RecallMode
-        model_name: str | None
-        engine_options: dict[str, Any]
-        _engine: EngineRef
 
-    def __init__(self, *, engine: InferScaleEngine | None = None, model: str | None = None, **kwargs: Any) -> None:
-        if model is not None:
-            kwargs["model_name"] = model
-        super().__init__(**kwargs)
+    def _check_fields(self) -> None:
         check_mode(self.mode)
-        self._engine = EngineRef(engine, self.model_name, self.engine_options)
 
 
-class InferScaleMemory(_OnEngine, BaseMemory):
+class InferScaleMemory(_MemoryBase, BaseMemory):
     """Chat-engine memory whose recalled turns reach the LLM as injected KV.
 
     Example:
@@ -91,17 +80,10 @@ class InferScaleMemory(_OnEngine, BaseMemory):
     k: int = Field(default=4, description="Facts recalled by semantic search on the input.")
     recent_turns: int = Field(default=2, description="Most recent turns always included.")
     min_score: float | None = Field(default=None)
-    engine_options: dict[str, Any] = Field(default_factory=dict)
 
-    _engine: EngineRef = PrivateAttr()
     _pending: list[ChatMessage] = PrivateAttr(default_factory=list)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _check_arguments(cls, data: Any) -> Any:
-        check_arguments(cls, data, pydantic_fields(cls))
-        return data
-
+    __init__ = InferScaleComponent.__init__  # so that type checkers know engine=, model=
 
     @classmethod
     def class_name(cls) -> str:
@@ -171,7 +153,7 @@ class InferScaleMemory(_OnEngine, BaseMemory):
         self.store.wait_for_encoding()
 
 
-class InferScaleMemoryBlock(_OnEngine, BaseMemoryBlock[list[ChatMessage]]):
+class InferScaleMemoryBlock(_MemoryBase, BaseMemoryBlock[list[ChatMessage]]):
     """Long-term memory block for llama-index's ``Memory`` (agents, chat engines).
 
     ``Memory`` keeps recent messages as text in its short-term store and flushes older ones into
@@ -199,17 +181,8 @@ class InferScaleMemoryBlock(_OnEngine, BaseMemoryBlock[list[ChatMessage]]):
     mode: RecallMode = Field(default="handles")
     k: int = Field(default=4)
     min_score: float | None = Field(default=None)
-    engine_options: dict[str, Any] = Field(default_factory=dict)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _check_arguments(cls, data: Any) -> Any:
-        check_arguments(cls, data, pydantic_fields(cls))
-        return data
-
-    _engine: EngineRef = PrivateAttr()
-
-
+    __init__ = InferScaleComponent.__init__  # so that type checkers know engine=, model=
 
     def _get(self, messages: list[ChatMessage] | None) -> list[ChatMessage]:
         users = [m for m in messages or [] if m.role == MessageRole.USER and m.content]

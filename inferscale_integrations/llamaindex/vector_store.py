@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.embeddings.base import BaseEmbedding, Embedding
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, model_validator
+from llama_index.core.bridge.pydantic import Field
 from llama_index.core.schema import BaseNode, MetadataMode, NodeRelationship, RelatedNodeInfo, TextNode
 from llama_index.core.vector_stores.types import (
     BasePydanticVectorStore,
@@ -52,21 +52,11 @@ from llama_index.core.vector_stores.types import (
 from llama_index.core.vector_stores.utils import build_metadata_filter_fn
 
 from inferscale_engine.errors import InferScaleError
-from inferscale_integrations._common import (
-    SOURCE_KEY,
-    EngineConstructors,
-    EngineRef,
-    OnEngine,
-    RecallMode,
-    check_arguments,
-    check_mode,
-    content_of,
-    pydantic_fields,
-)
+from inferscale_integrations._common import SOURCE_KEY, OnEngine, RecallMode, check_mode, content_of
+from inferscale_integrations.llamaindex._base import InferScaleComponent
 from inferscale_integrations.llamaindex.retrievers import remember_issued
 
 if TYPE_CHECKING:
-    from inferscale_engine import InferScaleEngine
     from inferscale_engine.memory import MemoryItem
 
 SOURCE = "llamaindex-vector-store"
@@ -80,7 +70,7 @@ def _json_metadata(metadata: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(metadata, default=str))
 
 
-class InferScaleEmbedding(OnEngine, EngineConstructors, BaseEmbedding):
+class InferScaleEmbedding(OnEngine, InferScaleComponent, BaseEmbedding):
     """The memory store's embedding model as a LlamaIndex ``BaseEmbedding`` (no OpenAI needed).
 
     Pass it as ``embed_model=`` (or set ``Settings.embed_model``) when an index is built on
@@ -88,21 +78,9 @@ class InferScaleEmbedding(OnEngine, EngineConstructors, BaseEmbedding):
     """
 
     model_name: str = Field(default="smollm2", description="Model alias/folder of the shared engine.")
-    engine_options: dict[str, Any] = Field(default_factory=dict)
 
-    _engine: EngineRef = PrivateAttr()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _check_arguments(cls, data: Any) -> Any:
-        check_arguments(cls, data, pydantic_fields(cls), user=False)
-        return data
-
-    def __init__(self, *, engine: InferScaleEngine | None = None, model: str | None = None, **kwargs: Any) -> None:
-        if model is not None:
-            kwargs["model_name"] = model
-        super().__init__(**kwargs)
-        self._engine = EngineRef(engine, self.model_name, self.engine_options)
+    _WARN_NO_USER = False  # embeddings belong to no user
+    __init__ = InferScaleComponent.__init__  # so that type checkers know engine=, model=
 
     @classmethod
     def class_name(cls) -> str:
@@ -124,7 +102,7 @@ class InferScaleEmbedding(OnEngine, EngineConstructors, BaseEmbedding):
         return self._embed(texts)
 
 
-class InferScaleVectorStore(OnEngine, EngineConstructors, BasePydanticVectorStore):
+class InferScaleVectorStore(OnEngine, InferScaleComponent, BasePydanticVectorStore):
     """A LlamaIndex vector store whose nodes are memory facts of one user, queried as handles.
 
     Example:
@@ -152,24 +130,13 @@ class InferScaleVectorStore(OnEngine, EngineConstructors, BasePydanticVectorStor
     mode: RecallMode = Field(default="handles", description="Query results as handles or as text.")
     chunk_tokens: int = Field(default=256, gt=0, description="Longest fact, in model tokens; longer nodes are split.")
     chunk_overlap: int = Field(default=32, ge=0, description="Tokens shared by consecutive chunks of a split node.")
-    engine_options: dict[str, Any] = Field(default_factory=dict)
 
-    _engine: EngineRef = PrivateAttr()
+    __init__ = InferScaleComponent.__init__  # so that type checkers know engine=, model=
 
-    @model_validator(mode="before")
-    @classmethod
-    def _check_arguments(cls, data: Any) -> Any:
-        check_arguments(cls, data, pydantic_fields(cls))
-        return data
-
-    def __init__(self, *, engine: InferScaleEngine | None = None, model: str | None = None, **kwargs: Any) -> None:
-        if model is not None:
-            kwargs["model_name"] = model
-        super().__init__(**kwargs)
+    def _check_fields(self) -> None:
         check_mode(self.mode)
         if self.chunk_overlap >= self.chunk_tokens:
             raise ValueError(f"chunk_overlap ({self.chunk_overlap}) must be smaller than chunk_tokens ({self.chunk_tokens})")
-        self._engine = EngineRef(engine, self.model_name, self.engine_options)
 
     @classmethod
     def class_name(cls) -> str:
