@@ -77,7 +77,7 @@ def test_a_capture_missing_rows_of_a_rank_is_refused():
 
 
 def test_staging_counts_references_and_frees_room_for_reuse():
-    exchange = KVExchange(GEOMETRY, "cpu", segment_bytes=1 << 16)
+    exchange = KVExchange(GEOMETRY, "cpu", segment_bytes=1 << 16, retain_bytes=0)
     try:
         fact = _fact(10, 0)
         first = exchange.stage([("a", fact), ("a", fact)]).at["a"]
@@ -88,6 +88,32 @@ def test_staging_counts_references_and_frees_room_for_reuse():
         assert [seg.free for seg in exchange._segments.values()] == [[(0, 1 << 16)]]
         with pytest.raises(ConnectorError, match="does not fit the served model"):
             exchange.stage([("x", FactKV(torch.zeros(3, 2, 1, 8), torch.zeros(3, 2, 1, 8), 0))])
+    finally:
+        exchange.close()
+
+
+def test_spans_no_request_uses_stay_staged_until_their_room_is_needed():
+    """A key served again is not copied again (same location, so workers reuse their views);
+    once segments reach retain_bytes, the least recently used retained span gives up its room."""
+    span_bytes = 2 * GEOMETRY.kv_bytes(5)  # 960: 4 to a 4 KiB segment (256-byte aligned: 1024 each)
+    exchange = KVExchange(GEOMETRY, "cpu", segment_bytes=1 << 12, retain_bytes=1 << 12)
+    try:
+        a = exchange.stage([("a", _fact(5, 0))]).at["a"]
+        exchange.unstage(["a"])
+        again = exchange.stage([("a", _fact(5, 1))]).at["a"]  # another tensor: "a" names the KV staged
+        assert again == a
+        reader = ExchangeReader()
+        reader.map(exchange.descriptors({a.segment}))
+        assert torch.equal(reader.views(a, GEOMETRY)[0], _fact(5, 0).k)
+        exchange.unstage(["a"])
+        for key in "bcd":
+            exchange.stage([(key, _fact(5, 2))])
+            exchange.unstage([key])
+        assert len(exchange._segments) == 1 and span_bytes <= 1024
+        # The segment is full of retained spans and may not grow: "a", the oldest, makes room.
+        e = exchange.stage([("e", _fact(5, 3))]).at["e"]
+        assert e.offset == a.offset and len(exchange._segments) == 1
+        assert exchange.stage([("b", _fact(5, 4))]).at["b"].segment == a.segment  # still retained
     finally:
         exchange.close()
 

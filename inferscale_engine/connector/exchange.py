@@ -37,6 +37,7 @@ import re
 import threading
 import uuid
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -49,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 #: New segments hold at least this much (a span larger than this gets a segment of its own).
 SEGMENT_BYTES = 256 << 20
+#: Segments may grow to this many bytes to keep spans no request uses any more where they lie.
+RETAIN_BYTES = 4 * SEGMENT_BYTES
 _ALIGN = 256
 _SHM_DIR = "/dev/shm"
 # inferscale-<owner pid>-<uuid>: the pid lets a later owner remove what a killed one left behind.
@@ -289,20 +292,25 @@ class KVExchange:
         geometry: the served model's KV shape.
         device: where segments live (``cuda``: shared through CUDA IPC; ``cpu``: ``/dev/shm``).
         segment_bytes: size of each new segment.
+        retain_bytes: spans no request uses any more stay staged, least recently used out first,
+            while segments hold no more than this: a span served again is neither copied nor
+            cut into views again (its location is the same).
         local: vLLM's workers run in this process: staged spans are handed over by reference
             (no copy, no wait on the host); captures still go through segments.
     """
 
     def __init__(self, geometry: Geometry, device: torch.device | str, segment_bytes: int = SEGMENT_BYTES,
-                 *, local: bool = False) -> None:
+                 *, local: bool = False, retain_bytes: int = RETAIN_BYTES) -> None:
         self.geometry = geometry
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.segment_bytes = segment_bytes
+        self.retain_bytes = retain_bytes
         self.local = local
         self._segments: dict[str, _Segment] = {}
         self._staged: dict[str, _Staged] = {}
+        self._retained: OrderedDict[str, _Staged] = OrderedDict()  # staged, unused, oldest first
         self._lock = threading.Lock()
         # local: the spans in flight, by slot, in a table the worker half finds by its name.
         self._table_name = f"inferscale-{os.getpid()}-{uuid.uuid4().hex}"
@@ -315,11 +323,19 @@ class KVExchange:
     # ------------------------------------------------------------------ memory
 
     def _allocate(self, size: int) -> tuple[_Segment, int]:
+        """Room for ``size`` bytes (lock held): a free range, else one that retained spans give
+        up (oldest first) once segments reach ``retain_bytes``, else a new segment."""
         size = -(-size // _ALIGN) * _ALIGN
-        for segment in self._segments.values():
-            offset = segment.allocate(size)
-            if offset is not None:
-                return segment, offset
+        while True:
+            for segment in self._segments.values():
+                offset = segment.allocate(size)
+                if offset is not None:
+                    return segment, offset
+            held = sum(segment.size for segment in self._segments.values())
+            if not self._retained or held + max(size, self.segment_bytes) <= self.retain_bytes:
+                break
+            _, old = self._retained.popitem(last=False)
+            self._release(old.location, old.size)
         segment = _Segment(max(size, self.segment_bytes), self.device)
         self._segments[segment.name] = segment
         logger.debug("KV exchange: new %d MiB segment %s", segment.size >> 20, segment.name)
@@ -341,7 +357,9 @@ class KVExchange:
     def stage(self, spans: list[tuple[str, FactKV]]) -> SharedKV:
         """Make each ``(key, kv)`` readable by vLLM's workers (a key staged twice is staged once
         and counted twice): where every key's KV lies, for the request's plan. Each
-        :meth:`stage` is matched by one :meth:`unstage` of the same keys once the request ends."""
+        :meth:`stage` is matched by one :meth:`unstage` of the same keys once the request ends.
+        A key names one span's KV for good (as :class:`~inferscale_engine.types.Span` keys do):
+        a key still staged or retained is not copied again."""
         for _, kv in spans:  # all refused before any is counted
             self._check(kv)
         if self.local:
@@ -353,6 +371,10 @@ class KVExchange:
         with self._lock:
             for key, kv in spans:
                 staged = self._staged.get(key)
+                if staged is None:
+                    staged = self._retained.pop(key, None)
+                    if staged is not None:
+                        self._staged[key] = staged
                 if staged is None:
                     n = kv.num_tokens
                     size = 2 * self.geometry.kv_bytes(n)
@@ -417,7 +439,8 @@ class KVExchange:
             )
 
     def unstage(self, keys: list[str]) -> None:
-        """Drop one reference to each key; the last one frees its room."""
+        """Drop one reference to each key; after the last one its room is retained (while
+        ``retain_bytes`` allows) or freed."""
         with self._lock:
             for key in keys:
                 staged = self._staged.get(key)
@@ -428,6 +451,8 @@ class KVExchange:
                     del self._staged[key]
                     if self.local:
                         del self._table[staged.location.offset]
+                    elif self.retain_bytes > 0:
+                        self._retained[key] = staged
                     else:
                         self._release(staged.location, staged.size)
 
@@ -477,6 +502,7 @@ class KVExchange:
                     _unlink(segment.path)
             self._segments.clear()
             self._staged.clear()
+            self._retained.clear()
             self._table.clear()
             _TABLES.pop(self._table_name, None)
 
