@@ -191,6 +191,9 @@ class RemoteLoop(ThreadedAsyncLoop):
                                             prompt_token_ids=prompt_ids), request_id)
         self._learn(work, usage, None)
         cached = _cached_tokens(usage)
+        if work.injects and not self._server_reports_cached:  # a server restarted without the flag
+            logger.warning("vLLM server at %s no longer reports cached tokens: request %s reports 0 injected "
+                           "(run vllm serve with --enable-prompt-tokens-details)", self.url, request_id)
         # Streamed only where every token vLLM counts as cached was injected (see the module).
         params = {INJECTED_KEY: cached} if work.injects else None
         final = RemoteOutput(request_id, [_Completion(text, token_ids, finish_reason, logprobs)], params, cached,
@@ -225,6 +228,7 @@ async def _events(content: Any) -> AsyncIterator[dict[str, Any]]:
                     if data == b"[DONE]":
                         return
                     yield json.loads(data)
+    raise InferScaleError("the vLLM server closed the stream before its end")
 
 
 def _logprobs(choice: dict[str, Any]) -> list[dict[int, _Logprob]] | None:
