@@ -39,7 +39,7 @@ from inferscale_engine import cuda_graphs, planner
 from inferscale_engine.config import EngineConfig, check_recompute
 from inferscale_engine.connector import compat
 from inferscale_engine.connector.exchange import Geometry, KVExchange
-from inferscale_engine.connector.plan import InjectionPlan, SharedKV, SpanRef, injected_tokens
+from inferscale_engine.connector.plan import InjectionPlan, SpanRef, injected_tokens
 from inferscale_engine.encoder import EncodeWindow, encode_windows
 from inferscale_engine.errors import (
     ContextOverflowError,
@@ -217,7 +217,9 @@ class InferScaleEngine:
         #: another vLLM release: salted.
         self._can_bypass_prefix_cache = not cfg.vllm_url and compat.can_keep_out_of_prefix_cache()
         self.fingerprint = _fingerprint(self.model_path, self.vllm_config)
-        self.exchange = KVExchange(Geometry.of_model(model_config), "cuda" if cfg.device == "cuda" else "cpu")
+        # In-process, vLLM's worker half reads the spans where they lie: nothing to copy.
+        self.exchange = KVExchange(Geometry.of_model(model_config), "cuda" if cfg.device == "cuda" else "cpu",
+                                   local=not cfg.multiprocess and not cfg.vllm_url)
         if not cfg.multiprocess and not cfg.vllm_url:
             self.loop = EngineLoop(self._vllm)
 
@@ -561,8 +563,7 @@ class InferScaleEngine:
         if staged:
             keys = [s.key for s in spans]
             lengths = [len(s.token_ids) for s in spans]
-            at = self.exchange.stage([(s.key, s.kv) for s in spans])
-            kv = SharedKV(self.exchange.geometry, at, self.exchange.descriptors({loc.segment for loc in at.values()}))
+            kv = self.exchange.stage([(s.key, s.kv) for s in spans])
             plan = InjectionPlan(tuple(map(SpanRef, keys, itertools.accumulate(lengths, initial=0), lengths)), kv,
                                  keep_cached=self.config.prefix_cache_injected)
             # In-process, the plan travels as itself, not as JSON.

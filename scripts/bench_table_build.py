@@ -33,7 +33,6 @@ from inferscale_engine.connector.plan import (
     InjectionPlan,
     LoadPiece,
     LoadRequest,
-    SharedKV,
     SpanRef,
 )
 from inferscale_engine.connector.table import InjectionTable, SpanRows
@@ -125,8 +124,8 @@ def main() -> None:
     exchange = KVExchange(geometry, device)
     _report("exchange stage (cold)", _timed(lambda: exchange.stage(list(zip(keys, _facts(block, spans, tokens)))),
                                             lambda: exchange.unstage(keys), args.repeat))
-    at = exchange.stage(list(zip(keys, _facts(block, spans, tokens))))
-    shared = SharedKV(geometry, at, exchange.descriptors({loc.segment for loc in at.values()}))
+    shared = exchange.stage(list(zip(keys, _facts(block, spans, tokens))))
+    at = shared.at
     plan = InjectionPlan(tuple(SpanRef(key, i * tokens, tokens) for i, key in enumerate(keys)), shared)
     bs = args.block_size
     block_ids = list(range((rows + bs - 1) // bs))

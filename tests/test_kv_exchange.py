@@ -50,7 +50,9 @@ def test_another_process_reads_staged_spans_and_fills_capture_rooms():
     exchange = KVExchange(GEOMETRY, "cpu", segment_bytes=1 << 16)
     try:
         facts = {"a": _fact(5, 0, position=7), "b": _fact(40, 1), "c": _fact(300, 2)}  # c: a segment of its own
-        at = exchange.stage(list(facts.items()))
+        shared = exchange.stage(list(facts.items()))
+        at = shared.at
+        assert shared.ready is None and set(shared.segments) == {loc.segment for loc in at.values()}
         assert len({loc.segment for loc in at.values()}) == 2 and at["a"].position == 7
         room = exchange.reserve_capture(4)
         names = {loc.segment for loc in [*at.values(), room]}
@@ -78,9 +80,9 @@ def test_staging_counts_references_and_frees_room_for_reuse():
     exchange = KVExchange(GEOMETRY, "cpu", segment_bytes=1 << 16)
     try:
         fact = _fact(10, 0)
-        first = exchange.stage([("a", fact), ("a", fact)])["a"]
+        first = exchange.stage([("a", fact), ("a", fact)]).at["a"]
         exchange.unstage(["a"])
-        assert exchange.stage([("b", _fact(10, 1))])["b"] != first  # "a" still staged once
+        assert exchange.stage([("b", _fact(10, 1))]).at["b"] != first  # "a" still staged once
         exchange.unstage(["a", "b"])
         # Everything freed and merged: one range as large as the segment again.
         assert [seg.free for seg in exchange._segments.values()] == [[(0, 1 << 16)]]
@@ -88,6 +90,33 @@ def test_staging_counts_references_and_frees_room_for_reuse():
             exchange.stage([("x", FactKV(torch.zeros(3, 2, 1, 8), torch.zeros(3, 2, 1, 8), 0))])
     finally:
         exchange.close()
+
+
+def test_an_owner_in_the_workers_process_hands_spans_over_by_reference():
+    """In-process (``local=True``): nothing is copied; the worker half gets the staged FactKV
+    itself, its heads sliced for a tensor-parallel rank, until the last unstage."""
+    exchange = KVExchange(GEOMETRY, "cpu", local=True)
+    try:
+        fact = _fact(6, 0, position=4)
+        shared = exchange.stage([("a", fact), ("a", fact)])
+        loc = shared.at["a"]
+        assert not exchange._segments and (loc.position, loc.tokens) == (4, 6)
+        reader = ExchangeReader()
+        reader.map(shared.segments)
+        assert reader.is_local(loc)
+        whole = reader.span(loc, GEOMETRY, (0, 2))
+        assert whole is fact
+        head = reader.span(loc, GEOMETRY, (1, 2))
+        assert head.k.data_ptr() == fact.k[:, :, 1:].data_ptr() and torch.equal(head.v, fact.v[:, :, 1:])
+        exchange.unstage(["a"])
+        assert reader.span(loc, GEOMETRY, (0, 2)) is fact  # still staged once
+        exchange.unstage(["a"])
+        with pytest.raises(ConnectorError, match="no longer staged"):
+            reader.span(loc, GEOMETRY, (0, 2))
+    finally:
+        exchange.close()
+    with pytest.raises(ConnectorError, match="owner that is gone"):
+        ExchangeReader().map(shared.segments)
 
 
 def test_workers_refuse_segments_they_were_not_given_or_cannot_map():

@@ -163,7 +163,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         stop = start + count
         pieces = plan.pieces(start, stop)
         block_ids = compat.single_group_block_ids(blocks.get_block_ids())
-        self._loads.append(LoadRequest(block_ids, start, stop, pieces))
+        self._loads.append(LoadRequest(block_ids, start, stop, pieces, plan.kv.ready))
         at = plan.kv.at
         self._load_at.update((p.key, at[p.key]) for p in pieces)
         self._geometry = plan.kv.geometry
@@ -202,7 +202,8 @@ class InferScaleConnector(KVConnectorBase_V1):
                     meta.captures.append(CaptureSlots(r.capture_id, r.length, lo - r.start, self._slots(blocks, lo, hi)))
                     meta.at[r.capture_id] = plan.kv.at[r.capture_id]
                     meta.geometry = plan.kv.geometry
-        undescribed = {loc.segment for loc in meta.at.values()} - self._described
+        needed = {loc.segment for loc in meta.at.values()} | {load.ready[0] for load in meta.loads if load.ready}
+        undescribed = needed - self._described
         if undescribed:
             meta.segments = {name: self._descriptors[name] for name in undescribed}
             self._described |= undescribed
@@ -259,11 +260,15 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._spans.clear()
 
     def _span(self, location: Location) -> FactKV:
-        """This rank's heads of the span at ``location`` (views of shared memory)."""
+        """This rank's heads of the span at ``location`` (views of shared memory, or the span
+        itself from an owner in this process)."""
         kv = self._spans.get(location)
         if kv is None:
             assert self._worker_geometry is not None and self._heads is not None
-            kv = self._spans[location] = self._reader.span(location, self._worker_geometry, self._heads)
+            kv = self._reader.span(location, self._worker_geometry, self._heads)
+            if self._reader.is_local(location):
+                return kv  # kept, a view would keep the owner's whole gathered block alive
+            self._spans[location] = kv
             while len(self._spans) > _SPAN_VIEWS:
                 del self._spans[next(iter(self._spans))]
         return kv
@@ -343,10 +348,24 @@ class InferScaleConnector(KVConnectorBase_V1):
         spans = SpanColumns(kvs, row, np.array(counts, dtype=np.int64), delta)
         slots = np.concatenate([load.slots(self._block_size) for load in loads])
         device = compat.layer_kv_cache(self._layers[0][1], forward_context).device
+        if device.type == "cuda":
+            self._wait_ready(kvs, loads, device)
         if self._fused and device.type == "cuda" and self._fused_ready(forward_context):
             self._inject_fused(spans, slots, device)
         else:
             self._inject_torch(spans, slots, device, forward_context)
+
+    def _wait_ready(self, kvs: list[FactKV], loads: list[LoadRequest], device: torch.device) -> None:
+        """Queue the writes behind the copies that made the spans' KV, on the device: the
+        owner's gathers (spans held by reference) or its staging copies (a ring event)."""
+        events = {id(kv.ready): kv.ready for kv in kvs if kv.ready is not None}
+        for load in loads:
+            if load.ready is not None:
+                event = self._reader.event(load.ready)
+                events[id(event)] = event
+        stream = torch.cuda.current_stream(device)
+        for event in events.values():
+            stream.wait_event(event)
 
     def _paged_views(self, forward_context: ForwardContext) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """Every layer's K/V cache as ``[blocks, block_size, heads, head_dim]`` views, where the

@@ -14,6 +14,13 @@ handles for a CUDA one (same host: vLLM's workers open the owner's allocation). 
 named by a random id; a worker opens each one once. Only descriptors travel: never pickles,
 since ``kv_transfer_params`` come from HTTP clients of vLLM's server.
 
+An owner whose vLLM runs in its own process (``KVExchange(local=True)``, the in-process
+engine) copies nothing: spans are handed over by reference, in a table the worker half reads in
+the same process, and the worker waits for each span's ``FactKV.ready`` event on the device.
+A CUDA owner of another process records one of a ring of interprocess events after its
+staging copies and sends the slot with the plan (:attr:`SharedKV.ready`): the worker's stream
+waits for it, so neither side blocks on the host.
+
 Layouts: a span of ``n`` tokens is ``K[layers, n, heads, head_dim]`` then ``V`` alike, both
 contiguous, at a byte offset; a capture adds ``filled[layers, n, heads]`` bytes after them,
 which each rank sets for the heads it wrote, so the owner knows every row was computed.
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import bisect
+import itertools
 import logging
 import os
 import re
@@ -88,6 +96,43 @@ class Location(NamedTuple):
     offset: int
     position: int
     tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SharedKV:
+    """Where a plan's KV lies: a :class:`Location` per span key (or capture id), in segments a
+    worker maps from their descriptors; ``ready``: the owner's event (ring, slot) that orders
+    the worker after the copies that staged it, if any."""
+
+    geometry: Geometry
+    at: dict[str, Location]
+    segments: dict[str, dict[str, Any]]
+    ready: tuple[str, int] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"geometry": list(self.geometry), "at": {k: list(loc) for k, loc in self.at.items()},
+                                "segments": self.segments}
+        if self.ready is not None:
+            data["ready"] = list(self.ready)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SharedKV:
+        layers, heads, dim, dtype = data["geometry"]
+        ready = data.get("ready")
+        return cls(
+            Geometry(int(layers), int(heads), int(dim), str(dtype)),
+            {str(k): Location(str(s), int(o), int(p), int(n)) for k, (s, o, p, n) in data["at"].items()},
+            {str(name): dict(d) for name, d in data["segments"].items()},
+            (str(ready[0]), int(ready[1])) if ready is not None else None,
+        )
+
+    def described(self) -> set[str]:
+        """Names of every segment (and event ring) this plan's worker must have mapped."""
+        names = {loc.segment for loc in self.at.values()}
+        if self.ready is not None:
+            names.add(self.ready[0])
+        return names
 
 
 def _segment_descriptor(name: str, buffer: torch.Tensor) -> dict[str, Any]:
@@ -164,6 +209,39 @@ class _Segment:
 _LOCAL: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
 
+#: Span tables of local owners in this process, by name (see ``KVExchange(local=True)``).
+_TABLES: dict[str, dict[int, FactKV]] = {}
+
+#: Event rings of owners in this process, by name (a process cannot open its own IPC handle).
+_LOCAL_RINGS: weakref.WeakValueDictionary[str, _EventRing] = weakref.WeakValueDictionary()
+
+#: Events in an owner's ring. Recording slot i again before a worker waited on its last record
+#: only makes that worker wait for later copies, never for too few: no slot is ever "in use".
+_RING_EVENTS = 64
+
+
+class _EventRing:
+    """Interprocess CUDA events an owner records after its staging copies; workers open them
+    once (the descriptor) and wait on the slot a plan names."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.name = f"inferscale-{os.getpid()}-{uuid.uuid4().hex}"
+        stream = torch.cuda.current_stream(device)
+        self.events = [torch.cuda.Event(interprocess=True) for _ in range(_RING_EVENTS)]
+        for event in self.events:
+            event.record(stream)  # an IPC handle needs the event made on its device
+        self.descriptor = {"name": self.name,
+                           "events": [base64.b64encode(e.ipc_handle()).decode() for e in self.events],
+                           "uuid": str(torch.cuda.get_device_properties(device).uuid)}
+        self._next = itertools.count()
+        _LOCAL_RINGS[self.name] = self
+
+    def record(self, stream: torch.cuda.Stream) -> tuple[str, int]:
+        slot = next(self._next) % len(self.events)
+        self.events[slot].record(stream)
+        return self.name, slot
+
+
 _SWEPT = False
 
 
@@ -211,17 +289,28 @@ class KVExchange:
         geometry: the served model's KV shape.
         device: where segments live (``cuda``: shared through CUDA IPC; ``cpu``: ``/dev/shm``).
         segment_bytes: size of each new segment.
+        local: vLLM's workers run in this process: staged spans are handed over by reference
+            (no copy, no wait on the host); captures still go through segments.
     """
 
-    def __init__(self, geometry: Geometry, device: torch.device | str, segment_bytes: int = SEGMENT_BYTES) -> None:
+    def __init__(self, geometry: Geometry, device: torch.device | str, segment_bytes: int = SEGMENT_BYTES,
+                 *, local: bool = False) -> None:
         self.geometry = geometry
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.segment_bytes = segment_bytes
+        self.local = local
         self._segments: dict[str, _Segment] = {}
         self._staged: dict[str, _Staged] = {}
         self._lock = threading.Lock()
+        # local: the spans in flight, by slot, in a table the worker half finds by its name.
+        self._table_name = f"inferscale-{os.getpid()}-{uuid.uuid4().hex}"
+        self._table: dict[int, FactKV] = {}
+        self._slots = itertools.count()
+        if local:
+            _TABLES[self._table_name] = self._table
+        self._ring: _EventRing | None = None
 
     # ------------------------------------------------------------------ memory
 
@@ -249,13 +338,16 @@ class KVExchange:
 
     # ------------------------------------------------------------------ injection
 
-    def stage(self, spans: list[tuple[str, FactKV]]) -> dict[str, Location]:
-        """Copy each ``(key, kv)`` not staged yet into shared memory (a key staged twice is
-        copied once and counted twice); return every key's location."""
-        out: dict[str, Location] = {}
-        copies = []
+    def stage(self, spans: list[tuple[str, FactKV]]) -> SharedKV:
+        """Make each ``(key, kv)`` readable by vLLM's workers (a key staged twice is staged once
+        and counted twice): where every key's KV lies, for the request's plan. Each
+        :meth:`stage` is matched by one :meth:`unstage` of the same keys once the request ends."""
         for _, kv in spans:  # all refused before any is counted
             self._check(kv)
+        if self.local:
+            return self._stage_local(spans)
+        out: dict[str, Location] = {}
+        copies = []
         with self._lock:
             for key, kv in spans:
                 staged = self._staged.get(key)
@@ -267,8 +359,28 @@ class KVExchange:
                     copies.append((staged.location, kv))
                 staged.refs += 1
                 out[key] = staged.location
-        if not copies:
-            return out
+            segments = self.descriptors({loc.segment for loc in out.values()})
+        ready = self._copy_in(copies) if copies else None
+        if ready is not None:
+            segments[ready[0]] = self._ring.descriptor  # type: ignore[union-attr]
+        return SharedKV(self.geometry, out, segments, ready)
+
+    def _stage_local(self, spans: list[tuple[str, FactKV]]) -> SharedKV:
+        out: dict[str, Location] = {}
+        with self._lock:
+            for key, kv in spans:
+                staged = self._staged.get(key)
+                if staged is None:
+                    slot = next(self._slots)
+                    self._table[slot] = kv
+                    staged = self._staged[key] = _Staged(Location(self._table_name, slot, kv.position, kv.num_tokens), 0, 0)
+                staged.refs += 1
+                out[key] = staged.location
+        return SharedKV(self.geometry, out, {self._table_name: {"name": self._table_name, "local": True}})
+
+    def _copy_in(self, copies: list[tuple[Location, FactKV]]) -> tuple[str, int] | None:
+        """Copy spans into their rooms; on CUDA, the ring event (name, slot) recorded after the
+        copies, for the worker's stream to wait for."""
         cuda = self.device.type == "cuda"
         stream = torch.cuda.current_stream(self.device) if cuda else None
         # Per span two strided views and no copy of its own: one foreach copy moves them all
@@ -285,11 +397,11 @@ class KVExchange:
         for event in ready.values():
             stream.wait_event(event)  # type: ignore[union-attr]
         torch._foreach_copy_(dsts, srcs, non_blocking=True)
-        if cuda:
-            # The worker reads on its own stream, in another process: the bytes must be there
-            # before the request is sent.
-            stream.synchronize()  # type: ignore[union-attr]
-        return out
+        if not cuda:
+            return None
+        if self._ring is None:
+            self._ring = _EventRing(self.device)
+        return self._ring.record(stream)  # type: ignore[arg-type]
 
     def _check(self, kv: FactKV) -> None:
         layers, _, heads, dim = kv.k.shape
@@ -310,7 +422,10 @@ class KVExchange:
                 staged.refs -= 1
                 if staged.refs <= 0:
                     del self._staged[key]
-                    self._release(staged.location, staged.size)
+                    if self.local:
+                        del self._table[staged.location.offset]
+                    else:
+                        self._release(staged.location, staged.size)
 
     # ------------------------------------------------------------------ capture
 
@@ -358,6 +473,8 @@ class KVExchange:
                     _unlink(segment.path)
             self._segments.clear()
             self._staged.clear()
+            self._table.clear()
+            _TABLES.pop(self._table_name, None)
 
 
 def _typed(cache: dict[torch.dtype, torch.Tensor], buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -406,32 +523,74 @@ def span_views(
 
 class ExchangeReader:
     """A worker's side: maps the owners' segments by descriptor (once each) and cuts spans
-    and capture rooms out of them."""
+    and capture rooms out of them; finds local owners' span tables and opens event rings."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._typed: dict[str, dict[torch.dtype, torch.Tensor]] = {}
+        self._tables: dict[str, dict[int, FactKV]] = {}
+        self._rings: dict[str, list[torch.cuda.Event]] = {}
 
     def map(self, descriptors: dict[str, dict[str, Any]]) -> None:
         for name, descriptor in descriptors.items():
-            if name not in self._buffers:
+            if name in self._buffers or name in self._tables or name in self._rings:
+                continue
+            if descriptor.get("local"):
+                table = _TABLES.get(name)
+                if table is None:
+                    raise ConnectorError(f"KV table {name!r} belongs to an owner that is gone or in another process")
+                self._tables[name] = table
+            elif "events" in descriptor:
+                self._rings[name] = _open_ring(name, descriptor)
+            else:
                 local = _LOCAL.get(name)
                 self._buffers[name] = local if local is not None else _open_segment(name, descriptor)
 
     def views(self, location: Location, g: Geometry, flags: bool = False) -> tuple[torch.Tensor, ...]:
         return span_views(self._buffer(location), location, g, flags=flags)
 
+    def is_local(self, location: Location) -> bool:
+        """Whether the span at ``location`` is held by reference (its owner runs here)."""
+        return location.segment in self._tables
+
     def span(self, location: Location, g: Geometry, heads: tuple[int, int]) -> FactKV:
-        """KV heads ``[first, last)`` of the span at ``location`` (two strided views)."""
+        """KV heads ``[first, last)`` of the span at ``location`` (two strided views; a local
+        owner's span itself, with its ``ready`` event)."""
+        table = self._tables.get(location.segment)
+        if table is not None:
+            kv = table.get(location.offset)
+            if kv is None:
+                raise ConnectorError(f"span {location} is no longer staged")
+            if heads == (0, g.heads):
+                return kv
+            first, last = heads
+            return FactKV(kv.k[:, :, first:last], kv.v[:, :, first:last], kv.position, kv.ready)
         typed = _typed(self._typed.setdefault(location.segment, {}), self._buffer(location), g.torch_dtype)
         k, v = span_views(typed, location, g, typed=True, heads=heads)
         return FactKV(k, v, location.position)
+
+    def event(self, ready: tuple[str, int]) -> torch.cuda.Event:
+        """The owner's event a plan's ``ready`` names."""
+        ring = self._rings.get(ready[0])
+        if ring is None:
+            raise ConnectorError(f"KV event ring {ready[0]!r} was never described to this worker")
+        return ring[ready[1] % len(ring)]
 
     def _buffer(self, location: Location) -> torch.Tensor:
         buffer = self._buffers.get(location.segment)
         if buffer is None:
             raise ConnectorError(f"KV segment {location.segment!r} was never described to this worker")
         return buffer
+
+
+def _open_ring(name: str, descriptor: dict[str, Any]) -> list[torch.cuda.Event]:
+    local = _LOCAL_RINGS.get(name)
+    if local is not None:
+        return local.events
+    if not _SHM_NAME.match(name):
+        raise ConnectorError(f"bad KV event ring name {name!r}")
+    device = torch.device("cuda", _cuda_index(descriptor["uuid"]))
+    return [torch.cuda.Event.from_ipc_handle(device, base64.b64decode(h)) for h in descriptor["events"]]
 
 
 def _open_segment(name: str, descriptor: dict[str, Any]) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from inferscale_engine.connector.exchange import Geometry, Location
+from inferscale_engine.connector.exchange import Geometry, Location, SharedKV
 
 PARAMS_KEY = "inferscale"
 
@@ -34,29 +34,6 @@ class SpanRef(NamedTuple):  # a tuple: hundreds are built per request, on the sc
     @property
     def end(self) -> int:
         return self.position + self.length
-
-
-@dataclass(frozen=True, slots=True)
-class SharedKV:
-    """Where a plan's KV lies: a :class:`Location` per span key (or capture id), in segments a
-    worker maps from their descriptors (:mod:`inferscale_engine.connector.exchange`)."""
-
-    geometry: Geometry
-    at: dict[str, Location]
-    segments: dict[str, dict[str, Any]]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"geometry": list(self.geometry), "at": {k: list(loc) for k, loc in self.at.items()},
-                "segments": self.segments}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> SharedKV:
-        layers, heads, dim, dtype = data["geometry"]
-        return cls(
-            Geometry(int(layers), int(heads), int(dim), str(dtype)),
-            {str(k): Location(str(s), int(o), int(p), int(n)) for k, (s, o, p, n) in data["at"].items()},
-            {str(name): dict(d) for name, d in data["segments"].items()},
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +160,7 @@ def _shared(ours: dict[str, Any], keys: list[str]) -> SharedKV:
     missing = [k for k in keys if k not in kv.at]
     if missing:
         raise ValueError(f"no KV location for {missing[:3]}")
-    unknown = {loc.segment for loc in kv.at.values()} - set(kv.segments)
+    unknown = kv.described() - set(kv.segments)
     if unknown:
         raise ValueError(f"KV locations in undescribed segments {sorted(unknown)[:3]}")
     return kv
@@ -207,6 +184,8 @@ class LoadRequest:
     start: int
     stop: int
     pieces: list[LoadPiece]
+    #: The owner's event (ring, slot) that orders the writes after the copies staging the KV.
+    ready: tuple[str, int] | None = None
 
     def slots(self, block_size: int) -> np.ndarray:
         """Cache slot (``block * block_size + offset``) of every position in ``[start, stop)``."""
