@@ -149,7 +149,7 @@ class ThreadedAsyncLoop(Loop):
         except asyncio.CancelledError:
             pass  # aborted: the request is aborted on its way out
         except Exception as exc:  # bad prompt, or the engine died: this request learns why
-            _tell(listener, exc, request_id)
+            tell(listener, exc, request_id)
         finally:
             self._tasks.pop(request_id, None)
 
@@ -173,7 +173,7 @@ class ThreadedAsyncLoop(Loop):
 
         async def stop() -> None:
             for task, listener in list(self._tasks.values()):
-                _tell(listener, RuntimeError("engine closed"), "")
+                tell(listener, RuntimeError("engine closed"), "")
                 task.cancel()
             await self._shutdown()
 
@@ -204,7 +204,7 @@ class AsyncEngineLoop(ThreadedAsyncLoop):
     async def _run(self, request_id: str, work: Any, listener: Listener) -> None:
         prompt, params = work
         async for out in self.engine.generate(prompt, params, request_id):
-            _tell(listener, out, request_id)
+            tell(listener, out, request_id)
 
     async def _shutdown(self) -> None:
         self.engine.shutdown()
@@ -213,7 +213,8 @@ class AsyncEngineLoop(ThreadedAsyncLoop):
         del self.engine
 
 
-def _tell(listener: Listener, out: RequestOutput | BaseException, request_id: str) -> None:
+def tell(listener: Listener, out: RequestOutput | BaseException, request_id: str) -> None:
+    """Hand ``out`` to a request's listener, now; its failure is logged, never the loop's."""
     try:
         listener(out, time.perf_counter())
     except Exception:  # a caller's listener must not stop the engine

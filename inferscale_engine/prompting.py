@@ -6,8 +6,8 @@ integrations, so that a fact is encoded after exactly the text that precedes it 
 * **Context of a fact**: :func:`memory_context` (the system head before the first recalled
   memory) and :func:`encode_context` (a conversation turn, as the integrations store them) are
   the chat-template text up to where a fact's own text starts.
-* **Usage → dict** (:func:`usage_dict`, :func:`openai_usage`) and **message roles**
-  (:func:`engine_role`).
+* **Usage → dict** (:func:`usage_dict`, :func:`openai_usage`), **message roles**
+  (:func:`engine_role`) and **response_format → structured output** (:func:`structured_options`).
 
 No vLLM import: anything with the engine's ``render`` or ``tokenizer`` will do.
 """
@@ -155,6 +155,30 @@ def encode_context(
         return None
     # The store appends "\n" after the context; a prefix already ending in one keeps it exact.
     return [prefix.removesuffix("\n")]
+
+
+# ------------------------------------------------------------------------------ output format
+
+
+def structured_options(response_format: Any) -> dict[str, Any] | None:
+    """The engine's ``structured`` option for an OpenAI-style ``response_format`` (None for
+    none, or for ``{"type": "text"}``); ValueError for any other."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema") or {}
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if isinstance(schema, dict):
+            return {"json": schema}
+    raise ValueError(
+        "response_format must be {'type': 'json_object'} or "
+        f"{{'type': 'json_schema', 'json_schema': {{'name': ..., 'schema': {{...}}}}}}, got {response_format!r}"
+    )
 
 
 # ------------------------------------------------------------------------------ usage

@@ -113,6 +113,17 @@ def test_answers_from_injected_kv_equal_prompt_injection(front_end):
     injected = r.usage.model_extra["injected_tokens"]
     assert injected > 0  # the vLLM server's connector reported the tokens it injected
 
+    # Streamed from the vLLM server on to the client: token by token, the same greedy answer and
+    # the same usage as the whole reply.
+    chunks = list(client.chat.completions.create(
+        model="smollm2", user="erin", temperature=0, max_tokens=24, stream=True,
+        stream_options={"include_usage": True}, messages=[{"role": "system", "content": system}, question]))
+    texts = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(texts) > 1, texts
+    assert "".join(texts) == r.choices[0].message.content
+    assert chunks[-1].usage.model_extra["injected_tokens"] == injected
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens_details.cached_tokens
+
     pasted = client.chat.completions.create(
         model="smollm2", user="erin", temperature=0, max_tokens=24,
         messages=[{"role": "system", "content": system.replace(fact["handle"], fact["memory"])}, question])
@@ -127,3 +138,48 @@ def test_answers_from_injected_kv_equal_prompt_injection(front_end):
 
 def smollm2_model(vllm_url: str) -> str:
     return httpx.get(vllm_url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def test_structured_output_is_forwarded_to_the_vllm_server(front_end):
+    base, _ = front_end
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=300)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.chat.completions.create(
+        model="smollm2", user="erin", temperature=0, max_tokens=60,
+        messages=[{"role": "user", "content": "Describe a person."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    answer = json.loads(r.choices[0].message.content)  # the server's guided decoding: valid JSON
+    assert set(answer) == {"name", "age"}
+    assert isinstance(answer["name"], str) and isinstance(answer["age"], int)
+    # Control: unconstrained, the model answers in prose.
+    free = client.chat.completions.create(model="smollm2", user="erin", temperature=0, max_tokens=60,
+                                          messages=[{"role": "user", "content": "Describe a person."}])
+    with pytest.raises(ValueError):
+        json.loads(free.choices[0].message.content)
+
+
+def test_streamed_injected_count_equals_the_connectors(front_end, smollm2_path, tmp_path):
+    """A stream carries no kv_transfer_params: its injected count comes from vLLM's cached tokens
+    (the prompt bypassed the server's prefix cache). It equals what the connector reports in a
+    whole reply (prefix_cache_injected: such prompts are not streamed) and what the plan injects."""
+    from inferscale_engine import InferScaleEngine
+    from inferscale_engine.types import Span
+
+    _, vllm_url = front_end
+    usages = []
+    for keep_cached in (False, True):
+        with InferScaleEngine(smollm2_path, vllm_url=vllm_url, store_path=tmp_path / f"store-{keep_cached}",
+                              dtype="bfloat16", device="cpu", recompute=0,
+                              prefix_cache_injected=keep_cached) as engine:
+            head = engine.tokenize("Notes:", add_special_tokens=True)
+            fact = engine.tokenize(" My cat is called Tom.")
+            span = Span(f"cat-{keep_cached}", tuple(fact), engine.encode_fact(fact, head))
+            tail = engine.tokenize(" Q: What is my cat called? A:")
+            result = engine.generate_segments([head, span, tail], max_tokens=12, user_id=f"u{keep_cached}")
+            assert engine.loop.streams_injected  # learned from the encodes' whole replies
+            usages.append((result.usage.injected_tokens, result.ttft_s < result.latency_s, result.text))
+    (streamed, first_token_early, text), (whole, whole_early, whole_text) = usages
+    assert streamed == whole == len(head) + len(fact)
+    assert first_token_early and not whole_early  # streamed: the first token came before the last
+    assert text == whole_text

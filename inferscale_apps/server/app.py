@@ -61,6 +61,7 @@ from inferscale_engine.prompting import (
     engine_role,
     memory_context,
     openai_usage,
+    structured_options,
     total_usage,
     with_memories,
 )
@@ -312,6 +313,13 @@ def create_app(
             s["frequency_penalty"] = req.frequency_penalty
         if req.recompute is not None:
             s["recompute"] = req.recompute
+        if isinstance(req, ChatCompletionRequest) and req.response_format is not None:
+            try:
+                structured = structured_options(req.response_format)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="response_format", code="unsupported_parameter") from None
+            if structured:
+                s["structured"] = structured
         return s
 
     def too_long(message: str, param: str) -> APIError:

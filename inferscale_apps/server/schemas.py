@@ -104,8 +104,6 @@ def unsupported(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, st
             return ("tools" if req.tools else "functions"), "tool / function calling is not supported"
         if req.logprobs:
             return "logprobs", "logprobs are not supported"
-        if req.response_format and req.response_format.get("type") not in (None, "text"):
-            return "response_format", "only response_format type 'text' is supported"
     else:
         if req.echo:
             return "echo", "echo is not supported"

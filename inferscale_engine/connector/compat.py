@@ -12,6 +12,7 @@ through that method and captures by wrapping it, and the layout is never indexed
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import sys
@@ -22,6 +23,7 @@ import torch
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
+    from vllm import SamplingParams
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
     from vllm.v1.request import Request
@@ -148,8 +150,9 @@ def can_keep_out_of_prefix_cache() -> bool:
 
 def keep_out_of_prefix_cache(core: Any, chosen: Callable[[Request], bool]) -> bool:
     """Let the requests ``chosen`` picks bypass vLLM's prefix cache: their blocks are neither
-    hashed, looked up nor cached. False (and nothing changed) where prefix caching is off or this
-    vLLM lacks the hooks.
+    hashed, looked up nor cached. Returns whether they now get no prefix-cache hits: True where
+    prefix caching is off (nothing changed), False (nothing changed) where this vLLM lacks the
+    hooks.
 
     vLLM hashes every full block of a prompt when the request arrives, evicts the old hash of
     every free block it hands out, and caches every full block once allocated: ~1 ms for a
@@ -163,7 +166,7 @@ def keep_out_of_prefix_cache(core: Any, chosen: Callable[[Request], bool]) -> bo
     """
     hasher = getattr(core, "request_block_hasher", None)
     if hasher is None and hasattr(core, "request_block_hasher"):
-        return False  # prefix caching is off: nothing to keep out of it
+        return True  # prefix caching is off: nothing to keep out of it
     manager = getattr(getattr(core, "scheduler", None), "kv_cache_manager", None)
     coordinator: Any = getattr(manager, "coordinator", None)
     if hasher is None or not callable(getattr(coordinator, "cache_blocks", None)):
@@ -318,3 +321,15 @@ def structured_output(options: dict[str, Any]) -> dict[str, Any]:
         return {"guided_decoding": sampling_params.GuidedDecodingParams(**options)}  # type: ignore[attr-defined]
     except (TypeError, ValueError) as exc:
         raise ValueError(f"bad structured output options {sorted(options)}: {exc}") from None
+
+
+def structured_output_request(params: SamplingParams) -> dict[str, Any] | None:
+    """The constraint :func:`structured_output` put in ``params``, as the ``structured_outputs``
+    field of a request to vLLM's OpenAI server (its fields are ``StructuredOutputsParams``'; the
+    servers of vLLM 0.11 on take it), or None for an unconstrained request."""
+    options = getattr(params, "structured_outputs", None) or getattr(params, "guided_decoding", None)
+    if options is None:
+        return None
+    # Only what was set: the defaults are the server's, and fields set by vLLM itself are private.
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)
+            if not f.name.startswith("_") and getattr(options, f.name) != f.default}

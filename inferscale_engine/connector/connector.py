@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from inferscale_engine.connector import compat
 from inferscale_engine.connector.exchange import ExchangeReader, Geometry, Location
 from inferscale_engine.connector.plan import (
+    BYPASSED_KEY,
     INJECTED_KEY,
     CapturePlan,
     CaptureSlots,
@@ -93,6 +94,9 @@ class InferScaleConnector(KVConnectorBase_V1):
         self._descriptors: dict[str, dict[str, Any]] = {}  # every segment plans described
         self._described: set[str] = set()  # segments the workers were told of
         self._prefix_cache_hooked = False
+        #: Whether requests that ask to bypass vLLM's prefix cache get no hits from it (hooked,
+        #: or prefix caching off), so a streamed reply's cached_tokens count only injected ones.
+        self._bypassing = False
 
         # Worker half.
         self._reader = ExchangeReader()
@@ -129,7 +133,8 @@ class InferScaleConnector(KVConnectorBase_V1):
             self._prefix_cache_hooked = True
             core = compat.calling_engine_core()
             if core is not None:
-                compat.keep_out_of_prefix_cache(core, lambda r: bypasses_prefix_cache(r.kv_transfer_params))
+                self._bypassing = compat.keep_out_of_prefix_cache(
+                    core, lambda r: bypasses_prefix_cache(r.kv_transfer_params))
         try:
             plan = parse_params(request.kv_transfer_params)
         except (ValueError, TypeError) as exc:  # the engine validates first; never kill the scheduler
@@ -207,13 +212,18 @@ class InferScaleConnector(KVConnectorBase_V1):
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._plans.pop(request.request_id, None)
+        plan = self._plans.pop(request.request_id, None)
         self._claimed.pop(request.request_id, None)
         self._capture_blocks.pop(request.request_id, None)
-        # vLLM hands these to the request's final output: the engine's usage reports what was
-        # injected, not what the plan covered (vLLM's prefix cache may have held part of it).
         injected = self._injected.pop(request.request_id, None)
-        return False, ({INJECTED_KEY: injected} if injected is not None else None)
+        if plan is None:
+            return False, None
+        # vLLM hands these to the request's final (non-streamed) output: the engine's usage
+        # reports what was injected, not what the plan covered (vLLM's prefix cache may have held
+        # part of it); a front end of a vLLM server learns whether a streamed reply's
+        # cached_tokens are injected tokens only (inferscale_engine.remote).
+        return False, {INJECTED_KEY: injected or 0,
+                       BYPASSED_KEY: self._bypassing and bypasses_prefix_cache(request.kv_transfer_params)}
 
     # ------------------------------------------------------------------ worker half
 

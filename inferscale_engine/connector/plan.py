@@ -108,6 +108,9 @@ class CapturePlan:
 
 #: In a finished request's output ``kv_transfer_params``: prompt tokens the connector injected.
 INJECTED_KEY = "inferscale_injected_tokens"
+#: Beside it: whether the request bypassed vLLM's prefix cache (asked to, and the connector could
+#: keep it out): then every token vLLM counts as cached was injected.
+BYPASSED_KEY = "inferscale_bypassed_prefix_cache"
 
 
 def injected_tokens(output_params: dict[str, Any] | None) -> int:

@@ -36,6 +36,7 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, Field, SecretStr
 
+from inferscale_engine.prompting import structured_options
 from inferscale_integrations import tool_calls as tc
 from inferscale_integrations.langchain._base import InferScaleModelBase
 from inferscale_integrations.langchain._messages import (
@@ -158,7 +159,7 @@ class ChatInferScale(InferScaleModelBase, BaseChatModel):
         tools = list(kwargs.pop("tools", None) or [])
         tool_choice = kwargs.pop("tool_choice", None)
         parallel = kwargs.pop("parallel_tool_calls", None) is not False
-        structured = _structured(kwargs.pop("response_format", None))
+        structured = structured_options(kwargs.pop("response_format", None))
         engine = self.get_engine(model)
         sampling = sampling_options(self, stop, kwargs)
         native = tc.template_renders_tools(engine.tokenizer)
@@ -346,24 +347,6 @@ class _Chunker:
         )
         finish_reason = "tool_calls" if found else result.finish_reason
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": finish_reason})
-
-
-def _structured(response_format: Any) -> dict[str, Any] | None:
-    """The engine's ``structured`` option for an OpenAI-style ``response_format``."""
-    if response_format is None:
-        return None
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind == "json_schema":
-        spec = response_format.get("json_schema") or {}
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if isinstance(schema, dict):
-            return {"json": schema}
-    raise ValueError(
-        "response_format must be {'type': 'json_object'} or "
-        f"{{'type': 'json_schema', 'json_schema': {{'name': ..., 'schema': {{...}}}}}}, got {response_format!r}"
-    )
 
 
 def _with_llm_output(result: ChatResult) -> ChatResult:
