@@ -319,6 +319,7 @@ class KVExchange:
         if local:
             _TABLES[self._table_name] = self._table
         self._ring: _EventRing | None = None
+        self._last_copy: torch.cuda.Event | None = None  # the ring event after the last staging copy
 
     # ------------------------------------------------------------------ memory
 
@@ -403,11 +404,16 @@ class KVExchange:
         return SharedKV(self.geometry, out, {self._table_name: {"name": self._table_name, "local": True}})
 
     def _copy_in(self, copies: list[tuple[Location, FactKV]]) -> tuple[str, int] | None:
-        """Copy spans into their rooms (lock held); on CUDA, the ring event (name, slot) recorded
-        after them and every earlier staging copy, for the worker's stream to wait for."""
+        """Copy spans into their rooms (lock held); on CUDA, the ring event (name, slot) for the
+        worker's stream to wait for: recorded after these and every earlier staging copy, or
+        None when there are none and the last is known done (no wait across processes)."""
         cuda = self.device.type == "cuda"
         stream = torch.cuda.current_stream(self.device) if cuda else None
-        if copies:
+        if not copies:
+            if self._last_copy is None or self._last_copy.query():
+                self._last_copy = None
+                return None
+        else:
             # Per span two strided views and no copy of its own: one foreach copy moves them all
             # (hundreds of spans a request; a copy call per span cost ~0.1 ms on this box's CPU).
             dsts: list[torch.Tensor] = []
@@ -427,7 +433,9 @@ class KVExchange:
             return None
         if self._ring is None:
             self._ring = _EventRing(self.device)
-        return self._ring.record(stream)  # type: ignore[arg-type]
+        name, slot = self._ring.record(stream)  # type: ignore[arg-type]
+        self._last_copy = self._ring.events[slot]
+        return name, slot
 
     def _check(self, kv: FactKV) -> None:
         layers, _, heads, dim = kv.k.shape
