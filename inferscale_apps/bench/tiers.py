@@ -59,8 +59,11 @@ class _Read:
 
     def __init__(self, tiers: KVTiers, fingerprint: str, key: tuple[str, int], span_key: str, ids: list[int]) -> None:
         self.tiers, self.fingerprint, self.key, self.span_key, self.ids = tiers, fingerprint, key, span_key, ids
-        self.nbytes = tiers.path(key).stat().st_size
+        self.nbytes = tiers.file_bytes(key, len(ids))
         self.future: Future[FactKV] | None = None
+
+    def warm(self) -> bool:
+        return self.tiers.disk.cached(self.key)
 
     def start(self) -> None:
         if self.future is None:
@@ -139,7 +142,7 @@ def run_tiers(
     keys = keys[:kmax]
     speeds = measure(tiers)
     rates = planner.Rates(planner.prefill_curve(engine), speeds.disk_bytes_per_s, speeds.disk_latency_s,
-                          speeds.host_to_device_bytes_per_s)
+                          speeds.host_to_device_bytes_per_s, speeds.disk_warm_bytes_per_s)
 
     def sync() -> None:
         if cuda:

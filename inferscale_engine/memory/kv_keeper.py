@@ -71,10 +71,10 @@ class _ColdRead:
         self._fact = fact
         self._key = key
         self._future: Future[FactKV] | None = None
-        try:
-            self.nbytes = keeper.tiers.disk.path(key).stat().st_size
-        except OSError:
-            self.nbytes = 0
+        self.nbytes = keeper.tiers.file_bytes(key, len(fact.token_ids or ()))
+
+    def warm(self) -> bool:
+        return self._keeper.tiers.disk.cached(self._key)
 
     def start(self) -> None:
         if self._future is None:
@@ -203,7 +203,8 @@ class KVKeeper:
         another thread is still encoding comes back as :class:`TextFact` (its tokens, prefilled):
         a chat never waits behind ingestion for it. ``defer_cold``: a fact whose KV is only in a
         disk file outside the page cache comes back as a :class:`ColdFact` whose read has
-        started, for the engine's cost model to wait for or to prefill instead."""
+        started, for the engine's cost model to wait for or to prefill instead (whether its file
+        is in the page cache is the cost model's question: it asks only when that could matter)."""
         cold: dict[int, ColdFact] = {}
         if defer_cold:
             cold = self._cold(facts)
@@ -218,13 +219,14 @@ class KVKeeper:
         return self.tiers.prefetch(keys, self.fingerprint) if keys else 0
 
     def _cold(self, facts: list[FactRow]) -> dict[int, ColdFact]:
-        """The facts (by position) whose KV is only in a disk file the page cache does not hold,
-        as :class:`ColdFact` (nothing read yet: the engine's cost model starts what it needs)."""
+        """The facts (by position) whose KV is only in a disk file, as :class:`ColdFact` (nothing
+        read yet: the engine's cost model starts what it needs). Asks the filesystem nothing: an
+        encoded fact has its file (write-through), unless a read found it missing."""
         ready = [i for i, f in enumerate(facts) if f.fingerprint == self.fingerprint]
-        keys: list[KVKey] = [(facts[i].id, facts[i].kv_version) for i in ready]  # type: ignore[misc]
+        keys: list[KVKey] = [(facts[i].id, facts[i].kv_version) for i in ready]
         return {i: ColdFact(facts[i].token_ids or (), _ColdRead(self, facts[i], key))
-                for i, key, tier in zip(ready, keys, self.tiers.where_many(keys))
-                if tier == "disk" and not self.tiers.disk.cached(key)}
+                for i, key, tier in zip(ready, keys, self.tiers.where_many(keys, check_disk=False))
+                if tier == "disk"}
 
     def _load_cold(self, future: Future[FactKV], f: FactRow) -> Span | TextFact:
         """A cold fact's span once its read is done; a file that turned out unusable goes the
