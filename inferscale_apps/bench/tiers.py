@@ -212,7 +212,8 @@ def run_tiers(
                         # What the engine would prefill (its planner sees no cold fact left).
                         segs = [TextFact(s) if isinstance(s, ColdFact) else s for s in segs]
                         t_promote = time.perf_counter() - t0
-                        result = engine.generate_segments(segs, max_tokens=1, mode="inject", first_logprobs=5)
+                        # No logprobs (its answer is not compared): with nothing injected, the prompt row's request.
+                        result = engine.generate_segments(segs, max_tokens=1, mode="inject")
                         promote_later()  # as the engine does once the first token is out
                         # Promotions of the prefilled facts finish before the next request.
                         while any(t == "disk" for t in tiers.where_many(picked_keys)):
