@@ -113,10 +113,8 @@ def test_slow_disk_recomputes_then_promotes(engine, prompt, reference):
     # Reading ~3 MB at 2 MB/s costs more than prefilling ~80 tokens: every cold memory is prefilled.
     assert cold.usage.memory_mix == MemoryMix(injected=0, from_disk=0, recomputed=len(FACTS)), cold.usage
     assert cold.token_ids == reference.token_ids
-    # Nothing injected: it is the very request prompt injection sends (same tokens, same cache
-    # salt), so vLLM's prefix cache serves it what the reference prefilled.
+    # Nothing injected: the very request prompt injection sends.
     assert cold.usage.injected_tokens == 0 and cold.prompt_token_ids == reference.prompt_token_ids
-    assert cold.usage.cached_tokens > 0, cold.usage
     # Their reads went on in the background: the next request injects every memory from memory.
     _wait_in_memory(engine, keys)
     warm = _ask(engine, prompt)
