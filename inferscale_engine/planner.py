@@ -128,7 +128,7 @@ def plan(
         if rates is None:  # nothing measured (no store speeds): load, as before the cost model
             split = limit
             warm = _probe(segments, facts, cold, limit)
-        elif choose(segments, facts, limit, rates, warm=lambda j: True).injected == 0:
+        elif choose(segments, facts, limit, rates, warm=True).injected == 0:
             # Prefilling wins even were every file in the page cache: no file is probed, and the
             # request is prompt injection's (nothing staged, nothing injected).
             split = 0
@@ -166,9 +166,10 @@ def _probe(segments: Sequence[Segment], facts: list[int], cold: list[int], limit
 
 
 def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rates,
-           warm: Callable[[int], bool] | None = None) -> Plan:
+           warm: Callable[[int], bool] | bool = False) -> Plan:
     """The cheapest split ``j <= limit`` (see the module docstring). ``warm(j)``: whether cold
-    memory ``j``'s file is in the page cache (read at the warm rate); ``None``: none is."""
+    memory ``j``'s file is in the page cache (read at the warm rate); ``True`` / ``False``:
+    every one is / none is."""
     lengths = [len(s.token_ids) if isinstance(s, Span) else len(s) for s in segments]
     total = sum(lengths)
     # Tokens prefilled when memories [0, j) are injected: all for j = 0 (the head is injected
@@ -182,19 +183,23 @@ def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rat
         if i == end:
             after.append(tail)
             end = next(ends, None)
-    best_j, best_s = 0, rates.prefill_s(after[0])
+    prompt_s = rates.prefill_s(after[0])
+    best_j, best_s = 0, prompt_s
     cold_bytes = warm_bytes = 0
+    cold_s = warm_s = 0.0  # reading the prefix's cold files / files in the page cache
     for j in range(1, limit + 1):
         seg = segments[facts[j - 1]]
         if isinstance(seg, ColdFact):
-            if warm is not None and warm(j - 1):
+            if warm is True or (warm is not False and warm(j - 1)):
                 warm_bytes += seg.read.nbytes
+                warm_s = rates.warm_s(warm_bytes)
             else:
                 cold_bytes += seg.read.nbytes
-        cost = (rates.disk_s(cold_bytes) if cold_bytes else 0.0) + rates.warm_s(warm_bytes) + rates.prefill_s(after[j])
+                cold_s = rates.disk_s(cold_bytes)
+        cost = cold_s + warm_s + rates.prefill_s(after[j])
         if cost <= best_s:
             best_j, best_s = j, cost
-    return Plan(best_j, len(facts), best_s, rates.prefill_s(after[0]))
+    return Plan(best_j, len(facts), best_s, prompt_s)
 
 
 class Calibration:
