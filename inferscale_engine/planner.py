@@ -1,8 +1,8 @@
 """The per-request cost model: where each memory's KV comes from, so that a cold memory never
 makes a request slower than prefilling it would.
 
-A memory in a prompt is injected from where its KV is (device or host tier), read from its
-disk file and injected (a file in the page cache reads faster than a cold one), or recomputed:
+A memory in a prompt is injected from where its KV is (device or host tier, or a disk file
+still in the page cache: all cheap), read from a cold disk file and injected, or recomputed:
 prefilled as text, exactly as prompt injection does. The connector injects only a *prefix* of
 the prompt, so the choice is one split: the first ``j`` memories are injected (cold ones among
 them are waited for), everything after memory ``j`` is prefilled, in prompt order — the same
@@ -10,13 +10,10 @@ layout as the quality knob ``recompute=R``, whose last ``R`` memories are always
 (the split never goes past ``k - R``). Order is never changed, so every mix is the same prompt;
 with exact-context KV every mix gives the same answer.
 
-For each split the model adds the time to read the disk files in the prefix (in parallel:
-``latency + bytes / bandwidth`` for cold ones, ``bytes / warm bandwidth`` for those in the page
-cache) and the time to prefill everything after the split (a curve of measured prefill times),
-and takes the cheapest; ties go to injecting more (prefill is compute every other request
-shares). Whether a file is in the page cache costs syscalls per file, so it is asked only when
-it could matter: when prefilling wins even were every file warm, no file is probed and the
-request is exactly prompt injection's. Only then do reads start: the prefix's on the request pool, the
+For each split the model adds the time to read the cold files in the prefix (in parallel:
+``latency + bytes / bandwidth``) and the time to prefill everything after the split (a curve of
+measured prefill times), and takes the cheapest; ties go to injecting more (prefill is compute
+every other request shares). Only then do reads start: the prefix's on the request pool, the
 recomputed memories' on a small background pool (their Python work would otherwise compete for
 the GIL with the request) that leaves their KV in the host tier: the next request injects them.
 
@@ -61,9 +58,6 @@ class Rates:
     disk_bytes_per_s: float
     disk_latency_s: float
     host_to_device_bytes_per_s: float | None = None
-    #: Reads of files the OS page cache holds (what is left is the reader's own work: checksum,
-    #: finiteness check, page layout); ``None``: not measured, such a read is taken as free.
-    disk_warm_bytes_per_s: float | None = None
 
     @functools.cached_property
     def _tokens(self) -> list[int]:
@@ -87,13 +81,6 @@ class Rates:
 
     def disk_s(self, nbytes: int) -> float:
         return self.disk_latency_s + nbytes / self.disk_bytes_per_s
-
-    def warm_s(self, nbytes: int) -> float:
-        """Seconds to read ``nbytes`` of files in the page cache; never more than :meth:`disk_s`
-        (a noisy measurement must not make a warm file dearer than a cold one)."""
-        if self.disk_warm_bytes_per_s is None:
-            return 0.0
-        return nbytes / max(self.disk_warm_bytes_per_s, self.disk_bytes_per_s)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -123,18 +110,11 @@ def plan(
     if waiting is not None:  # not encoded yet: prefilled, and everything after it
         limit = min(limit, waiting)
     cold = [j for j, i in enumerate(facts) if isinstance(segments[i], ColdFact)]
-    warm: dict[int, bool] = {}  # cold memory j's file is in the page cache (asked only where it matters)
     if cold and cold[0] < limit:
         if rates is None:  # nothing measured (no store speeds): load, as before the cost model
             split = limit
-            warm = _probe(segments, facts, cold, limit)
-        elif choose(segments, facts, limit, rates, warm=True).injected == 0:
-            # Prefilling wins even were every file in the page cache: no file is probed, and the
-            # request is prompt injection's (nothing staged, nothing injected).
-            split = 0
         else:
-            warm = _probe(segments, facts, cold, limit)
-            chosen = choose(segments, facts, limit, rates, warm=warm.__getitem__)
+            chosen = choose(segments, facts, limit, rates)
             split = chosen.injected
             logger.debug("cost model: %d of %d memories injected (%d cold), expected %.1f ms, all prefilled %.1f ms",
                          split, len(facts), len(cold), 1e3 * chosen.expected_s, 1e3 * chosen.prompt_s)
@@ -156,20 +136,12 @@ def plan(
         for read in later:
             read.promote()
 
-    from_disk = sum(1 for j in cold if j < split and not warm.get(j, False))
+    from_disk = sum(1 for j in cold if j < split)
     return out, MemoryMix(injected=split - from_disk, from_disk=from_disk, recomputed=len(facts) - split), promote
 
 
-def _probe(segments: Sequence[Segment], facts: list[int], cold: list[int], limit: int) -> dict[int, bool]:
-    """Whether each cold memory before ``limit`` has its file in the page cache."""
-    return {j: segments[facts[j]].read.warm() for j in cold if j < limit}  # type: ignore[union-attr]
-
-
-def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rates,
-           warm: Callable[[int], bool] | bool = False) -> Plan:
-    """The cheapest split ``j <= limit`` (see the module docstring). ``warm(j)``: whether cold
-    memory ``j``'s file is in the page cache (read at the warm rate); ``True`` / ``False``:
-    every one is / none is."""
+def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rates) -> Plan:
+    """The cheapest split ``j <= limit`` (see the module docstring)."""
     lengths = [len(s.token_ids) if isinstance(s, Span) else len(s) for s in segments]
     total = sum(lengths)
     # Tokens prefilled when memories [0, j) are injected: all for j = 0 (the head is injected
@@ -185,18 +157,14 @@ def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rat
             end = next(ends, None)
     prompt_s = rates.prefill_s(after[0])
     best_j, best_s = 0, prompt_s
-    cold_bytes = warm_bytes = 0
-    cold_s = warm_s = 0.0  # reading the prefix's cold files / files in the page cache
+    cold_bytes = 0
+    disk_s = 0.0
     for j in range(1, limit + 1):
         seg = segments[facts[j - 1]]
-        if isinstance(seg, ColdFact):
-            if warm is True or (warm is not False and warm(j - 1)):
-                warm_bytes += seg.read.nbytes
-                warm_s = rates.warm_s(warm_bytes)
-            else:
-                cold_bytes += seg.read.nbytes
-                cold_s = rates.disk_s(cold_bytes)
-        cost = cold_s + warm_s + rates.prefill_s(after[j])
+        if isinstance(seg, ColdFact):  # the read's cost changes only where a cold file joins
+            cold_bytes += seg.read.nbytes
+            disk_s = rates.disk_s(cold_bytes)
+        cost = disk_s + rates.prefill_s(after[j])
         if cost <= best_s:
             best_j, best_s = j, cost
     return Plan(best_j, len(facts), best_s, prompt_s)
@@ -227,7 +195,7 @@ class Calibration:
             speeds = self.store.tier_speeds(refresh=self._refresh)
             prefill = prefill_curve(self._engine, refresh=self._refresh)
             self._rates = Rates(prefill, speeds.disk_bytes_per_s, speeds.disk_latency_s,
-                                speeds.host_to_device_bytes_per_s, speeds.disk_warm_bytes_per_s)
+                                speeds.host_to_device_bytes_per_s)
             logger.info("cost model rates: %s", self._rates)
         except Exception as exc:  # an engine or store closed meanwhile, a read-only store
             self._error = exc

@@ -43,12 +43,8 @@ class TextFact(list[int]):
 class ColdRead(Protocol):
     """The read of one cold memory's KV file (the memory store makes them)."""
 
-    #: Bytes the read brings in (the file's KV).
+    #: Bytes of the file.
     nbytes: int
-
-    def warm(self) -> bool:
-        """Whether the file sits in the OS page cache, so a read does not wait for the disk (a
-        syscall or a few: the cost model asks only when the answer could change its choice)."""
 
     def start(self) -> None:
         """Queue the read now, on the pool that serves requests (reads started together run in

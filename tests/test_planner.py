@@ -17,13 +17,9 @@ PREFILL = ((10, 0.010), (100, 0.019), (1000, 0.109))
 class Read:
     """A cold fact's read that records what the planner asked of it."""
 
-    def __init__(self, span: Span, nbytes: int = 1_000_000, warm: bool = False) -> None:
-        self.span, self.nbytes, self.in_page_cache = span, nbytes, warm
+    def __init__(self, span: Span, nbytes: int = 1_000_000) -> None:
+        self.span, self.nbytes = span, nbytes
         self.calls: list[str] = []
-
-    def warm(self) -> bool:
-        self.calls.append("warm")
-        return self.in_page_cache
 
     def start(self) -> None:
         self.calls.append("start")
@@ -42,15 +38,14 @@ def _span(i: int) -> Span:
 
 
 def _prompt(kinds: str) -> tuple[list, list[Read]]:
-    """Head, then one memory per letter (span in a ``m``emory tier / ``c``old file / file in the
-    ``p``age cache / ``t``ext not encoded), then a question."""
+    """Head, then one memory per letter (``w``arm span / ``c``old / ``t``ext not encoded), then a question."""
     segs: list = [[1] * 10]
     reads = []
     for i, kind in enumerate(kinds):
-        if kind == "m":
+        if kind == "w":
             segs.append(_span(i))
-        elif kind in "cp":
-            read = Read(_span(i), warm=kind == "p")
+        elif kind == "c":
+            read = Read(_span(i))
             reads.append(read)
             segs.append(ColdFact(list(range(10)), read))
         else:
@@ -59,8 +54,8 @@ def _prompt(kinds: str) -> tuple[list, list[Read]]:
     return segs, reads
 
 
-def _rates(disk_bps: float, latency: float = 0.0, warm_bps: float | None = None) -> Rates:
-    return Rates(PREFILL, disk_bps, latency, disk_warm_bytes_per_s=warm_bps)
+def _rates(disk_bps: float, latency: float = 0.0) -> Rates:
+    return Rates(PREFILL, disk_bps, latency)
 
 
 def test_prefill_curve_interpolates_and_extrapolates():
@@ -73,53 +68,30 @@ def test_prefill_curve_interpolates_and_extrapolates():
 
 def test_slow_disk_recomputes_and_promotes():
     segs, reads = _prompt("cccc")
-    # 0.1 s a fact against 1 ms of prefill, from the page cache too (a throttled volume).
-    out, mix, promote = plan(segs, 0, _rates(1e7, warm_bps=1e7))
+    out, mix, promote = plan(segs, 0, _rates(1e7))  # 0.1 s a fact against 1 ms of prefill
     assert mix == MemoryMix(0, 0, 4)
-    # Nothing read during the request's prefill, and no file asked whether it is in the page
-    # cache: prefilling wins even were every one of them.
-    assert all(r.calls == [] for r in reads)
+    assert all(r.calls == [] for r in reads)  # nothing read during the request's prefill
     promote()  # the engine's call once the first token is out
     assert all(r.calls == ["promote"] for r in reads)
     assert out == segs
-
-
-def test_page_cache_asked_only_when_it_could_change_the_split():
-    # Warm reads at 10 ms a fact still lose to 1 ms of prefill: no probe.
-    segs, reads = _prompt("cpcp")
-    _, mix, _ = plan(segs, 0, _rates(1e7, warm_bps=1e8))
-    assert mix == MemoryMix(0, 0, 4)
-    assert all(r.calls == [] for r in reads)
-    # Warm reads cost nothing next to prefill: every file before the split is probed; the
-    # warm ones are read (counted as injected from memory), a cold one ends the prefix.
-    segs, reads = _prompt("ppcp")
-    _, mix, promote = plan(segs, 0, _rates(1e7, warm_bps=1e12))
-    assert mix == MemoryMix(2, 0, 2)
-    promote()
-    assert [r.calls for r in reads] == [["warm", "start", "wait"]] * 2 + [["warm", "promote"]] * 2
-    # No warm rate measured: a file in the page cache is taken to be free, so files are probed.
-    segs, reads = _prompt("cc")
-    _, mix, _ = plan(segs, 0, _rates(1e7))
-    assert mix == MemoryMix(0, 0, 2)
-    assert all(r.calls == ["warm"] for r in reads)
 
 
 def test_fast_disk_reads_all_in_parallel():
     segs, reads = _prompt("cccc")
     out, mix, _ = plan(segs, 0, _rates(1e12))
     assert mix == MemoryMix(0, 4, 0)
-    assert all(r.calls == ["warm", "start", "wait"] for r in reads)
+    assert all(r.calls == ["start", "wait"] for r in reads)
     assert all(isinstance(s, Span) for s in out[1:5])
 
 
 def test_split_where_reading_stops_paying():
-    # Memories in memory first, cold ones after: reading a cold one (2 ms) costs more than
-    # prefilling it (1 ms), so the split lands after the ones in memory.
-    segs, reads = _prompt("mmcc")
+    # Warm memories first, cold ones after: reading a cold one (2 ms) costs more than
+    # prefilling it (1 ms), so the split lands after the warm ones.
+    segs, reads = _prompt("wwcc")
     _, mix, _ = plan(segs, 0, _rates(5e8))
     assert mix == MemoryMix(2, 0, 2)
-    # A cold memory in front of ones in memory is read when that saves their prefill.
-    segs, reads = _prompt("cmmm")
+    # A cold memory in front of warm ones is read when that saves their prefill.
+    segs, reads = _prompt("cwww")
     _, mix, _ = plan(segs, 0, _rates(5e8))
     assert mix == MemoryMix(3, 1, 0)
 
@@ -129,13 +101,13 @@ def test_the_knob_and_pending_text_bound_the_split():
     _, mix, promote = plan(segs, 2, _rates(1e12))
     assert mix == MemoryMix(0, 2, 2)
     promote()
-    assert [r.calls for r in reads] == [["warm", "start", "wait"]] * 2 + [["promote"]] * 2
+    assert [r.calls for r in reads] == [["start", "wait"]] * 2 + [["promote"]] * 2
     segs, reads = _prompt("ctcc")
     _, mix, _ = plan(segs, 0, _rates(1e12))
     assert mix == MemoryMix(0, 1, 3)
 
 
 def test_no_rates_reads_as_before():
-    segs, reads = _prompt("cp")
+    segs, reads = _prompt("cc")
     _, mix, _ = plan(segs, 0, None)
-    assert mix == MemoryMix(1, 1, 0)
+    assert mix == MemoryMix(0, 2, 0)

@@ -62,9 +62,6 @@ class _Read:
         self.nbytes = tiers.file_bytes(key, len(ids))
         self.future: Future[FactKV] | None = None
 
-    def warm(self) -> bool:
-        return self.tiers.disk.cached(self.key)
-
     def start(self) -> None:
         if self.future is None:
             self.future = self.tiers.read_async([self.key], self.fingerprint)[0]
@@ -142,7 +139,7 @@ def run_tiers(
     keys = keys[:kmax]
     speeds = measure(tiers)
     rates = planner.Rates(planner.prefill_curve(engine), speeds.disk_bytes_per_s, speeds.disk_latency_s,
-                          speeds.host_to_device_bytes_per_s, speeds.disk_warm_bytes_per_s)
+                          speeds.host_to_device_bytes_per_s)
 
     def sync() -> None:
         if cuda:

@@ -4,9 +4,8 @@ Disk: fact-sized KV files written through the disk tier itself (same folder, so 
 filesystem; same reader, checksum, finiteness check and ``disk_read_bps`` throttle), dropped
 from the OS page cache (``posix_fadvise(DONTNEED)`` after ``fsync``: clean pages go), then read
 back on the tiers' reader pool the way a request's cold facts are. ``latency_s`` is one file
-read alone past what the bandwidth explains. Warm: the same files read again at once, from the
-page cache (what is left is the reader's own work: checksum, finiteness check). Host to device:
-one pinned buffer copied to the device. Each takes a fraction of a second; nothing is hard-coded.
+read alone past what the bandwidth explains. Host to device: one pinned buffer copied to the
+device. Each takes a fraction of a second; nothing is hard-coded.
 """
 
 from __future__ import annotations
@@ -32,9 +31,8 @@ _FINGERPRINT = "calibration"
 
 @dataclass(frozen=True)
 class TierSpeeds:
-    """Bytes a second from disk (cold, parallel reads; and warm, from the page cache) and host
-    to device, with the per-read latency of the disk; ``host_to_device_bytes_per_s`` is ``None``
-    on a CPU engine."""
+    """Bytes a second from disk (cold, parallel reads) and host to device, with the per-read
+    latency of the disk; ``host_to_device_bytes_per_s`` is ``None`` on a CPU engine."""
 
     disk_bytes_per_s: float
     disk_latency_s: float
@@ -42,7 +40,6 @@ class TierSpeeds:
     #: them in memory, e.g. tmpfs, and the figure is a memory copy).
     disk_cold: bool
     host_to_device_bytes_per_s: float | None
-    disk_warm_bytes_per_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,12 +47,11 @@ class TierSpeeds:
 
 def measure(tiers: KVTiers, *, files: int = 16, file_bytes: int = 2 << 20) -> TierSpeeds:
     """Measure ``tiers``' disk and host-to-device speeds (see the module docstring)."""
-    disk_bps, latency, cold, warm_bps = _measure_disk(tiers, files, file_bytes)
-    return TierSpeeds(disk_bps, latency, cold, _measure_host_to_device(tiers.device) if tiers.device.type == "cuda" else None,
-                      warm_bps)
+    disk_bps, latency, cold = _measure_disk(tiers, files, file_bytes)
+    return TierSpeeds(disk_bps, latency, cold, _measure_host_to_device(tiers.device) if tiers.device.type == "cuda" else None)
 
 
-def _measure_disk(tiers: KVTiers, files: int, file_bytes: int) -> tuple[float, float, bool, float]:
+def _measure_disk(tiers: KVTiers, files: int, file_bytes: int) -> tuple[float, float, bool]:
     root = tiers.root / f".calibration-{uuid.uuid4().hex[:8]}"
     disk = DiskTier(root, pin_memory=tiers.disk.pin_memory, read_bps=tiers.disk.read_bps)
     try:
@@ -72,16 +68,12 @@ def _measure_disk(tiers: KVTiers, files: int, file_bytes: int) -> tuple[float, f
         one = time.perf_counter() - t0
         # A slow disk (a throttled one) gets fewer files: the measurement stays near 1/4 s.
         n = max(2, min(files, int(0.25 / max(one, 1e-9))))
-        def read_all() -> float:
+        with ThreadPoolExecutor(tiers.read_threads) as pool:
             t0 = time.perf_counter()
             list(pool.map(lambda key: disk.get_blocking(key, _FINGERPRINT), keys[1 : n + 1]))
-            return time.perf_counter() - t0
-
-        with ThreadPoolExecutor(tiers.read_threads) as pool:
-            many = read_all()
-            again = read_all()  # just read: from the page cache
+            many = time.perf_counter() - t0
         bps = n * size / max(many, 1e-9)
-        return bps, max(0.0, one - size / bps), cold, n * size / max(again, 1e-9)
+        return bps, max(0.0, one - size / bps), cold
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

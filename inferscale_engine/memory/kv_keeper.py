@@ -73,9 +73,6 @@ class _ColdRead:
         self._future: Future[FactKV] | None = None
         self.nbytes = keeper.tiers.file_bytes(key, len(fact.token_ids or ()))
 
-    def warm(self) -> bool:
-        return self._keeper.tiers.disk.cached(self._key)
-
     def start(self) -> None:
         if self._future is None:
             self._future = self._keeper.tiers.read_async([self._key], self._keeper.fingerprint)[0]
@@ -203,8 +200,7 @@ class KVKeeper:
         another thread is still encoding comes back as :class:`TextFact` (its tokens, prefilled):
         a chat never waits behind ingestion for it. ``defer_cold``: a fact whose KV is only in a
         disk file outside the page cache comes back as a :class:`ColdFact` whose read has
-        started, for the engine's cost model to wait for or to prefill instead (whether its file
-        is in the page cache is the cost model's question: it asks only when that could matter)."""
+        started, for the engine's cost model to wait for or to prefill instead."""
         cold: dict[int, ColdFact] = {}
         if defer_cold:
             cold = self._cold(facts)
@@ -219,14 +215,16 @@ class KVKeeper:
         return self.tiers.prefetch(keys, self.fingerprint) if keys else 0
 
     def _cold(self, facts: list[FactRow]) -> dict[int, ColdFact]:
-        """The facts (by position) whose KV is only in a disk file, as :class:`ColdFact` (nothing
-        read yet: the engine's cost model starts what it needs). Asks the filesystem nothing: an
-        encoded fact has its file (write-through), unless a read found it missing."""
+        """The facts (by position) whose KV is only in a disk file the page cache does not hold,
+        as :class:`ColdFact` (nothing read yet: the engine's cost model starts what it needs).
+        Per fact one page-cache probe and no other filesystem call: an encoded fact has its
+        file (write-through) unless a read found it missing, and its size follows from its KV."""
         ready = [i for i, f in enumerate(facts) if f.fingerprint == self.fingerprint]
         keys: list[KVKey] = [(facts[i].id, facts[i].kv_version) for i in ready]
+        cached = self.tiers.disk.cached
         return {i: ColdFact(facts[i].token_ids or (), _ColdRead(self, facts[i], key))
                 for i, key, tier in zip(ready, keys, self.tiers.where_many(keys, check_disk=False))
-                if tier == "disk"}
+                if tier == "disk" and not cached(key)}
 
     def _load_cold(self, future: Future[FactKV], f: FactRow) -> Span | TextFact:
         """A cold fact's span once its read is done; a file that turned out unusable goes the
