@@ -82,9 +82,7 @@ def main() -> None:
             engine.memory.wait_for_encoding()
             rates = engine.calibrate()
             assert rates is not None, "the cost model's calibration failed"
-            warm = getattr(rates, "disk_warm_bytes_per_s", None)  # absent before the warm rate
-            print(f"disk {rates.disk_bytes_per_s / 1e6:.2f} MB/s + {1e3 * rates.disk_latency_s:.1f} ms, warm "
-                  f"{'-' if warm is None else f'{warm / 1e6:.2f} MB/s'}, "
+            print(f"disk {rates.disk_bytes_per_s / 1e6:.2f} MB/s + {1e3 * rates.disk_latency_s:.1f} ms, "
                   f"prefill {[(n, round(1e3 * t, 1)) for n, t in rates.prefill]} ms")
             for k in ks:
                 cold_prompt = HEAD + "".join(item.handle for item in items[:k]) + QUESTION
