@@ -494,7 +494,8 @@ class InferScaleEngine:
             spans = []
         segments: list[Segment] = [self.tokenize(pieces[0], add_special_tokens=not is_chat)]
         for span, piece in zip(spans, pieces[1:]):
-            segments.extend([span, self.tokenize(piece)])
+            # Handles side by side leave empty pieces: no tokenizer call for them (~25 µs each).
+            segments.extend([span, self.tokenize(piece) if piece else []])
         return segments
 
     def generate_segments(self, segments: Sequence[Segment], *, user_id: str = "default", **kwargs: Any) -> GenerationResult:

@@ -25,6 +25,7 @@ bandwidths (:mod:`inferscale_engine.memory.bandwidth`, measured when the store i
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import json
 import logging
@@ -58,11 +59,15 @@ class Rates:
     disk_latency_s: float
     host_to_device_bytes_per_s: float | None = None
 
+    @functools.cached_property
+    def _tokens(self) -> list[int]:
+        return [n for n, _ in self.prefill]
+
     def prefill_s(self, tokens: int) -> float:
         """Seconds to prefill ``tokens``: linear between measured points, past the last one at
         the slope of the last two."""
         points = self.prefill
-        xs = [n for n, _ in points]
+        xs = self._tokens
         i = bisect.bisect_left(xs, tokens)
         if i < len(points) and xs[i] == tokens:
             return points[i][1]
@@ -150,16 +155,19 @@ def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rat
         if i == end:
             after.append(tail)
             end = next(ends, None)
-    best_j, best_s = 0, rates.prefill_s(after[0])
+    prompt_s = rates.prefill_s(after[0])
+    best_j, best_s = 0, prompt_s
     cold_bytes = 0
+    disk_s = 0.0
     for j in range(1, limit + 1):
         seg = segments[facts[j - 1]]
-        if isinstance(seg, ColdFact):
+        if isinstance(seg, ColdFact):  # the read's cost changes only where a cold file joins
             cold_bytes += seg.read.nbytes
-        cost = (rates.disk_s(cold_bytes) if cold_bytes else 0.0) + rates.prefill_s(after[j])
+            disk_s = rates.disk_s(cold_bytes)
+        cost = disk_s + rates.prefill_s(after[j])
         if cost <= best_s:
             best_j, best_s = j, cost
-    return Plan(best_j, len(facts), best_s, rates.prefill_s(after[0]))
+    return Plan(best_j, len(facts), best_s, prompt_s)
 
 
 class Calibration:

@@ -113,6 +113,8 @@ def test_slow_disk_recomputes_then_promotes(engine, prompt, reference):
     # Reading ~3 MB at 2 MB/s costs more than prefilling ~80 tokens: every cold memory is prefilled.
     assert cold.usage.memory_mix == MemoryMix(injected=0, from_disk=0, recomputed=len(FACTS)), cold.usage
     assert cold.token_ids == reference.token_ids
+    # Nothing injected: the very request prompt injection sends.
+    assert cold.usage.injected_tokens == 0 and cold.prompt_token_ids == reference.prompt_token_ids
     # Their reads went on in the background: the next request injects every memory from memory.
     _wait_in_memory(engine, keys)
     warm = _ask(engine, prompt)
@@ -145,6 +147,42 @@ def test_fast_disk_is_read_and_answers_match(engine, prompt, reference):
     partly = _ask(engine, prompt)
     assert partly.usage.memory_mix == MemoryMix(injected=4, from_disk=2, recomputed=0), partly.usage
     assert partly.token_ids == reference.token_ids
+
+
+def test_files_in_the_page_cache_are_served_as_memory(engine, prompt, reference):
+    """A file the page cache holds is read like a memory tier, whatever the disk's speed."""
+    keys = _keys(engine)
+    _disk(engine, SLOW_DISK)
+    tiers = engine.memory.tiers
+    for key in keys:
+        tiers.evict(key, to="disk")
+        tiers.path(key).read_bytes()  # into the page cache
+        assert tiers.where(key) == "disk" and tiers.disk.cached(key)
+    warm = _ask(engine, prompt)
+    assert warm.usage.memory_mix == MemoryMix(injected=len(FACTS), from_disk=0, recomputed=0), warm.usage
+    assert warm.token_ids == reference.token_ids
+
+
+def test_a_file_removed_behind_the_stores_back_is_prefilled_then_re_encoded(engine, prompt, reference):
+    """Resolving asks the filesystem nothing: a missing file is found by the read that needed it
+    (here the promotion after a recompute), and the next request re-encodes the memory."""
+    keys = _keys(engine)
+    _disk(engine, SLOW_DISK)
+    _to_cold_disk(engine, keys)
+    gone = keys[2]
+    os.remove(engine.memory.tiers.path(gone))
+    first = _ask(engine, prompt)
+    assert first.usage.memory_mix == MemoryMix(injected=0, from_disk=0, recomputed=len(FACTS)), first.usage
+    assert first.token_ids == reference.token_ids
+    _wait_in_memory(engine, [k for k in keys if k != gone])
+    deadline = time.monotonic() + 60
+    while engine.memory.tiers.where_many([gone], check_disk=False) != [None]:  # the promotion found it missing
+        assert time.monotonic() < deadline, "the failed promotion never marked the file missing"
+        time.sleep(0.05)
+    second = _ask(engine, prompt)
+    assert second.usage.memory_mix == MemoryMix(injected=len(FACTS), from_disk=0, recomputed=0), second.usage
+    assert second.token_ids == reference.token_ids
+    assert engine.memory.tiers.path(gone).exists()  # re-encoded, stored again
 
 
 def test_all_recomputed_by_the_knob_matches(engine, prompt, reference):

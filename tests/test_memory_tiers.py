@@ -406,6 +406,56 @@ def test_corrupt_or_misplaced_file_is_missing_not_served(tmp_path):
         tiers.get(key(1), FP)
 
 
+def test_where_many_without_the_filesystem_learns_missing_files_from_reads(tmp_path):
+    """A request's resolve asks the filesystem nothing: a key in no memory tier is on disk until
+    a read finds its file gone; a put makes it whole again."""
+    tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 8, page_tokens=PT)
+    kv = make_kv(5, 0)
+    tiers.put(key(0), kv, FP)
+    tiers.evict(key(0), to="disk")
+    assert tiers.where_many([key(0)], check_disk=False) == ["disk"]
+    tiers.path(key(0)).unlink()
+    assert tiers.where_many([key(0)], check_disk=False) == ["disk"]  # nothing asked yet
+    assert tiers.where_many([key(0)]) == [None]
+    with pytest.raises(KVMissingError):
+        tiers.get(key(0), FP)
+    assert tiers.where_many([key(0)], check_disk=False) == [None]
+    tiers.put(key(0), kv, FP)
+    tiers.evict(key(0), to="disk")
+    assert tiers.where_many([key(0)], check_disk=False) == ["disk"]
+    # A failed background read (a promotion, a prefetch) marks it too.
+    tiers.path(key(0)).unlink()
+    tiers.prefetch([key(0)], FP)
+    tiers.close()  # waits for the read
+    assert tiers.where_many([key(0)], check_disk=False) == [None]
+
+
+def test_file_bytes_without_a_stat_once_the_geometry_is_known(tmp_path):
+    tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 8, page_tokens=PT)
+    tiers.put(key(0), make_kv(5, 0), FP)
+    size = tiers.path(key(0)).stat().st_size
+    assert tiers.file_bytes(key(0), 5) == fact_bytes(5)  # the KV, without the file's header
+    assert 0 < size - fact_bytes(5) < 4096
+    fresh = KVTiers(tmp_path, device_bytes=page_bytes() * 8, page_tokens=PT)  # a reopened store
+    assert fresh.file_bytes(key(0), 5) == size
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
+def test_cached_follows_the_page_cache(tmp_path):
+    tiers = KVTiers(tmp_path, device_bytes=0, host_bytes=0, page_tokens=PT)
+    tiers.put(key(0), make_kv(400, 0), FP)
+    path = tiers.path(key(0))
+    path.read_bytes()
+    assert tiers.disk.cached(key(0))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    assert not tiers.disk.cached(key(0))
+    assert not tiers.disk.cached(key(9))  # no file
+
+
 def test_sweep_removes_temp_files_and_orphans(tmp_path):
     tiers = KVTiers(tmp_path, device_bytes=0, page_tokens=PT)
     for i in range(4):

@@ -59,7 +59,7 @@ class _Read:
 
     def __init__(self, tiers: KVTiers, fingerprint: str, key: tuple[str, int], span_key: str, ids: list[int]) -> None:
         self.tiers, self.fingerprint, self.key, self.span_key, self.ids = tiers, fingerprint, key, span_key, ids
-        self.nbytes = tiers.path(key).stat().st_size
+        self.nbytes = tiers.file_bytes(key, len(ids))
         self.future: Future[FactKV] | None = None
 
     def start(self) -> None:
@@ -209,7 +209,8 @@ def run_tiers(
                         # What the engine would prefill (its planner sees no cold fact left).
                         segs = [TextFact(s) if isinstance(s, ColdFact) else s for s in segs]
                         t_promote = time.perf_counter() - t0
-                        result = engine.generate_segments(segs, max_tokens=1, mode="inject", first_logprobs=5)
+                        # No logprobs (its answer is not compared): with nothing injected, the prompt row's request.
+                        result = engine.generate_segments(segs, max_tokens=1, mode="inject")
                         promote_later()  # as the engine does once the first token is out
                         # Promotions of the prefilled facts finish before the next request.
                         while any(t == "disk" for t in tiers.where_many(picked_keys)):

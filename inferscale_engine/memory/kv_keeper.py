@@ -71,10 +71,7 @@ class _ColdRead:
         self._fact = fact
         self._key = key
         self._future: Future[FactKV] | None = None
-        try:
-            self.nbytes = keeper.tiers.disk.path(key).stat().st_size
-        except OSError:
-            self.nbytes = 0
+        self.nbytes = keeper.tiers.file_bytes(key, len(fact.token_ids or ()))
 
     def start(self) -> None:
         if self._future is None:
@@ -219,12 +216,15 @@ class KVKeeper:
 
     def _cold(self, facts: list[FactRow]) -> dict[int, ColdFact]:
         """The facts (by position) whose KV is only in a disk file the page cache does not hold,
-        as :class:`ColdFact` (nothing read yet: the engine's cost model starts what it needs)."""
+        as :class:`ColdFact` (nothing read yet: the engine's cost model starts what it needs).
+        Per fact one page-cache probe and no other filesystem call: an encoded fact has its
+        file (write-through) unless a read found it missing, and its size follows from its KV."""
         ready = [i for i, f in enumerate(facts) if f.fingerprint == self.fingerprint]
-        keys: list[KVKey] = [(facts[i].id, facts[i].kv_version) for i in ready]  # type: ignore[misc]
+        keys: list[KVKey] = [(facts[i].id, facts[i].kv_version) for i in ready]
+        cached = self.tiers.disk.cached
         return {i: ColdFact(facts[i].token_ids or (), _ColdRead(self, facts[i], key))
-                for i, key, tier in zip(ready, keys, self.tiers.where_many(keys))
-                if tier == "disk" and not self.tiers.disk.cached(key)}
+                for i, key, tier in zip(ready, keys, self.tiers.where_many(keys, check_disk=False))
+                if tier == "disk" and not cached(key)}
 
     def _load_cold(self, future: Future[FactKV], f: FactRow) -> Span | TextFact:
         """A cold fact's span once its read is done; a file that turned out unusable goes the

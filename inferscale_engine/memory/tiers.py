@@ -110,6 +110,7 @@ class KVTiers:
         # Python work (GIL) barely slows the requests running meanwhile.
         self._background: ThreadPoolExecutor | None = None
         self._reading: dict[KVKey, Future[None]] = {}  # background reads into a memory tier
+        self._missing: set[KVKey] = set()  # files a read found missing since their last put
         self._lock = threading.RLock()
         self._geometry: tuple[int, int, int, torch.dtype] | None = None  # layers, kv heads, head dim, dtype
         self._page_bytes = 0
@@ -144,6 +145,7 @@ class KVTiers:
         self._check_geometry(kv)
         self.disk.put(key, kv, fingerprint)
         with self._lock:
+            self._missing.discard(key)
             self._drop_memory(key)
             self._insert(key, self._to_pages(kv.k, kv.v), kv.num_tokens, kv.position, fingerprint)
 
@@ -224,12 +226,29 @@ class KVTiers:
                 started += 1
         return started
 
-    def where_many(self, keys: Sequence[KVKey]) -> list[Tier | None]:
-        """:meth:`where` of every key, memory tiers read under one lock."""
+    def where_many(self, keys: Sequence[KVKey], *, check_disk: bool = True) -> list[Tier | None]:
+        """:meth:`where` of every key, memory tiers read under one lock. ``check_disk=False``
+        asks the filesystem nothing (a request may name 200 files): a key in no memory tier is
+        on disk unless a read found its file missing since it was last put. That is for keys
+        whose files were written (an encoded fact: the disk tier is write-through); a file
+        removed behind the store's back is found missing by the read that needed it."""
         with self._lock:
             found: list[Tier | None] = [
                 "device" if key in self._device else "host" if key in self._host else None for key in keys]
+            if not check_disk:
+                return [t if t is not None else None if key in self._missing else "disk"
+                        for t, key in zip(found, keys)]
         return [t if t is not None else ("disk" if self.disk.contains(key) else None) for t, key in zip(found, keys)]
+
+    def file_bytes(self, key: KVKey, num_tokens: int) -> int:
+        """Bytes a read of ``key``'s file (``num_tokens`` tokens of KV) brings in: from the KV
+        geometry once any fact was stored or read (no filesystem call), else the file's size."""
+        with self._lock:
+            geometry = self._geometry
+        if geometry is None:
+            return self.disk.nbytes(key)
+        layers, heads, dim, dtype = geometry
+        return 2 * layers * num_tokens * heads * dim * dtype.itemsize
 
     def close(self) -> None:
         """Stop the reader pool; reads already running finish."""
@@ -269,6 +288,8 @@ class KVTiers:
             k, v, position = self.disk.get_blocking(key, fingerprint)
         except Exception as exc:  # the request that needs it reads it again and repairs it
             logger.info("prefetch of fact %s v%d failed: %s", key[0], key[1], exc)
+            if isinstance(exc, KVMissingError):
+                self._found_missing(key)
             return
         self._check_geometry(FactKV(k, v, position))
         pages = self._to_pages(k, v)
@@ -303,14 +324,16 @@ class KVTiers:
     def delete(self, fact_id: str) -> None:
         """Free every version of ``fact_id`` in every tier, its disk files included."""
         with self._lock:
-            for key in [k for k in (*self._device, *self._host) if k[0] == fact_id]:
+            for key in [k for k in (*self._device, *self._host, *self._missing) if k[0] == fact_id]:
                 self._drop_memory(key)
+                self._missing.discard(key)
             self.disk.remove_fact(fact_id)
 
     def delete_key(self, key: KVKey) -> None:
         """Free one version of a fact in every tier."""
         with self._lock:
             self._drop_memory(key)
+            self._missing.discard(key)
             self.disk.remove(key)
 
     def path(self, key: KVKey) -> Path:
@@ -375,8 +398,18 @@ class KVTiers:
         layers, heads, dim, _ = self._geometry  # type: ignore[misc]
         return (layers, 2, self.page_tokens, heads, dim)
 
+    def _found_missing(self, key: KVKey) -> None:
+        """A read found ``key``'s file missing or unusable: ``where_many(check_disk=False)``
+        stops taking it to be on disk until it is put again."""
+        with self._lock:
+            self._missing.add(key)
+
     def _get_from_disk(self, key: KVKey, fingerprint: str) -> FactKV:
-        k, v, position = self.disk.get_blocking(key, fingerprint)
+        try:
+            k, v, position = self.disk.get_blocking(key, fingerprint)
+        except KVMissingError:
+            self._found_missing(key)
+            raise
         self._check_geometry(FactKV(k, v, position))  # a store reopened reads before it writes
         if self._cuda:  # from the pinned read buffer, a DMA; the page layout is made on the device
             k, v = k.to(self.device, non_blocking=True), v.to(self.device, non_blocking=True)
