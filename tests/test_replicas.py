@@ -107,21 +107,79 @@ def test_explicit_kv_folder_is_still_one_process(url, tmp_path):
         a.close()
 
 
-def test_database_restart_fails_one_call_then_reconnects(cluster, tmp_path):
-    from inferscale_engine.errors import InferScaleError
+@pytest.mark.parametrize("drop", ["restart", "terminate"])
+def test_dropped_connection_is_reconnected_and_the_call_retried(cluster, tmp_path, drop):
+    """A server restart, or every connection terminated server-side: the next calls (reads and
+    writes) succeed on a new connection, without an error reaching the caller."""
     from inferscale_engine.memory import MemoryStore
 
-    a = MemoryStore(None, cluster.new_database(), kv_path=tmp_path / "kv")
+    url = cluster.new_database()
+    a = MemoryStore(None, url, kv_path=tmp_path / "a")
+    b = MemoryStore(None, url, kv_path=tmp_path / "b")
     try:
         [fact] = a.add("My dog is called Rex.", user_id="alice")
-        cluster.restart()
-        with pytest.raises(InferScaleError, match="memory store postgresql://"):
-            a.get_all(user_id="alice")  # the call in flight when the connection dropped
-        assert [m.id for m in a.get_all(user_id="alice")] == [fact.id]
-        a.update(fact.id, "My dog is called Max.", user_id="alice")
+        assert [m.id for m in b.get_all(user_id="alice")] == [fact.id]
+        if drop == "restart":
+            cluster.restart()
+        else:
+            assert cluster.terminate_clients(url) >= 2
+        assert [m.id for m in a.get_all(user_id="alice")] == [fact.id]  # a read, on a dropped connection
+        b.update(fact.id, "My dog is called Max.", user_id="alice")  # a write, on a dropped connection
         assert a.get(fact.id).memory == "My dog is called Max."
+        assert [e["event"] for e in a.history(fact.id)] == ["ADD", "UPDATE"]  # written once, not twice
     finally:
         a.close()
+        b.close()
+
+
+def test_database_that_stays_down_is_a_clear_error_after_the_retries(tmp_path):
+    import time
+
+    from inferscale_engine.errors import DatabaseUnavailableError
+    from inferscale_engine.memory.pg import PostgresDB
+
+    with throwaway_cluster() as own:  # stopped and started here: not the module's cluster
+        url = own.new_database()
+        db = PostgresDB(url, retry_seconds=2)
+        try:
+            assert db.count_facts() == 0
+            own.stop()
+            t0 = time.monotonic()
+            with pytest.raises(DatabaseUnavailableError, match="is unreachable .retried for 2 s"):
+                db.count_facts()
+            assert 1.5 < time.monotonic() - t0 < 10
+            own.start()
+            assert db.count_facts() == 0  # and back once the database is
+        finally:
+            db.close()
+
+
+def test_replicas_of_another_model_are_refused_while_one_runs(url):
+    """The claim a serving replica records (the backend's API; the servers' is tested below)."""
+    from inferscale_engine.errors import ReplicaMismatchError
+    from inferscale_engine.memory.pg import PostgresDB
+
+    first, same, other = PostgresDB(url), PostgresDB(url), PostgresDB(url)
+    try:
+        first.claim_serving("fp-smol-w5", "smollm2 (bfloat16, window 5)")
+        same.claim_serving("fp-smol-w5", "smollm2 (bfloat16, window 5)")
+        with pytest.raises(ReplicaMismatchError, match=r"running replicas of smollm2 .* this replica runs qwen"):
+            other.claim_serving("fp-qwen-w5", "qwen (bfloat16, window 5)")
+        first.close()
+        with pytest.raises(ReplicaMismatchError):  # one replica of the store's model still runs
+            other.claim_serving("fp-qwen-w5", "qwen (bfloat16, window 5)")
+        same.close()
+        other.claim_serving("fp-qwen-w5", "qwen (bfloat16, window 5)")  # none runs: the store moves
+        assert other.get_meta("kv_fingerprint") == "fp-qwen-w5"
+        back = PostgresDB(url)
+        try:
+            with pytest.raises(ReplicaMismatchError, match="running replicas of qwen"):
+                back.claim_serving("fp-smol-w5", "smollm2 (bfloat16, window 5)")
+        finally:
+            back.close()
+    finally:
+        for db in (first, same, other):
+            db.close()
 
 
 def test_bad_database_url_is_a_clear_error(cluster, tmp_path):

@@ -142,6 +142,12 @@ class MetaDB(ABC):
     def close(self) -> None:
         ...
 
+    def claim_serving(self, fingerprint: str, model: str) -> None:
+        """A shared backend: record that this process serves KV made under ``fingerprint``
+        (``model`` names it), refusing one that differs from running replicas'. One process
+        owns an embedded store: nothing to claim."""
+        return None
+
     @abstractmethod
     def get_meta(self, key: str) -> str | None:
         ...

@@ -15,23 +15,42 @@ fact is (insert, text update, delete, metadata, a new KV version) stamps the row
 value of one sequence, inside a transaction that holds one advisory lock, so stamps commit in
 order and :meth:`PostgresDB.changes` (rows stamped after the last one seen) misses none.
 
+Every replica that encodes KV records the KV fingerprint (model, dtype, window, prefix) it
+serves under, and holds a shared advisory lock on its connection while it runs: a replica with
+another fingerprint is refused while any other runs (:meth:`PostgresDB.claim_serving`), since
+its tokens and contexts would overwrite theirs in the shared rows.
+
+A dropped connection (a server restart, a failover, ``pg_terminate_backend``) is re-opened and
+the call run again, for up to ``retry_seconds``: every call is one transaction, and one that
+failed before its COMMIT was sent was rolled back by the server, so running it again is safe.
+One that failed during its COMMIT may have been written: that one is not repeated, the caller
+gets a :class:`~inferscale_engine.errors.DatabaseUnavailableError` saying so.
+
 Search runs over the embeddings each replica holds in its in-memory index: pgvector is not
 packaged for this Debian release, and the per-user indexes already answer from memory.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import secrets
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from inferscale_engine.errors import FactNotFoundError, InferScaleError
+from inferscale_engine.errors import (
+    DatabaseUnavailableError,
+    FactNotFoundError,
+    InferScaleError,
+    ReplicaMismatchError,
+)
 from inferscale_engine.memory.db import (
     SCHEMA_VERSION,
     Changes,
@@ -44,8 +63,14 @@ from inferscale_engine.memory.db import (
 )
 from inferscale_engine.memory.item import text_hash
 
+logger = logging.getLogger(__name__)
+
 #: Key of the advisory lock every stamping transaction holds (any constant; ours spells "ISCL").
 _WRITE_LOCK = 0x4953434C
+#: Key of the advisory lock each serving replica holds shared for as long as it is connected.
+_SERVING_LOCK = _WRITE_LOCK + 1
+#: Seconds a call keeps re-opening a dropped connection before it fails (a restart takes a few).
+RETRY_SECONDS = 30.0
 
 _SCHEMA = """
 CREATE SEQUENCE IF NOT EXISTS fact_changes;
@@ -114,12 +139,51 @@ def _row(r: Sequence[Any]) -> FactRow:
     )
 
 
+class _ConnectionLost(Exception):
+    """The connection dropped inside a call; ``committing``: while its COMMIT was in flight."""
+
+    def __init__(self, cause: BaseException, committing: bool) -> None:
+        super().__init__(str(cause).strip())
+        self.committing = committing
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _retried(method: Callable[Concatenate[PostgresDB, _P], _R]) -> Callable[Concatenate[PostgresDB, _P], _R]:
+    """``method`` run again on a new connection while the database is unreachable, for up to
+    ``retry_seconds`` (see the module docstring for why that is safe)."""
+
+    @functools.wraps(method)
+    def run(self: PostgresDB, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        deadline = time.monotonic() + self.retry_seconds
+        delay = 0.05
+        while True:
+            try:
+                return method(self, *args, **kwargs)
+            except _ConnectionLost as lost:
+                if lost.committing:
+                    raise DatabaseUnavailableError(
+                        f"memory store {self.location} dropped the connection while a write was committing: it may "
+                        f"or may not have been stored; read it back before repeating it ({lost})") from None
+                if time.monotonic() + delay > deadline:
+                    raise DatabaseUnavailableError(
+                        f"memory store {self.location} is unreachable (retried for {self.retry_seconds:g} s; "
+                        f"nothing of this call was written): {lost}") from None
+                logger.info("memory store %s: connection lost (%s); retrying", self.location, lost)
+                time.sleep(delay)
+                delay = min(2 * delay, 1.0)
+
+    return run
+
+
 class PostgresDB(MetaDB):
     """A memory store's metadata in a PostgreSQL database shared by replicas (``postgresql://`` URL)."""
 
     shared = True
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, retry_seconds: float = RETRY_SECONDS) -> None:
         try:
             import psycopg
         except ImportError:
@@ -129,13 +193,12 @@ class PostgresDB(MetaDB):
         self._psycopg = psycopg
         self.lock = threading.RLock()
         self._cursor = 0  # the last change stamp this process has seen
+        self.retry_seconds = float(retry_seconds)
+        self._serving: str | None = None  # the KV fingerprint claimed (claim_serving)
+        self._committing = False  # the current transaction's COMMIT is in flight
         self.conn = self._connect()
         try:
-            with self._writing() as c:  # the lock: replicas starting together create the schema once
-                c.execute(_SCHEMA)
-                c.execute("INSERT INTO meta(key, value) VALUES ('schema_version', %s) ON CONFLICT (key) DO NOTHING",
-                          (str(SCHEMA_VERSION),))
-                version = c.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0]
+            version = self._create_schema()
             if int(version) != SCHEMA_VERSION:
                 raise InferScaleError(f"memory store {self.location} has schema version {version}, "
                                       f"this InferScale reads {SCHEMA_VERSION}")
@@ -143,28 +206,57 @@ class PostgresDB(MetaDB):
             self.conn.close()
             raise
 
+    @_retried
+    def _create_schema(self) -> str:
+        """The schema, created if missing; the schema version it is at."""
+        with self._writing() as c:  # the lock: replicas starting together create the schema once
+            c.execute(_SCHEMA)
+            c.execute("INSERT INTO meta(key, value) VALUES ('schema_version', %s) ON CONFLICT (key) DO NOTHING",
+                      (str(SCHEMA_VERSION),))
+            return str(c.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0])
+
     def _connect(self) -> Any:
         try:
             return self._psycopg.connect(self._url, autocommit=True)
         except self._psycopg.Error as exc:
             raise InferScaleError(f"cannot connect to the memory store {self.location}: {exc}".strip()) from None
 
+    def _reconnect(self) -> Any:
+        """A new connection in place of a dropped one, holding what the old one held."""
+        try:
+            conn = self._psycopg.connect(self._url, autocommit=True)
+        except self._psycopg.OperationalError as exc:
+            raise _ConnectionLost(exc, committing=False) from exc
+        self.conn = conn
+        if self._serving is not None:
+            conn.execute("SELECT pg_advisory_lock_shared(%s)", (_SERVING_LOCK,))
+            row = conn.execute("SELECT value FROM meta WHERE key='kv_fingerprint'").fetchone()
+            if row is not None and row[0] != self._serving:  # moved to another model while this one was cut off
+                raise ReplicaMismatchError(
+                    f"memory store {self.location} was moved to KV fingerprint {row[0]} while this replica "
+                    f"({self._serving}) was disconnected from it: restart this replica with the store's model")
+        return conn
+
     @contextmanager
     def _session(self) -> Iterator[Any]:
         """The connection, under the lock: a new one if the server dropped it (a restart, a
-        failover); a database error comes out as an InferScaleError that names the store."""
+        failover). A dropped connection comes out as :class:`_ConnectionLost` (for
+        :func:`_retried`), another database error as an InferScaleError that names the store."""
         with self.lock:
-            if self.conn.broken:
-                self.conn = self._connect()
+            self._committing = False
             try:
-                yield self.conn
+                yield self._reconnect() if self.conn.broken else self.conn
             except self._psycopg.OperationalError as exc:
+                if self.conn.broken or isinstance(exc, self._psycopg.errors.TransactionRollbackError):
+                    raise _ConnectionLost(exc, self._committing) from exc
                 raise InferScaleError(f"memory store {self.location}: {exc}".strip()) from exc
 
     @contextmanager
     def _transaction(self) -> Iterator[Any]:
-        with self._session() as c, c.transaction():
-            yield c
+        with self._session() as c:
+            with c.transaction():
+                yield c
+                self._committing = True  # the block is done: what fails from here on is the COMMIT
 
     @contextmanager
     def _writing(self) -> Iterator[Any]:
@@ -179,16 +271,19 @@ class PostgresDB(MetaDB):
 
     # ------------------------------------------------------------------ meta
 
+    @_retried
     def get_meta(self, key: str) -> str | None:
         with self._session() as c:
             row = c.execute("SELECT value FROM meta WHERE key=%s", (key,)).fetchone()
         return None if row is None else row[0]
 
+    @_retried
     def set_meta(self, key: str, value: str) -> None:
         with self._transaction() as c:
             c.execute("INSERT INTO meta(key, value) VALUES (%s, %s) ON CONFLICT (key) DO UPDATE SET value=excluded.value",
                       (key, value))
 
+    @_retried
     def handle_secret(self) -> bytes:
         with self._transaction() as c:
             c.execute("INSERT INTO meta(key, value) VALUES ('handle_secret', %s) ON CONFLICT (key) DO NOTHING",
@@ -199,12 +294,41 @@ class PostgresDB(MetaDB):
             raise InferScaleError(f"the handle secret in {self.location} is damaged ({len(secret)} bytes)")
         return secret
 
+    @_retried
+    def claim_serving(self, fingerprint: str, model: str) -> None:
+        """Record that this process serves the store's KV under ``fingerprint`` (``model`` says
+        it in words), and hold that claim while connected. A store recorded under another
+        fingerprint moves to this one only when no other replica is running: else
+        :class:`~inferscale_engine.errors.ReplicaMismatchError`."""
+        with self._writing() as c:  # one claim at a time: two replicas of two models cannot both win
+            row = c.execute("SELECT value FROM meta WHERE key='kv_fingerprint'").fetchone()
+            if row is not None and row[0] != fingerprint:
+                alone = c.execute("SELECT pg_try_advisory_lock(%s)", (_SERVING_LOCK,)).fetchone()[0]
+                theirs = c.execute("SELECT value FROM meta WHERE key='kv_model'").fetchone()
+                their_model = theirs[0] if theirs else "another model"
+                if not alone:
+                    raise ReplicaMismatchError(
+                        f"memory store {self.location} is served by running replicas of {their_model} "
+                        f"(KV fingerprint {row[0]}); this replica runs {model} (KV fingerprint {fingerprint}). "
+                        f"Start it with the same model, dtype, window and context prefix as they do, or give it "
+                        f"a database of its own; to move the store to {model}, stop every replica of it first")
+                c.execute("SELECT pg_advisory_unlock(%s)", (_SERVING_LOCK,))
+                logger.warning("memory store %s moves from %s to %s (no other replica is running): its facts "
+                               "are re-tokenized and re-encoded", self.location, their_model, model)
+            for key, value in (("kv_fingerprint", fingerprint), ("kv_model", model)):
+                c.execute("INSERT INTO meta(key, value) VALUES (%s, %s) "
+                          "ON CONFLICT (key) DO UPDATE SET value=excluded.value", (key, value))
+            c.execute("SELECT pg_advisory_lock_shared(%s)", (_SERVING_LOCK,))
+        self._serving = fingerprint
+
     # ------------------------------------------------------------------ facts
 
+    @_retried
     def count_facts(self) -> int:
         with self._session() as c:
             return int(c.execute("SELECT COUNT(*) FROM facts WHERE NOT deleted").fetchone()[0])
 
+    @_retried
     def load_live_facts(self) -> list[FactRow]:
         # One snapshot for the rows and the stamp they are current to.
         with self._transaction() as c:
@@ -213,6 +337,7 @@ class PostgresDB(MetaDB):
             rows = c.execute(f"SELECT {_COLUMNS} FROM facts WHERE NOT deleted ORDER BY seq").fetchall()
         return [_row(r) for r in rows]
 
+    @_retried
     def changes(self) -> Changes:
         with self._session() as c:
             rows = c.execute(
@@ -224,6 +349,7 @@ class PostgresDB(MetaDB):
         live = sorted((_row(r) for r in rows if not r[-2]), key=lambda f: f.seq)
         return Changes(live=live, deleted=[r[1] for r in rows if r[-2]])
 
+    @_retried
     def live_versions(self, fact_ids: Sequence[str], user_id: str) -> dict[str, int]:
         with self._session() as c:
             rows = c.execute(
@@ -232,6 +358,7 @@ class PostgresDB(MetaDB):
             ).fetchall()
         return {r[0]: int(r[1]) for r in rows}
 
+    @_retried
     def insert_facts(self, facts: Sequence[FactRow], now: str) -> None:
         if not facts:
             return
@@ -251,6 +378,7 @@ class PostgresDB(MetaDB):
                 ).fetchone()[0])
                 _add_history(c, f.id, f.user_id, "ADD", None, f.text, now)
 
+    @_retried
     def update_text(self, old: FactRow, new: FactRow, embedding: np.ndarray) -> int:
         """As :meth:`SQLiteDB.update_text`, except that the version is the stored one plus one
         (another replica may have updated the fact meanwhile): returns it."""
@@ -266,6 +394,7 @@ class PostgresDB(MetaDB):
             _add_history(c, new.id, old.user_id, "UPDATE", old.text, new.text, new.updated_at)
         return int(row[0])
 
+    @_retried
     def delete_facts(self, facts: Sequence[FactRow], now: str) -> None:
         with self._writing() as c:
             for f in facts:
@@ -276,15 +405,18 @@ class PostgresDB(MetaDB):
                 if gone:  # another replica may have deleted it first: one DELETE event
                     _add_history(c, f.id, f.user_id, "DELETE", f.text, None, now)
 
+    @_retried
     def set_embeddings(self, facts: Iterable[tuple[str, np.ndarray]]) -> None:
         with self._transaction() as c, c.cursor() as cur:
             cur.executemany("UPDATE facts SET embedding=%s WHERE id=%s", [(vec_to_blob(v), i) for i, v in facts])
 
+    @_retried
     def set_token_ids(self, facts: Iterable[tuple[str, Sequence[int] | None]]) -> None:
         with self._transaction() as c, c.cursor() as cur:
             cur.executemany("UPDATE facts SET token_ids=%s, context_ids=NULL WHERE id=%s",
                             [(ids_to_blob(t), i) for i, t in facts])
 
+    @_retried
     def set_context(self, f: FactRow) -> None:
         with self._transaction() as c:
             c.execute(
@@ -306,21 +438,25 @@ class PostgresDB(MetaDB):
     def set_encode_errors(self, errors: Iterable[tuple[str, str]]) -> None:
         return None
 
+    @_retried
     def new_kv_versions(self, facts: Iterable[tuple[int, str]]) -> None:
         with self._writing() as c, c.cursor() as cur:
             cur.executemany(f"UPDATE facts SET version=GREATEST(version, %s), change_seq={_STAMP} WHERE id=%s",
                             list(facts))
 
+    @_retried
     def new_kv_version(self, fact_id: str, old: int, new: int) -> None:
         with self._writing() as c:
             c.execute(f"UPDATE facts SET version=%s, change_seq={_STAMP} WHERE id=%s AND version=%s",
                       (new, fact_id, old))
 
+    @_retried
     def set_metadata(self, fact_id: str, metadata: dict[str, Any], now: str) -> None:
         with self._writing() as c:
             c.execute(f"UPDATE facts SET metadata=%s, updated_at=%s, change_seq={_STAMP} WHERE id=%s",
                       (json.dumps(metadata), now, fact_id))
 
+    @_retried
     def history(self, memory_id: str) -> list[dict[str, Any]]:
         with self._session() as c:
             rows = c.execute(

@@ -56,7 +56,7 @@ from inferscale_engine.memory.bandwidth import measure as measure_tiers
 from inferscale_engine.memory.context import Chunk, Context, ContextBuilder
 from inferscale_engine.memory.db import FactRow, open_db, utc_now
 from inferscale_engine.memory.embedder import Embedder
-from inferscale_engine.memory.encoding import ChatGenerate, Encoder, device_of, kv_fingerprint
+from inferscale_engine.memory.encoding import ChatGenerate, Encoder, describe, device_of, kv_fingerprint
 from inferscale_engine.memory.extraction import infer_facts
 from inferscale_engine.memory.facts import FactTable, retexted
 from inferscale_engine.memory.folder import (
@@ -172,6 +172,8 @@ class MemoryStore:
             self._db = open_db(str(path) if is_database_url(path) else self.path / DB_FILE)
             self.location = self._db.location if self._db.shared else str(self.path)
             try:
+                if self.fingerprint is not None:  # replicas of one store must make the same KV
+                    self._db.claim_serving(self.fingerprint, describe(encoder, window, self.context_prefix))
                 secret = self._db.handle_secret() if self._db.shared else open_secret(self.path / SECRET_FILE, self._db)
                 self._codec = HandleCodec(secret)
             except BaseException:
