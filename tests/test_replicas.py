@@ -13,6 +13,9 @@ is checked, through the public HTTP API and the store's public API:
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import pytest
 from test_server import start_server, stop_server
@@ -154,6 +157,17 @@ def test_database_that_stays_down_is_a_clear_error_after_the_retries(tmp_path):
             db.close()
 
 
+def _eventually(call, error: type[Exception], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return call()
+        except error:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def test_replicas_of_another_model_are_refused_while_one_runs(url):
     """The claim a serving replica records (the backend's API; the servers' is tested below)."""
     from inferscale_engine.errors import ReplicaMismatchError
@@ -169,7 +183,8 @@ def test_replicas_of_another_model_are_refused_while_one_runs(url):
         with pytest.raises(ReplicaMismatchError):  # one replica of the store's model still runs
             other.claim_serving("fp-qwen-w5", "qwen (bfloat16, window 5)")
         same.close()
-        other.claim_serving("fp-qwen-w5", "qwen (bfloat16, window 5)")  # none runs: the store moves
+        # None runs: the store moves (once the server has ended the closed sessions, a moment later).
+        _eventually(lambda: other.claim_serving("fp-qwen-w5", "qwen (bfloat16, window 5)"), ReplicaMismatchError)
         assert other.get_meta("kv_fingerprint") == "fp-qwen-w5"
         back = PostgresDB(url)
         try:
@@ -196,8 +211,13 @@ def test_bad_database_url_is_a_clear_error(cluster, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def replicas(cluster, smollm2_path, tmp_path_factory):
-    url = cluster.new_database()
+def replicas_url(cluster) -> str:
+    return cluster.new_database()
+
+
+@pytest.fixture(scope="module")
+def replicas(replicas_url, smollm2_path, tmp_path_factory):
+    url = replicas_url
     procs = []
     try:
         bases = []
@@ -281,3 +301,60 @@ def test_user_isolation_across_replicas(replicas):
     assert all(h["user_id"] == "hal" for h in hits) and secret["id"] not in {h["id"] for h in hits}
     assert b.get(f"/v1/memories/{secret['id']}/", params={"user_id": "hal"}).status_code == 404
     assert b.get(f"/v1/memories/{secret['id']}/", params={"user_id": "gus"}).json()["memory"] == secret["memory"]
+
+
+@pytest.mark.slow
+def test_replica_of_another_model_refuses_to_start(replicas, replicas_url, tiny_llama, tmp_path):
+    """SmolLM2 replicas serve the store: one of another model exits at start-up with one error,
+    naming both models and what to do, and no traceback; the running replicas serve on."""
+    a, _ = replicas
+    with pytest.raises(RuntimeError, match="server exited with 1") as info:
+        start_server(tiny_llama, tmp_path, "--store", replicas_url, "--max-model-len", "1024", "--recompute", "0")
+    log = str(info.value)
+    assert "Traceback" not in log, log
+    error = " ".join(log[log.index("inferscale: error:"):].split())
+    assert "served by running replicas of smollm2 (bfloat16, window 5)" in error, error
+    assert f"this replica runs {tiny_llama} (" in error, error
+    assert "stop every replica of it first" in error, error
+    assert a.get("/health").status_code == 200
+
+
+@pytest.mark.slow
+def test_database_restart_while_replicas_serve(replicas, replicas_url, cluster):
+    """The database restarts, then drops every connection, under traffic on both replicas: no
+    request fails (each re-opens its connection and retries), and B still answers from KV."""
+    a, b = replicas
+    fact = _add(a, "I was born in Lyon.", "ida")
+    question = "Where was I born?"
+    before, usage = _answer(_ask(b, "ida", fact["handle"], question))
+    assert usage["injected_tokens"] > 0
+    failures: list[str] = []
+    calls = [0]
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            for r in (_ask(b, "ida", fact["handle"], question),
+                      a.post("/v1/memories/search/", json={"query": "born", "user_id": "ida"}),
+                      b.get(f"/v1/memories/{fact['id']}/", params={"user_id": "ida"})):
+                calls[0] += 1
+                if r.status_code != 200:
+                    failures.append(f"{r.request.url}: {r.status_code} {r.text[:300]}")
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    try:
+        time.sleep(1)
+        cluster.restart()
+        time.sleep(2)
+        assert cluster.terminate_clients(replicas_url) >= 2
+        time.sleep(2)
+    finally:
+        stop.set()
+        thread.join()
+    assert not failures, failures
+    assert calls[0] >= 6
+    late = _add(a, "I work in Geneva.", "ida")  # a write after both drops, on A; read on B
+    assert b.get(f"/v1/memories/{late['id']}/", params={"user_id": "ida"}).json()["memory"] == "I work in Geneva."
+    after, usage = _answer(_ask(b, "ida", fact["handle"], question))
+    assert after == before and usage["injected_tokens"] > 0
