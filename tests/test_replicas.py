@@ -216,14 +216,19 @@ def replicas_url(cluster) -> str:
 
 
 @pytest.fixture(scope="module")
-def replicas(replicas_url, smollm2_path, tmp_path_factory):
+def replica_dirs(tmp_path_factory) -> list:
+    """Each replica's folder (its INFERSCALE_HOME, hence its KV folder, is inside)."""
+    return [tmp_path_factory.mktemp(f"replica-{name}") for name in ("a", "b")]
+
+
+@pytest.fixture(scope="module")
+def replicas(replicas_url, replica_dirs, smollm2_path):
     url = replicas_url
     procs = []
     try:
         bases = []
-        for name in ("a", "b"):
-            proc, base, log = start_server("smollm2", tmp_path_factory.mktemp(f"replica-{name}"), "--store", url,
-                                           "--recompute", "0")
+        for folder in replica_dirs:
+            proc, base, log = start_server("smollm2", folder, "--store", url, "--recompute", "0")
             procs.append((proc, log))
             bases.append(base)
         yield [httpx.Client(base_url=b, timeout=300) for b in bases]
@@ -358,3 +363,19 @@ def test_database_restart_while_replicas_serve(replicas, replicas_url, cluster):
     assert b.get(f"/v1/memories/{late['id']}/", params={"user_id": "ida"}).json()["memory"] == "I work in Geneva."
     after, usage = _answer(_ask(b, "ida", fact["handle"], question))
     assert after == before and usage["injected_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_fact_added_on_a_is_encoded_on_b_before_it_is_asked(replicas, replica_dirs):
+    """B follows the change feed while idle (``follow_interval``, on by default) and encodes a
+    fact added through A before anyone asks B about it: its KV file appears in B's own folder."""
+    a, b = replicas
+    fact = _add(a, "My sister is called Ada.", "kim")
+    deadline = time.monotonic() + 120
+    while not list(replica_dirs[1].glob(f"**/{fact['id']}-*.safetensors")):
+        assert time.monotonic() < deadline, "B did not encode a fact added through A until asked"
+        time.sleep(0.5)
+    text, usage = _answer(_ask(b, "kim", fact["handle"], "What is my sister's name?"))
+    assert usage["injected_tokens"] > 0 and usage["memories_as_text"] == 0
+    on_a, _ = _answer(_ask(a, "kim", fact["handle"], "What is my sister's name?"))
+    assert on_a == text
