@@ -135,6 +135,41 @@ def test_dropped_connection_is_reconnected_and_the_call_retried(cluster, tmp_pat
         b.close()
 
 
+def test_write_cut_off_during_its_commit_is_reported_not_repeated(url, tmp_path):
+    """The connection drops while the COMMIT of an update runs (a deferred trigger ends its own
+    session, once): the update may or may not be stored, so it is reported, not run again."""
+    import psycopg
+
+    from inferscale_engine.errors import DatabaseUnavailableError
+    from inferscale_engine.memory import MemoryStore
+
+    a = MemoryStore(None, url, kv_path=tmp_path / "a")
+    try:
+        [fact] = a.add("My dog is called Rex.", user_id="alice")
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("""
+                CREATE SEQUENCE drops;
+                CREATE FUNCTION drop_at_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+                BEGIN
+                    IF nextval('drops') = 1 THEN  -- sequences are not rolled back: once only
+                        PERFORM pg_terminate_backend(pg_backend_pid());
+                        PERFORM pg_sleep(5);
+                    END IF;
+                    RETURN NULL;
+                END $$;
+                CREATE CONSTRAINT TRIGGER drop_at_commit AFTER INSERT ON history
+                    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION drop_at_commit();
+            """)
+        with pytest.raises(DatabaseUnavailableError, match="while a write was committing: it may or may not"):
+            a.update(fact.id, "My dog is called Max.", user_id="alice")
+        assert [e["event"] for e in a.history(fact.id)] == ["ADD"]  # cut off before it committed, and not retried
+        assert a.get(fact.id).memory == "My dog is called Rex."
+        a.update(fact.id, "My dog is called Max.", user_id="alice")  # the caller's retry, on a new connection
+        assert [e["event"] for e in a.history(fact.id)] == ["ADD", "UPDATE"]
+    finally:
+        a.close()
+
+
 def test_database_that_stays_down_is_a_clear_error_after_the_retries(tmp_path):
     import time
 
@@ -227,8 +262,10 @@ def replicas(replicas_url, replica_dirs, smollm2_path):
     procs = []
     try:
         bases = []
-        for folder in replica_dirs:
-            proc, base, log = start_server("smollm2", folder, "--store", url, "--recompute", "0")
+        # A encodes what B writes as it arrives (follow_interval); B, the default, encodes a fact
+        # of A's on its first ask: the tests below exercise each way.
+        for folder, follow in zip(replica_dirs, (["--engine-option", "follow_interval=1"], [])):
+            proc, base, log = start_server("smollm2", folder, "--store", url, "--recompute", "0", *follow)
             procs.append((proc, log))
             bases.append(base)
         yield [httpx.Client(base_url=b, timeout=300) for b in bases]
@@ -366,16 +403,16 @@ def test_database_restart_while_replicas_serve(replicas, replicas_url, cluster):
 
 
 @pytest.mark.slow
-def test_fact_added_on_a_is_encoded_on_b_before_it_is_asked(replicas, replica_dirs):
-    """B follows the change feed while idle (``follow_interval``, on by default) and encodes a
-    fact added through A before anyone asks B about it: its KV file appears in B's own folder."""
+def test_fact_added_on_b_is_encoded_on_a_before_it_is_asked(replicas, replica_dirs):
+    """A follows the change feed while idle (``follow_interval=1``) and encodes a fact added
+    through B before anyone asks A about it: its KV file appears in A's own folder."""
     a, b = replicas
-    fact = _add(a, "My sister is called Ada.", "kim")
+    fact = _add(b, "My sister is called Ada.", "kim")
     deadline = time.monotonic() + 120
-    while not list(replica_dirs[1].glob(f"**/{fact['id']}-*.safetensors")):
-        assert time.monotonic() < deadline, "B did not encode a fact added through A until asked"
+    while not list(replica_dirs[0].glob(f"**/{fact['id']}-*.safetensors")):
+        assert time.monotonic() < deadline, "A did not encode a fact added through B until asked"
         time.sleep(0.5)
-    text, usage = _answer(_ask(b, "kim", fact["handle"], "What is my sister's name?"))
+    text, usage = _answer(_ask(a, "kim", fact["handle"], "What is my sister's name?"))
     assert usage["injected_tokens"] > 0 and usage["memories_as_text"] == 0
-    on_a, _ = _answer(_ask(a, "kim", fact["handle"], "What is my sister's name?"))
-    assert on_a == text
+    on_b, _ = _answer(_ask(b, "kim", fact["handle"], "What is my sister's name?"))
+    assert on_b == text

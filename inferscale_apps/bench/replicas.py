@@ -8,9 +8,9 @@ about through the next). Prints the load report: errors, request rate, p50/p95 p
 ``--first-ask N`` measures instead what a replica's change-feed follower buys: N times, a new
 user's facts are added through the first replica and, ``--gap`` seconds later, the last one is
 asked about through the second; prints that first ask's latency (``max_tokens=1``: about its
-time to first token) and whether it injected KV. Run it with ``--follow-interval 0`` (the
-replica encodes the fact on the miss, in the ask) against the default (encoded in the
-background as it arrives).
+time to first token) and whether it injected KV. Run it with ``--follow-interval 1`` (encoded
+in the background as it arrives) against the default (the replica encodes the fact on the miss,
+in the ask).
 
 Without ``--store`` a throwaway PostgreSQL cluster is started (Debian's binaries) and removed
 afterwards; ``--store sqlite`` runs one replica on the embedded store instead (the baseline).

@@ -131,7 +131,7 @@ class MemoryStore:
         kv_path: str | os.PathLike | None = None,
         disk_read_threads: int = 16,
         disk_read_bps: float | None = None,
-        follow_interval: float | None = 1.0,
+        follow_interval: float | None = None,
     ) -> None:
         check_store_options(window, index, encode_queue, encode_batch, encode_batch_tokens)
         self.device: str = device or device_of(encoder)
