@@ -139,8 +139,9 @@ def _row(r: Sequence[Any]) -> FactRow:
     )
 
 
-class _ConnectionLost(Exception):
-    """The connection dropped inside a call; ``committing``: while its COMMIT was in flight."""
+class _ConnectionLost(InferScaleError):
+    """The connection dropped inside a call; ``committing``: while its COMMIT was in flight.
+    Caught by :func:`_retried` around every public method; an InferScaleError should one escape."""
 
     def __init__(self, cause: BaseException, committing: bool) -> None:
         super().__init__(str(cause).strip())
