@@ -314,8 +314,8 @@ class PostgresDB(MetaDB):
                         f"Start it with the same model, dtype, window and context prefix as they do, or give it "
                         f"a database of its own; to move the store to {model}, stop every replica of it first")
                 c.execute("SELECT pg_advisory_unlock(%s)", (_SERVING_LOCK,))
-                logger.warning("memory store %s moves from %s to %s (no other replica is running): its facts "
-                               "are re-tokenized and re-encoded", self.location, their_model, model)
+                logger.warning("memory store %s moves from %s to %s (no other replica is running): tokens and "
+                               "contexts are rebuilt for it, and KV encoded on use", self.location, their_model, model)
             for key, value in (("kv_fingerprint", fingerprint), ("kv_model", model)):
                 c.execute("INSERT INTO meta(key, value) VALUES (%s, %s) "
                           "ON CONFLICT (key) DO UPDATE SET value=excluded.value", (key, value))
