@@ -681,7 +681,9 @@ def _run(args: argparse.Namespace) -> int:
     except (InferScaleError, ModelNotFoundError, ModelPreparationError, ValueError, LookupError, OSError, ImportError) as exc:
         if args.verbose >= 2:
             raise
-        msg = "\n".join(textwrap.wrap(str(exc), 100)) or exc.__class__.__name__
+        # Paths and URLs in a message stay whole: wrapped at spaces only.
+        msg = "\n".join(textwrap.wrap(str(exc), 100, break_long_words=False, break_on_hyphens=False)) \
+            or exc.__class__.__name__
         print(f"{PROG}: error: {msg}", file=sys.stderr)
         return 1
 

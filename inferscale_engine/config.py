@@ -68,6 +68,8 @@ class EngineConfig:
     max_model_len: int | None = None
     #: Conversation turns a fact is encoded after (context-window encoding); 0 = independent.
     window: int = 5
+    #: A store that replicas share: see :attr:`MemoryConfig.follow_interval`.
+    follow_interval: float | None = None
     #: CPU only: GiB of host memory for vLLM's paged KV cache.
     cpu_kv_cache_gib: float = 1.0
     #: CUDA only: fraction of GPU memory vLLM may take (weights + paged KV cache).
@@ -186,6 +188,15 @@ class MemoryConfig:
     disk_read_bps: float | None = None
     #: Tokens the extraction model may answer with (``add(..., infer=True)``).
     extraction_max_tokens: int = 512
+    #: A store that replicas share: seconds between this replica's looks at what the others
+    #: wrote (1.0 is a good value). Facts they add or update are then encoded here in the
+    #: background, so the first ask for one on this replica, seconds later, injects its KV instead
+    #: of encoding it on the miss; every replica then encodes every fact once. ``None`` (the
+    #: default; or 0): look only when a call needs to, and encode a fact on its first ask here, in
+    #: the request. Off by default because on the CPU an ask that lands while the background
+    #: encoder is busy with the fact is served as text (``serve_as_text_after``), which a fact
+    #: encoded in the request never is (docs/scaling.md has the measurements).
+    follow_interval: float | None = None
 
     def __post_init__(self) -> None:
         self.path = store_location(self.path)
@@ -194,7 +205,8 @@ class MemoryConfig:
     @classmethod
     def for_engine(cls, engine_config: EngineConfig, **overrides: Any) -> MemoryConfig:
         """The store of an engine: its ``store_path``, ``window`` and ``device``, unless overridden."""
-        base = {"path": engine_config.store_path, "window": engine_config.window, "device": engine_config.device}
+        base = {"path": engine_config.store_path, "window": engine_config.window, "device": engine_config.device,
+                "follow_interval": engine_config.follow_interval}
         return cls(**{**base, **overrides})
 
 

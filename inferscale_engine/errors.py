@@ -86,6 +86,16 @@ class StorageUnavailableError(InferScaleError, OSError):
     """The store's folder cannot be written (read-only, permissions, I/O error) (HTTP 503)."""
 
 
+class ReplicaMismatchError(InferScaleError):
+    """A replica's KV would not be the KV of a shared store: it runs another model (or dtype,
+    window, context prefix) than the replicas already serving the store."""
+
+
+class DatabaseUnavailableError(InferScaleError, ConnectionError):
+    """A shared store's database stayed unreachable through every retry, or dropped the
+    connection while a write was committing (HTTP 503)."""
+
+
 class ConnectorError(InferScaleError, RuntimeError):
     """The KV connector inside vLLM found its state inconsistent with the request it serves
     (a span with no KV location, a foreign layer count): a bug or misuse, not bad input."""

@@ -13,6 +13,9 @@ is checked, through the public HTTP API and the store's public API:
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import pytest
 from test_server import start_server, stop_server
@@ -107,21 +110,126 @@ def test_explicit_kv_folder_is_still_one_process(url, tmp_path):
         a.close()
 
 
-def test_database_restart_fails_one_call_then_reconnects(cluster, tmp_path):
-    from inferscale_engine.errors import InferScaleError
+@pytest.mark.parametrize("drop", ["restart", "terminate"])
+def test_dropped_connection_is_reconnected_and_the_call_retried(cluster, tmp_path, drop):
+    """A server restart, or every connection terminated server-side: the next calls (reads and
+    writes) succeed on a new connection, without an error reaching the caller."""
     from inferscale_engine.memory import MemoryStore
 
-    a = MemoryStore(None, cluster.new_database(), kv_path=tmp_path / "kv")
+    url = cluster.new_database()
+    a = MemoryStore(None, url, kv_path=tmp_path / "a")
+    b = MemoryStore(None, url, kv_path=tmp_path / "b")
     try:
         [fact] = a.add("My dog is called Rex.", user_id="alice")
-        cluster.restart()
-        with pytest.raises(InferScaleError, match="memory store postgresql://"):
-            a.get_all(user_id="alice")  # the call in flight when the connection dropped
-        assert [m.id for m in a.get_all(user_id="alice")] == [fact.id]
-        a.update(fact.id, "My dog is called Max.", user_id="alice")
+        assert [m.id for m in b.get_all(user_id="alice")] == [fact.id]
+        if drop == "restart":
+            cluster.restart()
+        else:
+            assert cluster.terminate_clients(url) >= 2
+        assert [m.id for m in a.get_all(user_id="alice")] == [fact.id]  # a read, on a dropped connection
+        b.update(fact.id, "My dog is called Max.", user_id="alice")  # a write, on a dropped connection
         assert a.get(fact.id).memory == "My dog is called Max."
+        assert [e["event"] for e in a.history(fact.id)] == ["ADD", "UPDATE"]  # written once, not twice
     finally:
         a.close()
+        b.close()
+
+
+def test_write_cut_off_during_its_commit_is_reported_not_repeated(url, tmp_path):
+    """The connection drops while the COMMIT of an update runs (a deferred trigger ends its own
+    session, once): the update may or may not be stored, so it is reported, not run again."""
+    import psycopg
+
+    from inferscale_engine.errors import DatabaseUnavailableError
+    from inferscale_engine.memory import MemoryStore
+
+    a = MemoryStore(None, url, kv_path=tmp_path / "a")
+    try:
+        [fact] = a.add("My dog is called Rex.", user_id="alice")
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute("""
+                CREATE SEQUENCE drops;
+                CREATE FUNCTION drop_at_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+                BEGIN
+                    IF nextval('drops') = 1 THEN  -- sequences are not rolled back: once only
+                        PERFORM pg_terminate_backend(pg_backend_pid());
+                        PERFORM pg_sleep(5);
+                    END IF;
+                    RETURN NULL;
+                END $$;
+                CREATE CONSTRAINT TRIGGER drop_at_commit AFTER INSERT ON history
+                    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION drop_at_commit();
+            """)
+        with pytest.raises(DatabaseUnavailableError, match="while a write was committing: it may or may not"):
+            a.update(fact.id, "My dog is called Max.", user_id="alice")
+        assert [e["event"] for e in a.history(fact.id)] == ["ADD"]  # cut off before it committed, and not retried
+        assert a.get(fact.id).memory == "My dog is called Rex."
+        a.update(fact.id, "My dog is called Max.", user_id="alice")  # the caller's retry, on a new connection
+        assert [e["event"] for e in a.history(fact.id)] == ["ADD", "UPDATE"]
+    finally:
+        a.close()
+
+
+def test_database_that_stays_down_is_a_clear_error_after_the_retries(tmp_path):
+    import time
+
+    from inferscale_engine.errors import DatabaseUnavailableError
+    from inferscale_engine.memory.pg import PostgresDB
+
+    with throwaway_cluster() as own:  # stopped and started here: not the module's cluster
+        url = own.new_database()
+        db = PostgresDB(url, retry_seconds=2)
+        try:
+            assert db.count_facts() == 0
+            own.stop()
+            t0 = time.monotonic()
+            with pytest.raises(DatabaseUnavailableError, match="is unreachable .retried for 2 s"):
+                db.count_facts()
+            assert 1.5 < time.monotonic() - t0 < 10
+            own.start()
+            assert db.count_facts() == 0  # and back once the database is
+        finally:
+            db.close()
+
+
+def _eventually(call, error: type[Exception], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            return call()
+        except error:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_replicas_of_another_model_are_refused_while_one_runs(url):
+    """The claim a serving replica records (the backend's API; the servers' is tested below)."""
+    from inferscale_engine.errors import ReplicaMismatchError
+    from inferscale_engine.memory.pg import PostgresDB
+
+    first, same, other = PostgresDB(url), PostgresDB(url), PostgresDB(url)
+    try:
+        first.claim_serving("fp-smol-w5", "smollm2 (bfloat16, window 5)")
+        same.claim_serving("fp-smol-w5", "smollm2 (bfloat16, window 5)")
+        with pytest.raises(ReplicaMismatchError, match=r"running replicas of smollm2 .* this replica runs qwen"):
+            other.claim_serving("fp-qwen-w5", "qwen (bfloat16, window 5)")
+        first.close()
+        with pytest.raises(ReplicaMismatchError):  # one replica of the store's model still runs
+            other.claim_serving("fp-qwen-w5", "qwen (bfloat16, window 5)")
+        same.close()
+        # None runs: the store moves (once the server has ended the closed sessions, a moment later).
+        _eventually(lambda: other.claim_serving("fp-qwen-w5", "qwen (bfloat16, window 5)"), ReplicaMismatchError)
+        assert other.get_meta("kv_fingerprint") == "fp-qwen-w5"
+        back = PostgresDB(url)
+        try:
+            with pytest.raises(ReplicaMismatchError, match="running replicas of qwen"):
+                back.claim_serving("fp-smol-w5", "smollm2 (bfloat16, window 5)")
+        finally:
+            back.close()
+    finally:
+        for db in (first, same, other):
+            db.close()
 
 
 def test_bad_database_url_is_a_clear_error(cluster, tmp_path):
@@ -138,14 +246,26 @@ def test_bad_database_url_is_a_clear_error(cluster, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def replicas(cluster, smollm2_path, tmp_path_factory):
-    url = cluster.new_database()
+def replicas_url(cluster) -> str:
+    return cluster.new_database()
+
+
+@pytest.fixture(scope="module")
+def replica_dirs(tmp_path_factory) -> list:
+    """Each replica's folder (its INFERSCALE_HOME, hence its KV folder, is inside)."""
+    return [tmp_path_factory.mktemp(f"replica-{name}") for name in ("a", "b")]
+
+
+@pytest.fixture(scope="module")
+def replicas(replicas_url, replica_dirs, smollm2_path):
+    url = replicas_url
     procs = []
     try:
         bases = []
-        for name in ("a", "b"):
-            proc, base, log = start_server("smollm2", tmp_path_factory.mktemp(f"replica-{name}"), "--store", url,
-                                           "--recompute", "0")
+        # A encodes what B writes as it arrives (follow_interval); B, the default, encodes a fact
+        # of A's on its first ask: the tests below exercise each way.
+        for folder, follow in zip(replica_dirs, (["--engine-option", "follow_interval=1"], [])):
+            proc, base, log = start_server("smollm2", folder, "--store", url, "--recompute", "0", *follow)
             procs.append((proc, log))
             bases.append(base)
         yield [httpx.Client(base_url=b, timeout=300) for b in bases]
@@ -223,3 +343,76 @@ def test_user_isolation_across_replicas(replicas):
     assert all(h["user_id"] == "hal" for h in hits) and secret["id"] not in {h["id"] for h in hits}
     assert b.get(f"/v1/memories/{secret['id']}/", params={"user_id": "hal"}).status_code == 404
     assert b.get(f"/v1/memories/{secret['id']}/", params={"user_id": "gus"}).json()["memory"] == secret["memory"]
+
+
+@pytest.mark.slow
+def test_replica_of_another_model_refuses_to_start(replicas, replicas_url, tiny_llama, tmp_path):
+    """SmolLM2 replicas serve the store: one of another model exits at start-up with one error,
+    naming both models and what to do, and no traceback; the running replicas serve on."""
+    a, _ = replicas
+    with pytest.raises(RuntimeError, match="server exited with 1") as info:
+        start_server(tiny_llama, tmp_path, "--store", replicas_url, "--max-model-len", "1024", "--recompute", "0")
+    log = str(info.value)
+    assert "Traceback" not in log, log
+    error = " ".join(log[log.index("inferscale: error:"):].split())
+    assert "served by running replicas of smollm2 (bfloat16, window 5)" in error, error
+    assert f"this replica runs {tiny_llama} (" in error, error
+    assert "stop every replica of it first" in error, error
+    assert a.get("/health").status_code == 200
+
+
+@pytest.mark.slow
+def test_database_restart_while_replicas_serve(replicas, replicas_url, cluster):
+    """The database restarts, then drops every connection, under traffic on both replicas: no
+    request fails (each re-opens its connection and retries), and B still answers from KV."""
+    a, b = replicas
+    fact = _add(a, "I was born in Lyon.", "ida")
+    question = "Where was I born?"
+    before, usage = _answer(_ask(b, "ida", fact["handle"], question))
+    assert usage["injected_tokens"] > 0
+    failures: list[str] = []
+    calls = [0]
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            for r in (_ask(b, "ida", fact["handle"], question),
+                      a.post("/v1/memories/search/", json={"query": "born", "user_id": "ida"}),
+                      b.get(f"/v1/memories/{fact['id']}/", params={"user_id": "ida"})):
+                calls[0] += 1
+                if r.status_code != 200:
+                    failures.append(f"{r.request.url}: {r.status_code} {r.text[:300]}")
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    try:
+        time.sleep(1)
+        cluster.restart()
+        time.sleep(2)
+        assert cluster.terminate_clients(replicas_url) >= 2
+        time.sleep(2)
+    finally:
+        stop.set()
+        thread.join()
+    assert not failures, failures
+    assert calls[0] >= 6
+    late = _add(a, "I work in Geneva.", "ida")  # a write after both drops, on A; read on B
+    assert b.get(f"/v1/memories/{late['id']}/", params={"user_id": "ida"}).json()["memory"] == "I work in Geneva."
+    after, usage = _answer(_ask(b, "ida", fact["handle"], question))
+    assert after == before and usage["injected_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_fact_added_on_b_is_encoded_on_a_before_it_is_asked(replicas, replica_dirs):
+    """A follows the change feed while idle (``follow_interval=1``) and encodes a fact added
+    through B before anyone asks A about it: its KV file appears in A's own folder."""
+    a, b = replicas
+    fact = _add(b, "My sister is called Ada.", "kim")
+    deadline = time.monotonic() + 120
+    while not list(replica_dirs[0].glob(f"**/{fact['id']}-*.safetensors")):
+        assert time.monotonic() < deadline, "A did not encode a fact added through B until asked"
+        time.sleep(0.5)
+    text, usage = _answer(_ask(a, "kim", fact["handle"], "What is my sister's name?"))
+    assert usage["injected_tokens"] > 0 and usage["memories_as_text"] == 0
+    on_b, _ = _answer(_ask(b, "kim", fact["handle"], "What is my sister's name?"))
+    assert on_b == text

@@ -51,6 +51,23 @@ class Cluster:
         """Stop the server at once (dropping every connection) and start it again."""
         self._pg_ctl("restart", "-m", "immediate")
 
+    def stop(self) -> None:
+        """Stop the server at once, dropping every connection (:meth:`start` brings it back)."""
+        self._pg_ctl("stop", "-m", "immediate")
+
+    def start(self) -> None:
+        self._pg_ctl("start")
+
+    def terminate_clients(self, database: str) -> int:
+        """End every connection to ``database`` (its URL) from the server side, as an
+        administrator or a failover would; returns how many."""
+        import psycopg
+
+        name = database.rsplit("/", 1)[-1]
+        with psycopg.connect(self.admin_url, autocommit=True) as conn:
+            return len(conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname=%s",
+                                    (name,)).fetchall())
+
     @property
     def admin_url(self) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/postgres"

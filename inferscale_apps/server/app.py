@@ -45,12 +45,14 @@ from inferscale_apps.server.schemas import (
 from inferscale_engine import __version__
 from inferscale_engine.errors import (
     ContextOverflowError,
+    DatabaseUnavailableError,
     EngineClosedError,
     FactNotFoundError,
     ForgedHandleError,
     HandleError,
     KVNotReadyError,
     MalformedHandleError,
+    ReplicaMismatchError,
     StaleKVError,
     StorageFullError,
     StorageUnavailableError,
@@ -158,6 +160,8 @@ def api_error(exc: BaseException) -> APIError:
         return APIError(503, msg, "server_error", None, "kv_not_ready")
     if isinstance(exc, EngineClosedError):
         return APIError(503, msg, "server_error", None, "engine_closed")
+    if isinstance(exc, DatabaseUnavailableError):
+        return APIError(503, msg, "server_error", None, "database_unavailable")
     if isinstance(exc, TooLargeError):
         return APIError(413, msg, "invalid_request_error", None, "too_large")
     stored = storage_error(exc)
@@ -242,6 +246,8 @@ def create_app(
         try:
             warm_up(engine.memory)  # open the store and load its embedder before requests race for it
             engine.memory.serve_as_text_after = serve_as_text_after
+        except ReplicaMismatchError:
+            raise  # a replica that would corrupt the shared store's KV must not start at all
         except Exception as exc:  # noqa: BLE001  (serve completions even without a usable store)
             memory_error.append(f"memory store unavailable: {exc.__class__.__name__}: {exc}")
             logger.warning("memory endpoints disabled: %s", memory_error[0])

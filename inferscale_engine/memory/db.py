@@ -146,6 +146,12 @@ class MetaDB(ABC):
     def close(self) -> None:
         ...
 
+    def claim_serving(self, fingerprint: str, model: str) -> None:
+        """A shared backend: record that this process serves KV made under ``fingerprint``
+        (``model`` names it), refusing one that differs from running replicas'. One process
+        owns an embedded store: nothing to claim."""
+        return None
+
     @abstractmethod
     def get_meta(self, key: str) -> str | None:
         ...
@@ -312,18 +318,25 @@ class SQLMetaDB(MetaDB):
 
     def get_meta(self, key: str) -> str | None:
         with self._reading() as c:
-            row = c.execute(self._sql("SELECT value FROM meta WHERE key=?"), (key,)).fetchone()
-        return None if row is None else row[0]
+            return self._meta(c, key)
 
     def set_meta(self, key: str, value: str) -> None:
         with self._transaction() as c:
-            c.execute(self._sql("INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value=excluded.value"),
-                      (key, value))
+            self._put_meta(c, key, value)
+
+    def _meta(self, c: Any, key: str) -> str | None:
+        """The value of ``key`` as ``c`` (a transaction, or a connection to read with) sees it."""
+        row = c.execute(self._sql("SELECT value FROM meta WHERE key=?"), (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def _put_meta(self, c: Any, key: str, value: str) -> None:
+        c.execute(self._sql("INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value=excluded.value"),
+                  (key, value))
 
     def _meta_once(self, c: Any, key: str, value: str) -> str:
         """The value of ``key``, set to ``value`` if it has none (whoever comes first sets it)."""
         c.execute(self._sql("INSERT INTO meta(key, value) VALUES (?, ?) ON CONFLICT (key) DO NOTHING"), (key, value))
-        return str(c.execute(self._sql("SELECT value FROM meta WHERE key=?"), (key,)).fetchone()[0])
+        return str(self._meta(c, key))
 
     def _check_schema(self, c: Any) -> None:
         version = self._meta_once(c, "schema_version", str(SCHEMA_VERSION))

@@ -43,6 +43,14 @@ def kv_fingerprint(encoder: Encoder | None, window: int, context_prefix: str) ->
     return fingerprint
 
 
+def describe(encoder: Any, window: int, context_prefix: str) -> str:
+    """The model and settings a store's KV is made under, in words: ``smollm2 (bfloat16, window 5)``."""
+    model = getattr(getattr(encoder, "config", None), "model", None) or getattr(encoder, "model_path", None)
+    dtype = str(getattr(encoder, "dtype", "") or "").removeprefix("torch.")
+    settings = [s for s in (dtype, f"window {window}", "a context prefix" if context_prefix else "") if s]
+    return f"{model or type(encoder).__name__} ({', '.join(settings)})"
+
+
 def device_of(encoder: Any) -> str:
     """Where an encoder's KV lives (``config.device`` of an engine), so the tiers sit beside it."""
     config = getattr(encoder, "config", None)

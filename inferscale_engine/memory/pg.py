@@ -15,26 +15,54 @@ fact is (insert, text update, delete, metadata, a new KV version) stamps the row
 value of one sequence, inside a transaction that holds one advisory lock, so stamps commit in
 order and :meth:`PostgresDB.changes` (rows stamped after the last one seen) misses none.
 
+Every replica that encodes KV records the KV fingerprint (model, dtype, window, prefix) it
+serves under, and holds a shared advisory lock on its connection while it runs: a replica with
+another fingerprint is refused while any other runs (:meth:`PostgresDB.claim_serving`), since
+its tokens and contexts would overwrite theirs in the shared rows.
+
+A dropped connection (a server restart, a failover, ``pg_terminate_backend``) is re-opened and
+the call run again, for up to ``retry_seconds``: every call is one transaction, and one that
+failed before its COMMIT was sent was rolled back by the server, so running it again is safe.
+One that failed during its COMMIT may have been written: that one is not repeated, the caller
+gets a :class:`~inferscale_engine.errors.DatabaseUnavailableError` saying so. Every public
+method, those :class:`~inferscale_engine.memory.db.SQLMetaDB` writes for both backends too, is
+run this way (:func:`_retrying`).
+
 Search runs over the embeddings each replica holds in its in-memory index: pgvector is not
 packaged for this Debian release, and the per-user indexes already answer from memory.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 import secrets
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from inferscale_engine.errors import FactNotFoundError, InferScaleError
+from inferscale_engine.errors import (
+    DatabaseUnavailableError,
+    FactNotFoundError,
+    InferScaleError,
+    ReplicaMismatchError,
+)
 from inferscale_engine.memory.db import Changes, FactRow, SQLMetaDB
+
+logger = logging.getLogger(__name__)
 
 #: Key of the advisory lock every stamping transaction holds (any constant; ours spells "ISCL").
 _WRITE_LOCK = 0x4953434C
+#: Key of the advisory lock each serving replica holds shared for as long as it is connected.
+_SERVING_LOCK = _WRITE_LOCK + 1
+#: Seconds a call keeps re-opening a dropped connection before it fails (a restart takes a few).
+RETRY_SECONDS = 30.0
 _STAMP = "nextval('fact_changes')"
 
 
@@ -48,6 +76,59 @@ def redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
 
 
+class _ConnectionLost(InferScaleError):
+    """The connection dropped inside a call; ``committing``: while its COMMIT was in flight.
+    Caught by :func:`_retried` around every public method; an InferScaleError should one escape."""
+
+    def __init__(self, cause: BaseException, committing: bool) -> None:
+        super().__init__(str(cause).strip())
+        self.committing = committing
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _retried(method: Callable[Concatenate[PostgresDB, _P], _R]) -> Callable[Concatenate[PostgresDB, _P], _R]:
+    """``method`` run again on a new connection while the database is unreachable, for up to
+    ``retry_seconds`` (see the module docstring for why that is safe)."""
+
+    @functools.wraps(method)
+    def run(self: PostgresDB, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        deadline = time.monotonic() + self.retry_seconds
+        delay = 0.05
+        while True:
+            try:
+                return method(self, *args, **kwargs)
+            except _ConnectionLost as lost:
+                if lost.committing:
+                    raise DatabaseUnavailableError(
+                        f"memory store {self.location} dropped the connection while a write was committing: it may "
+                        f"or may not have been stored; read it back before repeating it ({lost})") from None
+                if time.monotonic() + delay > deadline:
+                    raise DatabaseUnavailableError(
+                        f"memory store {self.location} is unreachable (retried for {self.retry_seconds:g} s; "
+                        f"nothing of this call was written): {lost}") from None
+                logger.info("memory store %s: connection lost (%s); retrying", self.location, lost)
+                time.sleep(delay)
+                delay = min(2 * delay, 1.0)
+
+    return run
+
+
+_DB = TypeVar("_DB", bound="type[PostgresDB]")
+
+
+def _retrying(cls: _DB) -> _DB:
+    """``cls`` with :func:`_retried` around every public method, its own and those it inherits
+    from :class:`SQLMetaDB` alike (not ``close``: closing needs no connection)."""
+    for name, method in inspect.getmembers(cls, inspect.isfunction):
+        if not name.startswith("_") and name != "close":
+            setattr(cls, name, _retried(method))
+    return cls
+
+
+@_retrying
 class PostgresDB(SQLMetaDB):
     """A memory store's metadata in a PostgreSQL database shared by replicas (``postgresql://`` URL)."""
 
@@ -65,7 +146,7 @@ CREATE INDEX IF NOT EXISTS facts_by_change ON facts(change_seq);
     KV_STATE = "NULL, NULL"
     STAMP = f", change_seq={_STAMP}"
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, retry_seconds: float = RETRY_SECONDS) -> None:
         try:
             import psycopg
         except ImportError:
@@ -75,14 +156,22 @@ CREATE INDEX IF NOT EXISTS facts_by_change ON facts(change_seq);
         self._psycopg = psycopg
         self.lock = threading.RLock()
         self._cursor = 0  # the last change stamp this process has seen
+        self.retry_seconds = float(retry_seconds)
+        self._serving: str | None = None  # the KV fingerprint claimed (claim_serving)
+        self._committing = False  # the current transaction's COMMIT is in flight
         self.conn = self._connect()
         try:
-            with self._writing() as c:  # the lock: replicas starting together create the schema once
-                c.execute(self._schema)
-                self._check_schema(c)
+            self._create_schema()
         except BaseException:
             self.conn.close()
             raise
+
+    @_retried
+    def _create_schema(self) -> None:
+        """The schema, created if missing; checked to be the version this InferScale reads."""
+        with self._writing() as c:  # the lock: replicas starting together create the schema once
+            c.execute(self._schema)
+            self._check_schema(c)
 
     def _connect(self) -> Any:
         try:
@@ -90,16 +179,34 @@ CREATE INDEX IF NOT EXISTS facts_by_change ON facts(change_seq);
         except self._psycopg.Error as exc:
             raise InferScaleError(f"cannot connect to the memory store {self.location}: {exc}".strip()) from None
 
+    def _reconnect(self) -> Any:
+        """A new connection in place of a dropped one, holding what the old one held."""
+        try:
+            conn = self._psycopg.connect(self._url, autocommit=True)
+        except self._psycopg.OperationalError as exc:
+            raise _ConnectionLost(exc, committing=False) from exc
+        self.conn = conn
+        if self._serving is not None:
+            self._hold_serving(conn)
+            recorded = self._meta(conn, "kv_fingerprint")
+            if recorded is not None and recorded != self._serving:  # moved to another model while cut off
+                raise ReplicaMismatchError(
+                    f"memory store {self.location} was moved to KV fingerprint {recorded} while this replica "
+                    f"({self._serving}) was disconnected from it: restart this replica with the store's model")
+        return conn
+
     @contextmanager
     def _session(self) -> Iterator[Any]:
         """The connection, under the lock: a new one if the server dropped it (a restart, a
-        failover); a database error comes out as an InferScaleError that names the store."""
+        failover). A dropped connection comes out as :class:`_ConnectionLost` (for
+        :func:`_retried`), another database error as an InferScaleError that names the store."""
         with self.lock:
-            if self.conn.broken:
-                self.conn = self._connect()
+            self._committing = False
             try:
-                yield self.conn
+                yield self._reconnect() if self.conn.broken else self.conn
             except self._psycopg.OperationalError as exc:
+                if self.conn.broken or isinstance(exc, self._psycopg.errors.TransactionRollbackError):
+                    raise _ConnectionLost(exc, self._committing) from exc
                 raise InferScaleError(f"memory store {self.location}: {exc}".strip()) from exc
 
     @contextmanager
@@ -109,8 +216,10 @@ CREATE INDEX IF NOT EXISTS facts_by_change ON facts(change_seq);
 
     @contextmanager
     def _transaction(self) -> Iterator[Any]:
-        with self._session() as conn, conn.transaction(), conn.cursor() as c:
-            yield c
+        with self._session() as conn, conn.transaction():
+            with conn.cursor() as c:
+                yield c
+            self._committing = True  # the block is done: what fails from here on is the COMMIT
 
     @contextmanager
     def _writing(self) -> Iterator[Any]:
@@ -129,6 +238,35 @@ CREATE INDEX IF NOT EXISTS facts_by_change ON facts(change_seq);
         if len(secret) < 32:
             raise InferScaleError(f"the handle secret in {self.location} is damaged ({len(secret)} bytes)")
         return secret
+
+    def claim_serving(self, fingerprint: str, model: str) -> None:
+        """Record that this process serves the store's KV under ``fingerprint`` (``model`` says
+        it in words), and hold that claim while connected. A store recorded under another
+        fingerprint moves to this one only when no other replica is running: else
+        :class:`~inferscale_engine.errors.ReplicaMismatchError`."""
+        with self._writing() as c:  # one claim at a time: two replicas of two models cannot both win
+            recorded = self._meta(c, "kv_fingerprint")
+            if recorded is not None and recorded != fingerprint:
+                alone = c.execute("SELECT pg_try_advisory_lock(%s)", (_SERVING_LOCK,)).fetchone()[0]
+                their_model = self._meta(c, "kv_model") or "another model"
+                if not alone:
+                    raise ReplicaMismatchError(
+                        f"memory store {self.location} is served by running replicas of {their_model} "
+                        f"(KV fingerprint {recorded}); this replica runs {model} (KV fingerprint {fingerprint}). "
+                        f"Start it with the same model, dtype, window and context prefix as they do, or give it "
+                        f"a database of its own; to move the store to {model}, stop every replica of it first")
+                c.execute("SELECT pg_advisory_unlock(%s)", (_SERVING_LOCK,))
+                logger.warning("memory store %s moves from %s to %s (no other replica is running): tokens and "
+                               "contexts are rebuilt for it, and KV encoded on use", self.location, their_model, model)
+            self._put_meta(c, "kv_fingerprint", fingerprint)
+            self._put_meta(c, "kv_model", model)
+            self._hold_serving(c)
+        self._serving = fingerprint
+
+    @staticmethod
+    def _hold_serving(c: Any) -> None:
+        """The serving claim's shared lock, held by the session until it ends (not by the transaction)."""
+        c.execute("SELECT pg_advisory_lock_shared(%s)", (_SERVING_LOCK,))
 
     # ------------------------------------------------------------------ facts
 

@@ -38,7 +38,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,7 @@ from inferscale_engine.memory.bandwidth import measure as measure_tiers
 from inferscale_engine.memory.context import Chunk, Context, ContextBuilder
 from inferscale_engine.memory.db import FactRow, open_db, utc_now
 from inferscale_engine.memory.embedder import Embedder
-from inferscale_engine.memory.encoding import ChatGenerate, Encoder, device_of, kv_fingerprint
+from inferscale_engine.memory.encoding import ChatGenerate, Encoder, describe, device_of, kv_fingerprint
 from inferscale_engine.memory.extraction import infer_facts
 from inferscale_engine.memory.facts import FactTable, retexted
 from inferscale_engine.memory.folder import (
@@ -74,7 +74,7 @@ from inferscale_engine.memory.index import IndexKind
 from inferscale_engine.memory.item import MemoryItem
 from inferscale_engine.memory.kv_keeper import KVKeeper
 from inferscale_engine.memory.load import load_facts
-from inferscale_engine.memory.replica import apply_changes
+from inferscale_engine.memory.replica import Follower, apply_changes
 from inferscale_engine.memory.tiers import KVTiers
 from inferscale_engine.types import Span, TextFact
 from inferscale_engine.memory.validation import (
@@ -131,6 +131,7 @@ class MemoryStore:
         kv_path: str | os.PathLike | None = None,
         disk_read_threads: int = 16,
         disk_read_bps: float | None = None,
+        follow_interval: float | None = None,
     ) -> None:
         check_store_options(window, index, encode_queue, encode_batch, encode_batch_tokens)
         self.device: str = device or device_of(encoder)
@@ -172,6 +173,8 @@ class MemoryStore:
             self._db = open_db(str(path) if is_database_url(path) else self.path / DB_FILE)
             self.location = self._db.location if self._db.shared else str(self.path)
             try:
+                if self.fingerprint is not None:  # replicas of one store must make the same KV
+                    self._db.claim_serving(self.fingerprint, describe(encoder, window, self.context_prefix))
                 secret = self._db.handle_secret() if self._db.shared else open_secret(self.path / SECRET_FILE, self._db)
                 self._codec = HandleCodec(secret)
             except BaseException:
@@ -194,6 +197,10 @@ class MemoryStore:
                 queue_size=encode_queue,
                 batch=encode_batch, batch_tokens=encode_batch_tokens, resolve_timeout=self._resolve_timeout,
             )
+        #: A shared store with an encoder: encode what other replicas write as it arrives.
+        self._pre_encode = self._db.shared and self._keeper is not None and bool(follow_interval)
+        self._follower = Follower(self._follow, float(follow_interval)) \
+            if self._pre_encode and follow_interval else None
 
     @classmethod
     def from_config(cls, encoder: Encoder | None, config: MemoryConfig, *,
@@ -206,7 +213,7 @@ class MemoryStore:
             page_tokens=config.page_tokens, encode_queue=config.encode_queue, encode_batch=config.encode_batch,
             encode_batch_tokens=config.encode_batch_tokens, resolve_timeout=config.resolve_timeout,
             kv_path=config.kv_path, disk_read_threads=config.disk_read_threads,
-            disk_read_bps=config.disk_read_bps,
+            disk_read_bps=config.disk_read_bps, follow_interval=config.follow_interval,
         )
 
     @property
@@ -460,7 +467,7 @@ class MemoryStore:
             with self._lock:
                 behind = any(current.get(i) != getattr(self._facts.get(i), "kv_version", None) for i in fact_ids)
             if behind:
-                self._follow()
+                self._follow(encoding_here=set(fact_ids))
             for i in fact_ids:
                 if i not in current:
                     raise FactNotFoundError(f"memory {i} does not exist (never did, or was deleted)")
@@ -491,6 +498,8 @@ class MemoryStore:
             if self._closed:
                 return
             self._closed = True
+        if self._follower is not None:
+            self._follower.stop()
         dropped = self._keeper.stop() if self._keeper is not None else 0
         self.tiers.close()
         with self._lock:
@@ -564,17 +573,23 @@ class MemoryStore:
     def __repr__(self) -> str:
         return f"MemoryStore(location={self.location!r}, window={self.window}, facts={len(self._facts)})"
 
-    def _follow(self) -> None:
-        """A shared store: take in what the other replicas wrote since this one last looked."""
+    def _follow(self, encoding_here: Set[str] = frozenset()) -> None:
+        """A shared store: take in what the other replicas wrote since this one last looked, and
+        queue what arrived for encoding (``follow_interval``), except ``encoding_here``: facts
+        the calling request resolves, and so encodes itself, at once."""
         if not self._db.shared:
             return
         with self._lock:
             self._check_open()
-            stale, gone = apply_changes(self._db.changes(), self.table, self._keeper, self.embedder, self.contexts)
+            stale, gone, arrived = apply_changes(self._db.changes(), self.table, self._keeper, self.embedder,
+                                                 self.contexts)
         for key in stale:
             self.tiers.delete_key(key)
         for fact_id in gone:
             self.tiers.delete(fact_id)
+        queue = [i for i in arrived if i not in encoding_here]
+        if self._pre_encode and queue and self._keeper is not None:
+            self._keeper.reencode(queue)
 
     @property
     def closed(self) -> bool:
