@@ -180,6 +180,11 @@ def run_tiers(
             full = fill_slab(k)
             mismatches = 0
             worst = 0.0  # largest top-5 logprob difference of any tier from the device tier
+            def short_request() -> None:
+                """An untimed no-memory request: the next one starts with the GPU awake and no
+                long prefill just behind it."""
+                engine.generate_segments([work.head + work.question()], max_tokens=1, mode="prompt")
+
             for rep in tqdm(range(warmup + repeats), desc=f"tiers k={k}", leave=False):
                 segs = work.prompt_segments(work.sample(k), work.question())
                 result = engine.generate_segments(segs, max_tokens=1, mode="prompt")
@@ -189,7 +194,7 @@ def run_tiers(
                 # The request right after a long prefill runs slower whatever it is (bench ttft's
                 # after_prefill_ms_p50): an untimed short one takes that, so every tier follows a
                 # short request; device and host alternate which goes first.
-                engine.generate_segments([work.head + work.question()], max_tokens=1, mode="prompt")
+                short_request()
                 question = work.question()
                 answers = set()
                 logprobs: dict[str, dict[int, float]] = {}
@@ -198,6 +203,7 @@ def run_tiers(
                     store = full if tier == HOST_SLAB_FULL else tiers
                     if tier == COST_MODEL:
                         move_to("disk", picked_keys)
+                        short_request()  # moving and dropping pages left the GPU idle: not this row's cost
                         serial += 1
                         # A fresh order each repeat, as the prompt row: vLLM's prefix cache must
                         # not serve the facts this request prefills.
@@ -230,6 +236,7 @@ def run_tiers(
                             time.sleep(0.0005)
                         if rep >= warmup:
                             prefetch_s.append(time.perf_counter() - t0)
+                        short_request()
                     elif tier == HOST_SLAB_FULL:
                         full.get_many(fillers[:k], fp)  # evicts the measured facts to the host
                         sync()
