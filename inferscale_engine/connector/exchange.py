@@ -318,6 +318,7 @@ class KVExchange:
         self._slots = itertools.count()
         if local:
             _TABLES[self._table_name] = self._table
+            weakref.finalize(self, _TABLES.pop, self._table_name, None)  # an owner dropped unclosed
         self._ring: _EventRing | None = None
         self._last_copy: torch.cuda.Event | None = None  # the ring event after the last staging copy
 
