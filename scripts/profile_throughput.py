@@ -14,6 +14,7 @@ import collections
 import re
 import sys
 import time
+from collections.abc import Iterator
 
 from inferscale_apps.bench.common import SyntheticWorkload
 from inferscale_engine.engine import InferScaleEngine
@@ -26,21 +27,37 @@ def _value(text: str) -> object:
         return text
 
 
+def _stacks(path: str) -> Iterator[tuple[list[str], int]]:
+    """Each sample's frames and count from a ``py-spy --format raw`` file. With ``--subprocesses``
+    a stack starts with ``process PID:"COMMAND LINE"`` frames, whose command line may span lines
+    (``python -c`` scripts such as ``vllm serve`` started from tests): joined, and cut short."""
+    pending = ""
+    with open(path) as f:
+        for line in f:
+            pending += line.rstrip("\n")
+            stack, _, count = pending.rpartition(" ")
+            if not count.isdigit():
+                pending += " "  # a command line's newline
+                continue
+            pending = ""
+            stack = re.sub(r'process (\d+):"(.*?)"(?=;|$)',
+                           lambda m: f"process {m.group(1)} {' '.join(m.group(2).split())[:60]}", stack, flags=re.S)
+            yield [re.sub(r":\d+\)", ")", frame) for frame in stack.split(";")], int(count)
+
+
 def summarize(path: str, top: int = 150) -> None:
     inclusive: collections.Counter[str] = collections.Counter()
     own: collections.Counter[str] = collections.Counter()
     threads: collections.Counter[str] = collections.Counter()
     total = 0
-    with open(path) as f:
-        for line in f:
-            stack, _, count = line.rstrip().rpartition(" ")
-            n = int(count)
-            total += n
-            frames = [re.sub(r":\d+\)", ")", frame) for frame in stack.split(";")]
-            threads[frames[0]] += n
-            for frame in set(frames):
-                inclusive[frame] += n
-            own[frames[-1]] += n
+    for frames, n in _stacks(path):
+        total += n
+        # Processes and thread: everything up to the first frame that is neither.
+        where = next((i for i, f in enumerate(frames) if not f.startswith(("process ", "thread "))), len(frames))
+        threads[";".join(frames[: max(where, 1)])] += n
+        for frame in set(frames):
+            inclusive[frame] += n
+        own[frames[-1]] += n
     print("samples", total)
     for name, counts in (("threads", threads), ("inclusive", inclusive), ("self", own)):
         print("---", name)
