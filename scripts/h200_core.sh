@@ -30,7 +30,7 @@ for step in $STEPS; do
     ttft) python3 -m inferscale_apps.bench ttft $ARGS --max-model-len 16384 --ks ${KS:-0,5,10,20,50,100,200} \
         --repeats ${REPEATS:-20} --json "$OUT/ttft-llama-3.1-8b.json" --plot "$OUT/ttft-llama-3.1-8b.png" > "$OUT/ttft.log" 2>&1
       tail -30 "$OUT/ttft.log" | grep -v "it/s" ;;
-    tiers) python3 -m inferscale_apps.bench tiers $ARGS --max-model-len 8192 --k 50 --repeats 30 \
+    tiers) python3 -m inferscale_apps.bench tiers $ARGS --max-model-len 8192 --k 50 --repeats ${TIERS_REPEATS:-30} \
         --json "$OUT/tiers-llama-3.1-8b.json" > "$OUT/tiers.log" 2>&1; tail -9 "$OUT/tiers.log" ;;
     diskraw) # the disk itself, for the tiers' disk rows (cold and warm, one stream and 16)
       bash scripts/disk_raw.sh /tmp/diskraw 2>&1 | tee "$OUT/disk-raw.txt" ;;
@@ -53,6 +53,7 @@ for step in $STEPS; do
       grep -E "^(multiprocess|inprocess) |Error|error" "$OUT/mp.log" | tail -40 ;;
     profile) python3 scripts/h200_profile.py "$M" 2>&1 | grep "k=" ;;
     promote) python3 scripts/h200_promote.py 50 2>&1 | grep -E "k=|copies" ;;
+    promoteprof) python3 scripts/h200_promote.py 50 --cprofile 2>&1 | tail -26 ;;
     hosttier) python3 scripts/h200_hosttier.py "$M" 50 2>&1 | grep "^k=" ;;
   esac
 done
