@@ -51,6 +51,14 @@ for step in $STEPS; do
       tail -12 "$OUT/cacheab.log" | grep -v "it/s" ;;
     mp) python3 scripts/h200_mp.py "$M" "$OUT" ${MP_MODES:-} > "$OUT/mp.log" 2>&1
       grep -E "^(multiprocess|inprocess) |Error|error" "$OUT/mp.log" | tail -40 ;;
+    mpprof) # where a multiprocess k=50 request's host time goes: py-spy over the owner and engine core
+      mkdir -p /tmp/mpprof
+      MP_KS=50 MP_REPEATS=40 MP_THROUGHPUT=0 .gpu/py-spy record --subprocesses --rate 500 --format raw \
+        -o "$OUT/mp-k50.raw" -- python3 scripts/h200_mp.py "$M" /tmp/mpprof multiprocess > "$OUT/mpprof.log" 2>&1
+      grep -E "^multiprocess " "$OUT/mpprof.log" | tail -8 ;;
+    mpretain) # multiprocess k=50 with every staged span kept for reuse: no staging copies
+      MP_KS=50 MP_REPEATS=20 MP_THROUGHPUT=0 MP_RETAIN_GIB=4 python3 scripts/h200_mp.py "$M" "$OUT" multiprocess \
+        > "$OUT/mpretain.log" 2>&1; grep -E "^multiprocess " "$OUT/mpretain.log" | tail -8 ;;
     profile) python3 scripts/h200_profile.py "$M" 2>&1 | grep "k=" ;;
     promote) python3 scripts/h200_promote.py 50 2>&1 | grep -E "k=|copies" ;;
     promoteprof) python3 scripts/h200_promote.py 50 --cprofile 2>&1 | tail -26 ;;

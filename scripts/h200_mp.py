@@ -4,9 +4,12 @@ throughput at k=50, each against prompt injection on the same engine. One engine
 
 usage (scripts/h200_core.sh, STEPS=mp): python3 scripts/h200_mp.py MODEL_DIR OUT_DIR [MODES]
 MODES: comma-separated of multiprocess, inprocess, inprocess+throughput (default: multiprocess,inprocess)
+Diagnostics (environment): MP_KS (default 5,50,200), MP_REPEATS (10), MP_THROUGHPUT=0 skips the
+throughput wave, MP_RETAIN_GIB sets how much staged KV the exchange keeps for reuse.
 """
 
 import json
+import os
 import sys
 import time
 
@@ -25,17 +28,21 @@ if __name__ == "__main__":
         with InferScaleEngine(model=model, device="cuda", dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
                               max_model_len=16384, max_logprobs=20, recompute=0, multiprocess=multiprocess) as engine:
             started = time.perf_counter() - t0
+            if "MP_RETAIN_GIB" in os.environ:
+                engine.exchange.retain_bytes = int(float(os.environ["MP_RETAIN_GIB"]) * (1 << 30))
+            ks = [int(k) for k in os.environ.get("MP_KS", "5,50,200").split(",")]
+            repeats = int(os.environ.get("MP_REPEATS", "10"))
             results: dict = {"start_s": started, "exactness": run_case(engine, *random_case(engine, k=8))}
             print(name, "start", round(started, 1), "s; exactness", [(r["mode"], r["greedy_match"], r["max_logit_diff"])
                                                                    for r in results["exactness"]], flush=True)
-            rows = [] if mode.endswith("+throughput") else run_ttft(engine, [5, 50, 200], repeats=10, retriever=SyntheticRetriever("cuda", k=200))
+            rows = [] if mode.endswith("+throughput") else run_ttft(engine, ks, repeats=repeats, retriever=SyntheticRetriever("cuda", k=200))
             results["ttft"], results["ttft_summary"] = rows, summarize(rows) if rows else []
             for r in rows:
                 if r["mode"] in ("prompt", "inject"):
                     print(name, r["mode"], "k", r["k"], "ttft_ms_p50", round(r["ttft_ms_p50"], 2), flush=True)
             for s in results["ttft_summary"]:
                 print(name, "k", s["k"], "prompt_over_inject", round(s["prompt_over_inject"], 2), flush=True)
-            if multiprocess or mode.endswith("+throughput"):
+            if (multiprocess or mode.endswith("+throughput")) and os.environ.get("MP_THROUGHPUT") != "0":
                 results["throughput"] = run_throughput(engine, [100], k=50)
                 for r in results["throughput"]:
                     print(name, "throughput", r["mode"], r["users"], "users", round(r["req_per_s"], 1), "req/s",
