@@ -157,6 +157,10 @@ def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rat
             end = next(ends, None)
     prompt_s = rates.prefill_s(after[0])
     best_j, best_s = 0, prompt_s
+    # No split prefills less than the curve's first point: once the reads alone cost more than
+    # the best split but that, no longer prefix can win. A cold request's planning then looks
+    # at the few memories a read could pay for, not at all k of them (nor their file sizes).
+    shortest_s = rates.prefill[0][1]
     cold_bytes = 0
     disk_s = 0.0
     for j in range(1, limit + 1):
@@ -164,6 +168,8 @@ def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rat
         if isinstance(seg, ColdFact):  # the read's cost changes only where a cold file joins
             cold_bytes += seg.read.nbytes
             disk_s = rates.disk_s(cold_bytes)
+            if disk_s + shortest_s > best_s:
+                break
         cost = disk_s + rates.prefill_s(after[j])
         if cost <= best_s:
             best_j, best_s = j, cost

@@ -43,8 +43,9 @@ class TextFact(list[int]):
 class ColdRead(Protocol):
     """The read of one cold memory's KV file (the memory store makes them)."""
 
-    #: Bytes of the file.
-    nbytes: int
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the file (asked only of the memories the cost model weighs reading)."""
 
     def start(self) -> None:
         """Queue the read now, on the pool that serves requests (reads started together run in

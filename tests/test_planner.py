@@ -111,3 +111,62 @@ def test_no_rates_reads_as_before():
     segs, reads = _prompt("cc")
     _, mix, _ = plan(segs, 0, None)
     assert mix == MemoryMix(0, 2, 0)
+
+
+class CountedRead(Read):
+    """A read whose file size is counted each time the planner asks for it."""
+
+    def __init__(self, span: Span, nbytes: int) -> None:
+        super().__init__(span, nbytes)
+        self._nbytes, self.asked = nbytes, 0
+
+    @property  # type: ignore[override]
+    def nbytes(self) -> int:
+        self.asked += 1
+        return self._nbytes
+
+    @nbytes.setter
+    def nbytes(self, value: int) -> None:
+        self._nbytes = value
+
+
+def _exhaustive(segs: list, facts: list[int], limit: int, rates: Rates) -> tuple[int, float]:
+    """The split ``choose`` must find, by trying every one (ties to the longer prefix)."""
+    best = (0, rates.prefill_s(sum(len(s.token_ids) if isinstance(s, Span) else len(s) for s in segs)))
+    for j in range(1, limit + 1):
+        read = sum(segs[i].read._nbytes for i in facts[:j] if isinstance(segs[i], ColdFact))
+        disk = rates.disk_s(read) if read else 0.0
+        tail = segs[facts[j - 1] + 1 :]
+        cost = disk + rates.prefill_s(sum(len(s.token_ids) if isinstance(s, Span) else len(s) for s in tail))
+        if cost <= best[1]:
+            best = (j, cost)
+    return best
+
+
+def test_the_split_search_stops_early_and_still_finds_the_cheapest():
+    """``choose`` stops once the reads alone cost more than the best split so far: the same
+    split as trying them all, on random prompts and speeds, and a cold request over a slow disk
+    asks the size of a few files, not of every one."""
+    import random
+
+    from inferscale_engine.planner import choose
+
+    rng = random.Random(0)
+    for _ in range(300):
+        kinds = "".join(rng.choice("wcc") for _ in range(rng.randint(1, 30)))
+        segs, _ = _prompt(kinds)
+        for i, s in enumerate(segs):
+            if isinstance(s, ColdFact):
+                segs[i] = ColdFact(list(s), CountedRead(s.read.span, rng.choice([10**5, 10**6, 10**7])))
+        facts = [i for i, s in enumerate(segs) if isinstance(s, (Span, TextFact))]
+        limit = rng.randint(0, len(facts))
+        rates = _rates(rng.choice([1e7, 1e8, 1e9, 1e10]), rng.choice([0.0, 0.001, 0.005]))
+        chosen = choose(segs, facts, limit, rates)
+        j, cost = _exhaustive(segs, facts, limit, rates)
+        assert (chosen.injected, chosen.expected_s) == (j, pytest.approx(cost)), kinds
+
+    segs, _ = _prompt("c" * 50)
+    segs = [ColdFact(list(s), CountedRead(s.read.span, 10**6)) if isinstance(s, ColdFact) else s for s in segs]
+    out, mix, _ = plan(segs, 0, _rates(1e7))  # 0.1 s a file against 0.06 s to prefill them all
+    assert mix == MemoryMix(0, 0, 50)
+    assert sum(s.read.asked for s in segs if isinstance(s, ColdFact)) == 1

@@ -26,6 +26,7 @@ it) moved the facts to the host tier; ``prefetch_ms`` is how long that took.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
@@ -59,8 +60,11 @@ class _Read:
 
     def __init__(self, tiers: KVTiers, fingerprint: str, key: tuple[str, int], span_key: str, ids: list[int]) -> None:
         self.tiers, self.fingerprint, self.key, self.span_key, self.ids = tiers, fingerprint, key, span_key, ids
-        self.nbytes = tiers.file_bytes(key, len(ids))
         self.future: Future[FactKV] | None = None
+
+    @functools.cached_property
+    def nbytes(self) -> int:
+        return self.tiers.file_bytes(self.key, len(self.ids))
 
     def start(self) -> None:
         if self.future is None:

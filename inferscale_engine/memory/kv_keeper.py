@@ -13,6 +13,8 @@ the encoding state and the encode queue.
 
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 import logging
 import threading
@@ -71,7 +73,10 @@ class _ColdRead:
         self._fact = fact
         self._key = key
         self._future: Future[FactKV] | None = None
-        self.nbytes = keeper.tiers.file_bytes(key, len(fact.token_ids or ()))
+
+    @functools.cached_property
+    def nbytes(self) -> int:
+        return self._keeper.tiers.file_bytes(self._key, len(self._fact.token_ids or ()))
 
     def start(self) -> None:
         if self._future is None:

@@ -67,7 +67,16 @@ class _Entry:
     position: int
     fingerprint: str
     #: CUDA, host tier: the eviction copy writing these pages, until it is known to be done.
-    written: torch.cuda.Event | None = None
+    written: _Written | None = None
+
+
+@dataclass(frozen=True)
+class _Written:
+    """An eviction's copy to the host: its event, and its place in the order evictions are
+    queued on their one stream (a later one ends after every earlier one)."""
+
+    seq: int
+    event: torch.cuda.Event
 
 
 class KVTiers:
@@ -116,6 +125,9 @@ class KVTiers:
         self._page_bytes = 0
         self._slab: torch.Tensor | None = None
         self._slab_pool: Sources | None = None  # the slab, as a copy pool
+        # Free page lists are taken from the end, a slice at a time (_take), and pages go back
+        # in the order they were held: pages taken together lie one after the other as often as
+        # they can, and a batch copies one range per run of them rather than one per page.
         self._free: list[int] = []
         self._device: OrderedDict[KVKey, _Entry] = OrderedDict()
         # Host pages live in chunks allocated as the tier fills (pinning is slow and locks
@@ -134,6 +146,7 @@ class KVTiers:
         # pages, so promotions into those slab pages need not wait for PCIe (see _evict).
         self._out: torch.cuda.Stream | None = None
         self._copiers: dict[torch.cuda.Stream, ByteCopier] = {}
+        self._evictions = 0  # evictions queued on the eviction stream so far (_Written.seq)
         self._side_done: torch.cuda.Event | None = None
         self._caller_done: torch.cuda.Event | None = None
         self.counters = {"host_to_device": 0, "device_to_host": 0, "host_drops": 0}
@@ -384,7 +397,7 @@ class KVTiers:
                 if num_pages > 0:
                     self._slab = torch.empty((num_pages, *self._page_shape()), dtype=kv.k.dtype, device=self.device)
                     self._slab_pool = Sources.of([self._slab])
-                    self._free = list(range(num_pages - 1, -1, -1))
+                    self._free = list(range(num_pages))
                 self._host_pages_total = self.host_bytes // pb
                 self._host_chunk_pages = max(1, min(HOST_CHUNK_BYTES // pb, self._host_pages_total))
                 logger.info(
@@ -436,13 +449,13 @@ class KVTiers:
         served: dict[KVKey, FactKV] = {}
         to_pages: list[int] = []
         from_pages: list[int] = []
+        free = self._free
         for key, h in zip(keys, hosts):
-            m = len(h.pages)
-            if len(self._free) < m:
+            if len(free) < len(h.pages):
                 self._host[key] = h
                 served[key] = self._read_host(h)
                 continue
-            pages = [self._free.pop() for _ in range(m)]
+            pages = _take(free, len(h.pages))
             to_pages += pages
             from_pages += h.pages
             promoted[key] = _Entry(pages, h.num_tokens, h.position, h.fingerprint)
@@ -508,7 +521,7 @@ class KVTiers:
             _, old = self._host.popitem(last=False)
             self._host_free += old.pages
             self.counters["host_drops"] += 1
-        return [self._host_free.pop() for _ in range(m)]
+        return _take(self._host_free, m)
 
     def _grow_host(self) -> bool:
         """Allocate the next host chunk, if the tier's capacity has room for one."""
@@ -519,7 +532,7 @@ class KVTiers:
         dtype = self._geometry[3]  # type: ignore[index]
         self._host_chunks.append(torch.empty((n, *self._page_shape()), dtype=dtype, pin_memory=self.pin_memory))
         self._host_pool_cache = None
-        self._host_free += range(first + n - 1, first - 1, -1)
+        self._host_free += range(first, first + n)
         return True
 
     def _host_pool(self) -> Sources:
@@ -551,8 +564,8 @@ class KVTiers:
         done.record(side)
         self._side_done = done
 
-    def _copy_out(self, host_pages: list[int], slab_pages: list[int]) -> torch.cuda.Event | None:
-        """Copy slab pages to host pages; on CUDA, the event of the copy writing the host pages.
+    def _copy_out(self, host_pages: list[int], slab_pages: list[int]) -> _Written | None:
+        """Copy slab pages to host pages; on CUDA, the copy writing the host pages.
 
         A promotion that needs the room waits for nothing slower than a device-side copy: the
         side stream gathers the pages into a buffer (device memory bandwidth), after which the
@@ -575,14 +588,16 @@ class KVTiers:
         self._dma(out, self._host_pool(), host_pages, Sources.of([staged]), list(range(len(slab_pages))))
         written = torch.cuda.Event()
         written.record(out)
-        return written
+        self._evictions += 1
+        return _Written(self._evictions, written)
 
     def _wait_written(self, entries: list[_Entry]) -> None:
-        """Order the side stream after the evictions still writing these host entries' pages."""
-        pending = {id(e.written): e.written for e in entries if e.written is not None}
-        for event in pending.values():
-            if not event.query():
-                self._side_stream().wait_event(event)
+        """Order the side stream after the evictions still writing these host entries' pages:
+        after the latest of them, which ends after the others (one stream), so a batch of facts
+        evicted one by one costs one event query, not one each."""
+        latest = max((e.written for e in entries if e.written is not None), key=lambda w: w.seq, default=None)
+        if latest is not None and not latest.event.query():
+            self._side_stream().wait_event(latest.event)
         for e in entries:
             e.written = None
 
@@ -641,7 +656,7 @@ class KVTiers:
             self._insert_host(key, pages, n, position, fingerprint)
             return
         self._make_room(need, keep=set())
-        slots = [self._free.pop() for _ in range(need)]
+        slots = _take(self._free, need)
         self._after_side()
         self._slab.index_copy_(0, self._index(slots), pages.to(self.device, non_blocking=pages.is_pinned()))
         self._mark_caller()
@@ -715,6 +730,14 @@ class KVTiers:
     def _pages_to_block(pages: torch.Tensor) -> torch.Tensor:
         m, layers, _, pt, heads, dim = pages.shape
         return pages.permute(2, 1, 0, 3, 4, 5).reshape(2, layers, m * pt, heads, dim)
+
+
+def _take(free: list[int], m: int) -> list[int]:
+    """The last ``m`` pages of a free list, in its order, taken off it."""
+    assert m <= len(free), "not enough free pages"
+    pages = free[len(free) - m :]
+    del free[len(free) - m :]
+    return pages
 
 
 def page_runs(
