@@ -219,7 +219,7 @@ class InferScaleEngine:
         self.fingerprint = _fingerprint(self.model_path, self.vllm_config)
         # In-process, vLLM's worker half reads the spans where they lie: nothing to copy.
         self.exchange = KVExchange(Geometry.of_model(model_config), "cuda" if cfg.device == "cuda" else "cpu",
-                                   local=not cfg.multiprocess and not cfg.vllm_url)
+                                   local=not cfg.multiprocess and not cfg.vllm_url, retain_bytes=cfg.staged_kv_bytes())
         if not cfg.multiprocess and not cfg.vllm_url:
             self.loop = EngineLoop(self._vllm)
 

@@ -57,7 +57,7 @@ for step in $STEPS; do
         -o "$OUT/mp-k50.raw" -- python3 scripts/h200_mp.py "$M" /tmp/mpprof multiprocess > "$OUT/mpprof.log" 2>&1
       grep -E "^multiprocess " "$OUT/mpprof.log" | tail -8 ;;
     mpretain) # multiprocess k=50 with every staged span kept for reuse: no staging copies
-      MP_KS=50 MP_REPEATS=20 MP_THROUGHPUT=0 MP_RETAIN_GIB=4 python3 scripts/h200_mp.py "$M" "$OUT" multiprocess \
+      MP_KS=50 MP_REPEATS=20 MP_THROUGHPUT=0 MP_STAGED_GIB=4 python3 scripts/h200_mp.py "$M" "$OUT" multiprocess \
         > "$OUT/mpretain.log" 2>&1; grep -E "^multiprocess " "$OUT/mpretain.log" | tail -8 ;;
     profile) python3 scripts/h200_profile.py "$M" 2>&1 | grep "k=" ;;
     promote) python3 scripts/h200_promote.py 50 2>&1 | grep -E "k=|copies" ;;

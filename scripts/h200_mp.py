@@ -5,7 +5,7 @@ throughput at k=50, each against prompt injection on the same engine. One engine
 usage (scripts/h200_core.sh, STEPS=mp): python3 scripts/h200_mp.py MODEL_DIR OUT_DIR [MODES]
 MODES: comma-separated of multiprocess, inprocess, inprocess+throughput (default: multiprocess,inprocess)
 Diagnostics (environment): MP_KS (default 5,50,200), MP_REPEATS (10), MP_THROUGHPUT=0 skips the
-throughput wave, MP_RETAIN_GIB sets how much staged KV the exchange keeps for reuse.
+throughput wave, MP_STAGED_GIB sets the engine's staged_kv_gib (staged KV kept for reuse).
 """
 
 import json
@@ -26,10 +26,10 @@ if __name__ == "__main__":
         name = mode.split("+")[0]
         t0 = time.perf_counter()
         with InferScaleEngine(model=model, device="cuda", dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True,
-                              max_model_len=16384, max_logprobs=20, recompute=0, multiprocess=multiprocess) as engine:
+                              max_model_len=16384, max_logprobs=20, recompute=0, multiprocess=multiprocess,
+                              staged_kv_gib=float(os.environ["MP_STAGED_GIB"]) if "MP_STAGED_GIB" in os.environ else None
+                              ) as engine:
             started = time.perf_counter() - t0
-            if "MP_RETAIN_GIB" in os.environ:
-                engine.exchange.retain_bytes = int(float(os.environ["MP_RETAIN_GIB"]) * (1 << 30))
             ks = [int(k) for k in os.environ.get("MP_KS", "5,50,200").split(",")]
             repeats = int(os.environ.get("MP_REPEATS", "10"))
             results: dict = {"start_s": started, "exactness": run_case(engine, *random_case(engine, k=8))}

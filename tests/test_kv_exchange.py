@@ -182,3 +182,13 @@ def test_segments_of_a_killed_owner_are_removed_by_the_next_one(tmp_path):
         for path in (stale, live):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_how_much_staged_kv_an_engine_keeps_for_reuse_is_its_config():
+    from inferscale_engine.config import EngineConfig
+
+    assert EngineConfig(device="cpu").staged_kv_bytes() == 1 << 30  # /dev/shm on the CPU
+    assert EngineConfig(device="cpu", staged_kv_gib=0.25).staged_kv_bytes() == 1 << 28
+    assert EngineConfig(device="cpu", staged_kv_gib=0).staged_kv_bytes() == 0  # nothing kept
+    with pytest.raises(ValueError, match="staged_kv_gib"):
+        EngineConfig(device="cpu", staged_kv_gib=-1)

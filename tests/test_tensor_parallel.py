@@ -36,6 +36,7 @@ def tp2_engine(tiny_llama):
 
 def test_two_ranks_inject_exactly_what_prompt_injection_computes(tp2_engine):
     assert tp2_engine.vllm_config.parallel_config.tensor_parallel_size == 2
+    assert tp2_engine.exchange.retain_bytes == tp2_engine.config.staged_kv_bytes() == 1 << 30
     # Facts are encoded by both ranks (each fills its KV head; a missing head is refused), then
     # injected by both (each writes its head).
     exact, w0 = run_case(tp2_engine, *text_case(tp2_engine), max_tokens=32, logprobs=1000)

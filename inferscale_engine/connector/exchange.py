@@ -50,7 +50,8 @@ logger = logging.getLogger(__name__)
 
 #: New segments hold at least this much (a span larger than this gets a segment of its own).
 SEGMENT_BYTES = 256 << 20
-#: Segments may grow to this many bytes to keep spans no request uses any more where they lie.
+#: Segments may grow to this many bytes to keep spans no request uses any more where they lie
+#: (an engine passes ``EngineConfig.staged_kv_gib``'s).
 RETAIN_BYTES = 4 * SEGMENT_BYTES
 _ALIGN = 256
 _SHM_DIR = "/dev/shm"
