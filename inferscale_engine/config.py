@@ -114,8 +114,8 @@ class EngineConfig:
     #: after its requests end, so a memory served again is neither copied nor waited for (the
     #: workers' view of hot memories, least recently used out first). A copy costs the owner GPU
     #: work in a CUDA context of its own, which measured ~1.7 ms a request on an H200
-    #: (docs/scaling.md). None: a quarter of the GPU memory vLLM leaves free
-    #: (``1 - gpu_memory_utilization``) on CUDA, 1 GiB of ``/dev/shm`` on the CPU.
+    #: (docs/scaling.md). None: a quarter of the GPU memory free once vLLM has started (on
+    #: CUDA), 1 GiB of ``/dev/shm`` on the CPU.
     staged_kv_gib: float | None = None
     vllm_options: dict[str, Any] = field(default_factory=dict)
 
@@ -146,8 +146,8 @@ class EngineConfig:
         if self.device == "cuda":
             import torch
 
-            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-            return int((1 - self.gpu_memory_utilization) * total / 4)
+            free, _ = torch.cuda.mem_get_info()
+            return free // 4
         return 1 << 30
 
     @classmethod
