@@ -59,6 +59,9 @@ for step in $STEPS; do
     mpretain) # multiprocess k=50 with every staged span kept for reuse: no staging copies
       MP_KS=50 MP_REPEATS=20 MP_THROUGHPUT=0 MP_STAGED_GIB=4 python3 scripts/h200_mp.py "$M" "$OUT" multiprocess \
         > "$OUT/mpretain.log" 2>&1; grep -E "^multiprocess " "$OUT/mpretain.log" | tail -8 ;;
+    cudatests) # the tiers', the exchange's and the injection streams' CUDA tests
+      python3 -m pytest -q -p no:cacheprovider tests/test_memory_tiers.py tests/test_kv_exchange.py \
+        tests/test_injection_streams.py 2>&1 | tail -6 ;;
     profile) python3 scripts/h200_profile.py "$M" 2>&1 | grep "k=" ;;
     promote) python3 scripts/h200_promote.py 50 2>&1 | grep -E "k=|copies" ;;
     promoteprof) python3 scripts/h200_promote.py 50 --cprofile 2>&1 | tail -26 ;;
