@@ -38,7 +38,7 @@ import torch
 from inferscale_engine import cuda_graphs, planner
 from inferscale_engine.config import EngineConfig, check_recompute
 from inferscale_engine.connector import compat
-from inferscale_engine.connector.exchange import Geometry, KVExchange
+from inferscale_engine.connector.exchange import Geometry, KVExchange, NotHeldError
 from inferscale_engine.connector.plan import InjectionPlan, SpanRef, injected_tokens
 from inferscale_engine.encoder import EncodeWindow, encode_windows
 from inferscale_engine.errors import (
@@ -478,17 +478,23 @@ class InferScaleEngine:
         if handles:
             source = self.fact_source or self.memory
             many = getattr(source, "resolve_many", None)
-            if many is not None and getattr(source, "defers_cold", False):
-                spans = many(handles, user_id, defer_cold=True)  # cold ones: _prepare plans them
-            elif many is not None:
-                spans = many(handles, user_id)
+            if many is not None:
+                options: dict[str, Any] = {}
+                if getattr(source, "defers_cold", False):
+                    options["defer_cold"] = True  # cold ones: _prepare plans them
+                if getattr(source, "skips_held", False) and not self.exchange.local:
+                    # Spans the exchange holds (staged or retained) are not read again: the
+                    # owner then does no GPU work for them. In-process, spans go by reference.
+                    options["held"] = self.exchange.holds
+                spans = many(handles, user_id, **options)
             else:  # a source with only resolve() (see FactSource)
                 spans = [source.resolve(h, user_id) for h in handles]  # type: ignore[attr-defined]
             if self.fact_source is not None:
                 # A store checks its KV when encoded and when read from disk; a source of the
                 # caller's own is checked here: non-finite KV outlives its request in vLLM's cache.
+                # A held span has none: it was checked when it was staged.
                 for span in spans:
-                    if isinstance(span, Span):
+                    if isinstance(span, Span) and span.kv is not None:
                         check_finite(span.kv.k, span.kv.v, f"KV of {span.key}")
         else:
             spans = []
@@ -513,10 +519,23 @@ class InferScaleEngine:
         if self._closed:
             raise EngineClosedError("this InferScaleEngine was closed")
 
-    def _prepare(
+    def _prepare(self, segments: Sequence[Segment], user_id: str, **kwargs: Any) -> tuple[_Prepared, Any]:
+        """The vLLM prompt and sampling parameters of a request, its spans staged."""
+        started = time.perf_counter()
+        try:
+            return self._prepare_once(segments, user_id, started, **kwargs)
+        except NotHeldError:
+            # Another request's staging gave up spans this one found held when it was resolved.
+            # Read every held span's KV (a fact may have changed since: new tokens, or text) and
+            # lay the request out again; without held spans, staging cannot refuse it twice.
+            segments = [s.with_kv() if isinstance(s, Span) else s for s in segments]
+            return self._prepare_once(segments, user_id, started, **kwargs)
+
+    def _prepare_once(
         self,
         segments: Sequence[Segment],
         user_id: str,
+        started: float,
         *,
         max_tokens: int = 256,
         temperature: float = 0.0,
@@ -528,7 +547,6 @@ class InferScaleEngine:
     ) -> tuple[_Prepared, Any]:
         from vllm import SamplingParams
 
-        started = time.perf_counter()
         self._check_open()
         if mode not in ("inject", "prompt"):
             raise ValueError(f"mode must be 'inject' or 'prompt', got {mode!r}")

@@ -6,7 +6,7 @@ name them without importing vLLM (seconds) or the engine's internals.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -22,16 +22,33 @@ Messages = Sequence[dict[str, Any]]  # "role", "content" (str); "tool_calls" on 
 
 @dataclass(frozen=True)
 class Span:
-    """Tokens whose KV is injected rather than computed."""
+    """Tokens whose KV is injected rather than computed.
+
+    ``kv`` is ``None`` for a *held* span: the consumer that resolved it (the engine's
+    :class:`~inferscale_engine.connector.exchange.KVExchange`, through ``held=`` of
+    :meth:`FactSource.resolve_many`) held KV under its key already, so none was read.
+    ``reread`` resolves it again with its KV, for when the consumer gave that KV up meanwhile
+    (possibly as a new version of the fact, or as a :class:`TextFact`)."""
 
     key: str  # identifies the KV content: equal keys must mean equal KV
     token_ids: tuple[int, ...]
-    kv: FactKV
+    kv: FactKV | None
     text: str = ""
+    reread: Callable[[], Span | TextFact] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.kv.num_tokens != len(self.token_ids):
+        if self.kv is None:
+            if self.reread is None:
+                raise ValueError(f"span {self.key}: no KV and no way to read it (reread)")
+        elif self.kv.num_tokens != len(self.token_ids):
             raise ValueError(f"span {self.key}: {len(self.token_ids)} tokens but KV for {self.kv.num_tokens}")
+
+    def with_kv(self) -> Span | TextFact:
+        """This span if it has its KV; a held one resolved again (:attr:`reread`)."""
+        if self.kv is not None:
+            return self
+        assert self.reread is not None  # __post_init__
+        return self.reread()
 
 
 class TextFact(list[int]):
@@ -79,7 +96,13 @@ Segment = Span | Sequence[int]
 
 class FactSource(Protocol):
     """Turns the handles of a request of ``user_id`` into the spans to inject (the memory store).
-    A source with only ``resolve(handle, user_id) -> Span`` is asked handle by handle."""
+    A source with only ``resolve(handle, user_id) -> Span`` is asked handle by handle.
+
+    Optional capabilities, each announced by a class attribute the engine looks for:
+    ``defers_cold = True``: ``resolve_many(..., defer_cold=True)`` returns :class:`ColdFact` for
+    memories whose KV is only on disk; ``skips_held = True``: ``resolve_many(..., held=pred)``
+    returns a held :class:`Span` (no KV, see there) for each fact whose span key ``pred`` says
+    the engine holds, and reads no KV for it."""
 
     def resolve_many(self, handles: Sequence[Handle], user_id: str) -> Sequence[Span | TextFact]: ...
 

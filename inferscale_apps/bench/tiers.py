@@ -129,6 +129,7 @@ def run_tiers(
     cuda = device == "cuda"
     page_tokens = 16
     kv0 = work.facts[0].kv
+    assert kv0 is not None  # the workload's own spans: encoded, never held
     bytes_per_token = 2 * kv0.k.nbytes // kv0.num_tokens
     fact_bytes = math.ceil(fact_tokens / page_tokens) * page_tokens * bytes_per_token
     # Room for every fact in each memory tier (plus slack): no LRU eviction during a measurement.
@@ -138,6 +139,7 @@ def run_tiers(
     fp = engine.fingerprint
     keys = [(f"{i:016x}", 1) for i in range(2 * kmax)]
     for key, span in zip(keys, work.facts):
+        assert span.kv is not None
         tiers.put(key, span.kv, fp)
     fillers = keys[kmax:]
     keys = keys[:kmax]

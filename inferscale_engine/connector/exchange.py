@@ -279,6 +279,16 @@ def _unlink(path: str) -> None:
         pass
 
 
+class NotHeldError(ConnectorError):
+    """:meth:`KVExchange.stage` was given spans without KV whose keys it no longer holds: another
+    request's staging gave their room up since :meth:`KVExchange.holds` said yes. Nothing was
+    staged; the caller reads those spans' KV and stages again (the engine does)."""
+
+    def __init__(self, keys: list[str]) -> None:
+        super().__init__(f"{len(keys)} span(s) staged without KV are no longer held: {', '.join(keys[:3])}")
+        self.keys = keys
+
+
 @dataclass
 class _Staged:
     location: Location
@@ -357,14 +367,31 @@ class KVExchange:
 
     # ------------------------------------------------------------------ injection
 
-    def stage(self, spans: list[tuple[str, FactKV]]) -> SharedKV:
+    def holds(self, key: str) -> bool:
+        """Whether a span of ``key`` may go to :meth:`stage` without its KV: staged for a request
+        in flight, or retained. A retained key this says yes to becomes the most recently used,
+        so it is not the next one given up. A local exchange holds nothing this way: it hands
+        spans over by reference, so every :meth:`stage` needs the KV itself."""
+        if self.local:
+            return False
+        with self._lock:
+            if key in self._staged:
+                return True
+            if key in self._retained:
+                self._retained.move_to_end(key)
+                return True
+            return False
+
+    def stage(self, spans: list[tuple[str, FactKV | None]]) -> SharedKV:
         """Make each ``(key, kv)`` readable by vLLM's workers (a key staged twice is staged once
         and counted twice): where every key's KV lies, for the request's plan. Each
         :meth:`stage` is matched by one :meth:`unstage` of the same keys once the request ends.
         A key names one span's KV for good (as :class:`~inferscale_engine.types.Span` keys do):
-        a key still staged or retained is not copied again."""
+        a key still staged or retained is not copied again, and its ``kv`` may be ``None`` (see
+        :meth:`holds`); :class:`NotHeldError` when such a key is no longer held (nothing staged)."""
         for _, kv in spans:  # all refused before any is counted
-            self._check(kv)
+            if kv is not None:
+                self._check(kv)
         if self.local:
             return self._stage_local(spans)
         out: dict[str, Location] = {}
@@ -372,13 +399,20 @@ class KVExchange:
         # Copies are queued under the lock, and every plan's event recorded after them: a
         # request that finds its keys staged by another is ordered after that one's copies.
         with self._lock:
-            for key, kv in spans:
+            held = [key in self._staged or key in self._retained for key, _ in spans]
+            gone = [key for (key, kv), h in zip(spans, held) if kv is None and not h]
+            if gone:
+                raise NotHeldError(gone)
+            # Held keys first: a new span's room may be one that retained spans give up, and
+            # never one of this request's own.
+            for key, kv in [s for s, h in zip(spans, held) if h] + [s for s, h in zip(spans, held) if not h]:
                 staged = self._staged.get(key)
                 if staged is None:
                     staged = self._retained.pop(key, None)
                     if staged is not None:
                         self._staged[key] = staged
                 if staged is None:
+                    assert kv is not None  # a key without KV is held (checked above)
                     n = kv.num_tokens
                     size = 2 * self.geometry.kv_bytes(n)
                     segment, offset = self._allocate(size)
@@ -392,12 +426,16 @@ class KVExchange:
             segments[ready[0]] = self._ring.descriptor  # type: ignore[union-attr]
         return SharedKV(self.geometry, out, segments, ready)
 
-    def _stage_local(self, spans: list[tuple[str, FactKV]]) -> SharedKV:
+    def _stage_local(self, spans: list[tuple[str, FactKV | None]]) -> SharedKV:
         out: dict[str, Location] = {}
         with self._lock:
+            gone = [key for key, kv in spans if kv is None and key not in self._staged]
+            if gone:  # holds() said no: only a caller of stage() of its own gets here
+                raise NotHeldError(gone)
             for key, kv in spans:
                 staged = self._staged.get(key)
                 if staged is None:
+                    assert kv is not None
                     slot = next(self._slots)
                     self._table[slot] = kv
                     staged = self._staged[key] = _Staged(Location(self._table_name, slot, kv.position, kv.num_tokens), 0, 0)

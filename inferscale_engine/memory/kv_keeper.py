@@ -16,9 +16,11 @@ from __future__ import annotations
 import functools
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
@@ -37,6 +39,11 @@ from inferscale_engine.memory.tiers import KVKey, KVMissingError, KVTiers
 from inferscale_engine.types import ColdFact, Span, TextFact
 
 logger = logging.getLogger(__name__)
+
+
+def _span_key(f: FactRow) -> str:
+    """The span key of ``f``'s KV: a fact version's KV never changes (new KV, new version)."""
+    return f"fact:{f.id}:{f.kv_version}"
 
 
 @dataclass(frozen=True)
@@ -200,19 +207,34 @@ class KVKeeper:
         self._queue.put(jobs)
         return len(jobs)
 
-    def spans(self, facts: list[FactRow], *, defer_cold: bool = False) -> list[Span | TextFact]:
+    def spans(self, facts: list[FactRow], *, defer_cold: bool = False,
+              held: Callable[[str], bool] | None = None) -> list[Span | TextFact]:
         """What the engine injects for each fact: its tokens and their KV (see :meth:`kvs`). A fact
         another thread is still encoding comes back as :class:`TextFact` (its tokens, prefilled):
         a chat never waits behind ingestion for it. ``defer_cold``: a fact whose KV is only in a
         disk file outside the page cache comes back as a :class:`ColdFact` whose read has
-        started, for the engine's cost model to wait for or to prefill instead."""
-        cold: dict[int, ColdFact] = {}
+        started, for the engine's cost model to wait for or to prefill instead. ``held``: a
+        predicate over span keys; an encoded fact whose key it holds comes back as a held
+        :class:`Span` (no KV read from any tier; ``reread`` reads it)."""
+        kept: dict[int, Span | TextFact] = {}
+        if held is not None:
+            for i, f in enumerate(facts):
+                key = _span_key(f)
+                # Only KV of the current fingerprint: other KV is re-encoded, under a new key.
+                if f.fingerprint == self.fingerprint and held(key):
+                    kept[i] = Span(key, tuple(f.token_ids or ()), None, f.text,
+                                   reread=functools.partial(self._reread, f))
         if defer_cold:
-            cold = self._cold(facts)
-        rest = [f for i, f in enumerate(facts) if i not in cold]
-        served = iter([Span(key=f"fact:{f.id}:{f.kv_version}", token_ids=tuple(f.token_ids or ()), kv=kv, text=f.text)
+            todo = [i for i in range(len(facts)) if i not in kept]
+            kept.update((todo[j], c) for j, c in self._cold([facts[i] for i in todo]).items())
+        rest = [f for i, f in enumerate(facts) if i not in kept]
+        served = iter([Span(key=_span_key(f), token_ids=tuple(f.token_ids or ()), kv=kv, text=f.text)
                        if kv is not None else TextFact(f.token_ids or ()) for kv, f in self.kvs(rest)])
-        return [cold[i] if i in cold else next(served) for i in range(len(facts))]
+        return [kept[i] if i in kept else next(served) for i in range(len(facts))]
+
+    def _reread(self, f: FactRow) -> Span | TextFact:
+        """A held span of ``f`` (the snapshot it was resolved from) with its KV after all."""
+        return self.spans([f])[0]
 
     def prefetch(self, facts: list[FactRow]) -> int:
         """Start reading the disk-only KV of ``facts`` into the host tier; how many reads started."""
@@ -240,7 +262,7 @@ class KVKeeper:
             kv, f = self.kv(f.id)
         if kv is None:
             return TextFact(f.token_ids or ())
-        return Span(key=f"fact:{f.id}:{f.kv_version}", token_ids=tuple(f.token_ids or ()), kv=kv, text=f.text)
+        return Span(key=_span_key(f), token_ids=tuple(f.token_ids or ()), kv=kv, text=f.text)
 
     def kvs(self, facts: list[FactRow]) -> list[tuple[FactKV | None, FactRow]]:
         """KV of each fact (snapshots of live rows), read in one batch from the tiers; what is
@@ -248,8 +270,9 @@ class KVKeeper:
         serve it as text, see :meth:`kv`)."""
         kvs: list[FactKV | None] = [None] * len(facts)
         ready = [i for i, f in enumerate(facts) if f.fingerprint == self.fingerprint]
+        keys: list[KVKey] = [(facts[i].id, facts[i].kv_version) for i in ready]
         try:
-            got = self.tiers.get_many([(facts[i].id, facts[i].kv_version) for i in ready], self.fingerprint)  # type: ignore[arg-type]
+            got = self.tiers.get_many(keys, self.fingerprint) if keys else []  # type: ignore[arg-type]
             for i, kv in zip(ready, got):
                 kvs[i] = kv
         except (KVMissingError, StaleKVError):

@@ -38,7 +38,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from pathlib import Path
 from typing import Any
 
@@ -449,13 +449,17 @@ class MemoryStore:
 
     #: ``resolve_many(..., defer_cold=True)`` works (what the engine's cost model needs).
     defers_cold = True
+    #: ``resolve_many(..., held=...)`` works (a multiprocess engine's exchange holds spans).
+    skips_held = True
 
     def resolve_many(self, handles: Sequence[Handle | str], user_id: str, *,
-                     defer_cold: bool = False) -> list[Span | TextFact]:
+                     defer_cold: bool = False, held: Callable[[str], bool] | None = None) -> list[Span | TextFact]:
         """:meth:`resolve` for every handle of one request, reading their KV in one batch.
         ``defer_cold``: facts whose KV is only in a cold disk file come back as
         :class:`~inferscale_engine.types.ColdFact`, nothing read yet (the engine's cost model
-        reads them, or prefills them and has them promoted)."""
+        reads them, or prefills them and has them promoted). ``held``: a predicate over span
+        keys (``KVExchange.holds``); a fact whose key it holds comes back as a held
+        :class:`~inferscale_engine.types.Span`, without KV, and none is read for it."""
         self._check_open()
         user_id = check_user(user_id)
         fact_ids = [self._codec.verify(h, user_id) for h in handles]
@@ -475,7 +479,7 @@ class MemoryStore:
             facts = self.table.snapshot(fact_ids, user_id)
         if self._keeper is None:
             raise InferScaleError("this memory store has no engine (encoder), so it has no KV to serve")
-        return self._keeper.spans(facts, defer_cold=defer_cold)
+        return self._keeper.spans(facts, defer_cold=defer_cold, held=held)
 
     def advertise(self, url: str) -> None:
         """Record in the store's lock file that ``url`` serves this store over HTTP: a command
