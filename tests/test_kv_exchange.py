@@ -11,7 +11,7 @@ import multiprocessing
 import pytest
 import torch
 
-from inferscale_engine.connector.exchange import ExchangeReader, Geometry, KVExchange, Location
+from inferscale_engine.connector.exchange import ExchangeReader, Geometry, KVExchange, Location, NotHeldError
 from inferscale_engine.errors import ConnectorError
 from inferscale_engine.kv import FactKV
 
@@ -118,6 +118,48 @@ def test_spans_no_request_uses_stay_staged_until_their_room_is_needed():
         exchange.close()
 
 
+def test_held_keys_stage_without_kv_until_given_up():
+    """holds(): staged or retained keys may be staged without their KV (same location, no
+    copy); saying yes makes a retained key the most recently used; a key given up since is
+    refused with NotHeldError, and nothing of that call is staged."""
+    exchange = KVExchange(GEOMETRY, "cpu", segment_bytes=1 << 12, retain_bytes=1 << 12)  # 4 spans of 5 tokens
+    try:
+        assert not exchange.holds("a")
+        a = exchange.stage([("a", _fact(5, 0))]).at["a"]
+        assert exchange.holds("a")  # staged, in flight
+        exchange.unstage(["a"])
+        assert exchange.holds("a")  # retained
+        assert exchange.stage([("a", None)]).at["a"] == a
+        exchange.unstage(["a"])
+        for key in "bcd":
+            exchange.stage([(key, _fact(5, 1))])
+            exchange.unstage([key])
+        # "a" is the oldest retained span; holds() makes it the newest, so "b" gives up its room.
+        assert exchange.holds("a")
+        exchange.stage([("e", _fact(5, 2))])
+        assert not exchange.holds("b") and exchange.holds("a")
+        with pytest.raises(NotHeldError) as refused:
+            exchange.stage([("f", _fact(5, 3)), ("a", None), ("b", None)])
+        assert refused.value.keys == ["b"]
+        assert set(exchange._staged) == {"e"} and not exchange.holds("f")  # nothing of it counted
+    finally:
+        exchange.close()
+
+
+def test_a_request_does_not_give_up_its_own_held_spans():
+    """A new span's room never comes from a retained span the same call stages (held keys are
+    taken first), even when that span comes later in the request."""
+    exchange = KVExchange(GEOMETRY, "cpu", segment_bytes=1 << 12, retain_bytes=1 << 12)
+    try:
+        for key in "abcd":
+            exchange.stage([(key, _fact(5, 0))])
+            exchange.unstage([key])
+        at = exchange.stage([("e", _fact(5, 1)), ("a", None), ("b", None)]).at  # "a", "b": the oldest
+        assert len({loc.offset for loc in at.values()}) == 3 and not exchange.holds("c")
+    finally:
+        exchange.close()
+
+
 def test_an_owner_in_the_workers_process_hands_spans_over_by_reference():
     """In-process (``local=True``): nothing is copied; the worker half gets the staged FactKV
     itself, its heads sliced for a tensor-parallel rank, until the last unstage."""
@@ -127,6 +169,7 @@ def test_an_owner_in_the_workers_process_hands_spans_over_by_reference():
         shared = exchange.stage([("a", fact), ("a", fact)])
         loc = shared.at["a"]
         assert not exchange._segments and (loc.position, loc.tokens) == (4, 6)
+        assert not exchange.holds("a")  # staged, but every stage of a local owner needs the KV itself
         reader = ExchangeReader()
         reader.map(shared.segments)
         assert reader.is_local(loc)

@@ -322,6 +322,30 @@ def test_injection_equals_prompt_when_context_matches(make_store, engine):
     assert out.usage.injected_tokens > 0 and len(out.token_ids) == 4
 
 
+def test_an_in_process_engine_reads_every_memory_it_serves(make_store, engine, monkeypatch):
+    """In-process, spans go to vLLM by reference, so the exchange holds none for later requests
+    (held spans are a multiprocess engine's, see test_held_spans): each request reads its
+    memories' KV from the tiers again, and resolve() hands every span over with its KV."""
+    store = make_store()
+    fact = store.add("My dog is called Rex.", user_id="u")[0]
+    engine.fact_source = store
+    prompt = f"Memory: {fact.handle}\nQuestion: dog? Answer:"
+    reads: list[int] = []
+    get_many = store.tiers.get_many
+
+    def counted(keys, fingerprint):
+        reads.append(len(keys))
+        return get_many(keys, fingerprint)
+
+    monkeypatch.setattr(store.tiers, "get_many", counted)
+    first = engine.generate(prompt, user_id="u", max_tokens=4)  # waits for the encode
+    reads.clear()
+    second = engine.generate(prompt, user_id="u", max_tokens=4)
+    assert reads == [1] and second.token_ids == first.token_ids and second.usage.injected_tokens > 0
+    spans = [s for s in engine.resolve(prompt, user_id="u") if isinstance(s, Span)]
+    assert len(spans) == 1 and spans[0].kv is not None and not engine.exchange.holds(spans[0].key)
+
+
 # ------------------------------------------------------------------------------ background encoding
 
 
