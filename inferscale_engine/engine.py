@@ -472,7 +472,11 @@ class InferScaleEngine:
     def resolve(
         self, prompt_or_messages: str | Messages, *, user_id: str, tools: Sequence[dict[str, Any]] | None = None
     ) -> list[Segment]:
-        """Render, find handles, and turn them into spans: ``[ids, span, ids, span, ..., ids]``."""
+        """Render, find handles, and turn them into spans: ``[ids, span, ids, span, ..., ids]``.
+
+        A multiprocess engine's spans of memories its exchange holds come without KV (held
+        spans, see :class:`~inferscale_engine.types.Span`); :meth:`generate_segments` reads
+        their KV only if the exchange gave it up meanwhile."""
         text, is_chat = self.render(prompt_or_messages, tools=tools)
         pieces, handles = split_on_handles(text)
         if handles:

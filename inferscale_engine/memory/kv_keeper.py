@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 
 import dataclasses
-import functools
 import logging
 import threading
 import time
