@@ -193,7 +193,8 @@ class KVTiers:
             if on_host:
                 promoted, served = self._promote(list(on_host), keep={keys[i] for i, _ in on_device})
                 for key, entry in promoted.items():
-                    on_device.extend((i, entry) for i in on_host[key])
+                    for i in on_host[key]:
+                        on_device.append((i, entry))
                 for key, kv in served.items():
                     for i in on_host[key]:
                         out[i] = kv
@@ -444,21 +445,29 @@ class KVTiers:
         ``keep`` for room; return the new device entries, and the KV of facts the slab could
         not take, which stay on the host and are served from there."""
         hosts = [self._host.pop(key) for key in keys]
-        self._make_room(sum(len(h.pages) for h in hosts), keep)
+        need = [len(h.pages) for h in hosts]
+        self._make_room(sum(need), keep)
         promoted: dict[KVKey, _Entry] = {}
         served: dict[KVKey, FactKV] = {}
-        to_pages: list[int] = []
-        from_pages: list[int] = []
         free = self._free
-        for key, h in zip(keys, hosts):
-            if len(free) < len(h.pages):
-                self._host[key] = h
-                served[key] = self._read_host(h)
-                continue
-            pages = _take(free, len(h.pages))
-            to_pages += pages
-            from_pages += h.pages
-            promoted[key] = _Entry(pages, h.num_tokens, h.position, h.fingerprint)
+        if sum(need) <= len(free):  # the slab took them all (the usual case): one slice of pages
+            to_pages = _take(free, sum(need))
+            from_pages = [p for h in hosts for p in h.pages]
+            at = 0
+            for key, h, m in zip(keys, hosts, need):
+                promoted[key] = _Entry(to_pages[at : at + m], h.num_tokens, h.position, h.fingerprint)
+                at += m
+        else:
+            to_pages, from_pages = [], []
+            for key, h, m in zip(keys, hosts, need):
+                if len(free) < m:
+                    self._host[key] = h
+                    served[key] = self._read_host(h)
+                    continue
+                pages = _take(free, m)
+                to_pages += pages
+                from_pages += h.pages
+                promoted[key] = _Entry(pages, h.num_tokens, h.position, h.fingerprint)
         if promoted:
             self._wait_written(hosts)
             self._copy(self._slab_pool, to_pages, self._host_pool(), from_pages)
