@@ -5,7 +5,8 @@ throughput at k=50, each against prompt injection on the same engine. One engine
 usage (scripts/h200_core.sh, STEPS=mp): python3 scripts/h200_mp.py MODEL_DIR OUT_DIR [MODES]
 MODES: comma-separated of multiprocess, inprocess, inprocess+throughput (default: multiprocess,inprocess)
 Diagnostics (environment): MP_KS (default 5,50,200), MP_REPEATS (10), MP_THROUGHPUT=0 skips the
-throughput wave, MP_STAGED_GIB sets the engine's staged_kv_gib (staged KV kept for reuse).
+throughput wave, MP_SERVE_POOL=1 serves every pool fact once before timing (run_ttft's
+serve_pool_first), MP_STAGED_GIB sets the engine's staged_kv_gib (staged KV kept for reuse).
 """
 
 import json
@@ -35,7 +36,7 @@ if __name__ == "__main__":
             results: dict = {"start_s": started, "exactness": run_case(engine, *random_case(engine, k=8))}
             print(name, "start", round(started, 1), "s; exactness", [(r["mode"], r["greedy_match"], r["max_logit_diff"])
                                                                    for r in results["exactness"]], flush=True)
-            rows = [] if mode.endswith("+throughput") else run_ttft(engine, ks, repeats=repeats, retriever=SyntheticRetriever("cuda", k=200))
+            rows = [] if mode.endswith("+throughput") else run_ttft(engine, ks, repeats=repeats, serve_pool_first=os.environ.get("MP_SERVE_POOL") == "1", retriever=SyntheticRetriever("cuda", k=200))
             results["ttft"], results["ttft_summary"] = rows, summarize(rows) if rows else []
             for r in rows:
                 if r["mode"] in ("prompt", "inject"):
