@@ -157,9 +157,9 @@ def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rat
             end = next(ends, None)
     prompt_s = rates.prefill_s(after[0])
     best_j, best_s = 0, prompt_s
-    # No split prefills less than the curve's first point: once the reads alone cost more than
-    # the best split but that, no longer prefix can win. A cold request's planning then looks
-    # at the few memories a read could pay for, not at all k of them (nor their file sizes).
+    # No split prefills in less than the curve's first point: once the reads plus that cost more
+    # than the best split so far, no longer prefix can win. A cold request's planning then looks
+    # at the few memories a read could pay for, not at all k of them (nor at their file sizes).
     shortest_s = rates.prefill[0][1]
     cold_bytes = 0
     disk_s = 0.0

@@ -77,7 +77,8 @@ def test_exactness_quick(tmp_path, tiny_llama):
 def test_ttft_quick(tmp_path, tiny_llama):
     plot = tmp_path / "ttft.png"
     # An engine option reaches vLLM (the CPU backend's default block is 128 tokens).
-    argv = [*_tiny(tiny_llama), "--ks", "0,5", "--repeats", "2", "--plot", str(plot), "--engine-option", "block_size=64"]
+    argv = [*_tiny(tiny_llama), "--ks", "0,5", "--repeats", "2", "--plot", str(plot), "--engine-option", "block_size=64",
+            "--serve-pool-first"]
     data = _run(tmp_path, "ttft", argv)
     assert data["env"]["block_size"] == 64
     got = {(r["mode"], r["k"]) for r in data["results"]}

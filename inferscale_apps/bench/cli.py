@@ -43,6 +43,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--no-retrieval", action="store_true", help="leave retrieval time out of TTFT")
     p.add_argument("--recompute", type=_ints, default=[],
                    help="also time KV injection with its last R facts prefilled as text, per R (default: none)")
+    p.add_argument("--serve-pool-first", action="store_true",
+                   help="inject every fact of the pool once before timing, as a warm server has (multiprocess: "
+                        "they are then staged for vLLM's workers)")
 
     p = add("throughput", "concurrent users, k facts each, prompt vs KV injection")
     p.add_argument("--users", type=_ints, default=[1, 10, 50, 100], help="concurrent users per wave (default: 1,10,50,100)")
@@ -126,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         with engine_from(args) as engine:
             retriever = None if args.no_retrieval else common.SyntheticRetriever(engine.config.device, k=max(args.ks))
             rows = run_ttft(engine, args.ks, fact_tokens=args.fact_tokens, repeats=args.repeats, retriever=retriever,
-                            recompute=args.recompute)
+                            recompute=args.recompute, serve_pool_first=args.serve_pool_first)
             env = common.environment(engine)
         common.print_table(rows, ["mode", "k", "prompt_tokens", "ttft_ms_p50", "ttft_ms_p95", "retrieval_ms_p50", "engine_ms_p50"])
         knob = [c for r in sorted(set(args.recompute)) if r > 0
