@@ -53,8 +53,10 @@ for step in $STEPS; do
       grep -E "^(multiprocess|inprocess) |Error|error" "$OUT/mp.log" | tail -40 ;;
     mpprof) # where a multiprocess k=50 request's host time goes: py-spy over the owner and engine core
       mkdir -p /tmp/mpprof
+      # The raw profile runs to ~200 MB, past what comes back: only its summary goes to $OUT.
       MP_KS=50 MP_REPEATS=40 MP_THROUGHPUT=0 .gpu/py-spy record --subprocesses --rate 500 --format raw \
-        -o "$OUT/mp-k50.raw" -- python3 scripts/h200_mp.py "$M" /tmp/mpprof multiprocess > "$OUT/mpprof.log" 2>&1
+        -o /tmp/mp-k50.raw -- python3 scripts/h200_mp.py "$M" /tmp/mpprof multiprocess > "$OUT/mpprof.log" 2>&1
+      python3 scripts/profile_throughput.py --summarize /tmp/mp-k50.raw > "$OUT/mp-k50-profile.txt" 2>&1
       grep -E "^multiprocess " "$OUT/mpprof.log" | tail -8 ;;
     mpretain) # multiprocess k=50 with every staged span kept for reuse: no staging copies
       MP_KS=50 MP_REPEATS=20 MP_THROUGHPUT=0 MP_STAGED_GIB=4 python3 scripts/h200_mp.py "$M" "$OUT" multiprocess \
