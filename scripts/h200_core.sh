@@ -11,7 +11,9 @@
 # injected prompts kept in vLLM's prefix cache (prefix_cache_injected), for the A/B — mp — TTFT
 # multiprocess against in-process and 100-user throughput multiprocess — profile,
 # promote and hosttier, in this order, ~9 min: more than one call may run, hence the two calls
-# above).
+# above). Also: promoteprof (a promotion's host time per function), mpretain (multiprocess k=50
+# with 4 GiB staged), mpprof (py-spy over a multiprocess k=50 run, summarized), cudatests (the
+# tiers', exchange's and injection streams' CUDA tests). TIERS_REPEATS sets the tiers repeats.
 set -uo pipefail
 source .gpu/device-env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
