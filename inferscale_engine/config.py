@@ -102,9 +102,9 @@ class EngineConfig:
     #: Run vLLM as ``vllm serve`` does: its engine core and model workers in processes of their
     #: own, fed fact KV through shared memory. ``None``: only where it is needed, i.e. with
     #: ``tensor_parallel_size`` or ``pipeline_parallel_size`` above 1 or a ``vllm_url``; else all
-    #: in this process (one engine per process), which measured faster: k=50 TTFT 14.1 against
-    #: 15.1 ms and 93 against 86 req/s for 100 users on an H200, 248 against 381 ms on the CPU
-    #: (docs/scaling.md).
+    #: in this process (one engine per process), which measured faster: k=50 TTFT 11.9 against
+    #: 13.7 ms on one H200, 200 against 169 req/s for 100 users, 134.5 against 140.7 ms on the
+    #: CPU (docs/scaling.md).
     multiprocess: bool | None = None
     #: Serve through a running ``vllm serve`` of this model with InferScale's connector, on this
     #: host (docs/server.md), instead of starting vLLM: this process keeps the memory store and
