@@ -43,10 +43,13 @@ def encode_windows(
     max_model_len: int,
     inline: bool = False,
     progress: bool = False,
+    keys: Sequence[Sequence[str | None]] | None = None,
 ) -> list[list[FactKV]]:
     """Run every window through vLLM in one batch; return the KV of each range, in order.
     vLLM's workers write each range's rows into room reserved in ``exchange``; ``inline``:
-    the plans travel as objects (vLLM runs in this process)."""
+    the plans travel as objects (vLLM runs in this process). ``keys``: per window, per range,
+    the span key its KV will be served under, if known: the exchange keeps that room staged for
+    it (:meth:`~inferscale_engine.connector.exchange.KVExchange.take_capture`)."""
     from vllm import SamplingParams
 
     from inferscale_engine.connector.plan import CapturePlan, CaptureRange, SharedKV
@@ -89,9 +92,11 @@ def encode_windows(
                 errors.append(out)
         if errors:
             raise errors[0]
+        names = keys if keys is not None else [[None] * len(w.ranges) for w in windows]
         return [
-            [exchange.take_capture(rooms.pop(c), position=s) for c, (s, _) in zip(cids, w.ranges)]
-            for w, cids in zip(windows, ids)
+            [exchange.take_capture(rooms.pop(c), position=s, keep_as=key)
+             for c, (s, _), key in zip(cids, w.ranges, window_keys)]
+            for w, cids, window_keys in zip(windows, ids, names)
         ]
     finally:
         for room in rooms.values():  # what was not taken: an error, or requests still running

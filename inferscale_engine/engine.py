@@ -358,11 +358,15 @@ class InferScaleEngine:
         windows: Sequence[EncodeWindow],
         *,
         progress: bool = False,
+        keys: Sequence[Sequence[str | None]] | None = None,
     ) -> list[list[FactKV]]:
-        """Encode spans in one batched vLLM pass; see :mod:`inferscale_engine.encoder`."""
+        """Encode spans in one batched vLLM pass; see :mod:`inferscale_engine.encoder`.
+        ``keys``: per window, per range, the span key the KV will be served under (a
+        multiprocess engine keeps it staged for vLLM's workers: its first request copies
+        nothing)."""
         self._check_open()
         return encode_windows(self.loop, self.exchange, windows, max_model_len=self.max_model_len,
-                              inline=not self.config.multiprocess, progress=progress)
+                              inline=not self.config.multiprocess, progress=progress, keys=keys)
 
     def encode_fact(self, fact_ids: Sequence[int], context_ids: Sequence[int] = ()) -> FactKV:
         """KV of ``fact_ids`` encoded after ``context_ids`` (context-window encoding)."""

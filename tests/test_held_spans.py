@@ -3,7 +3,8 @@
 SmolLM2-135M-Instruct (real weights, bf16) with vLLM's engine core and worker in processes of
 their own (``multiprocess=True``, as under ``vllm serve``), through the public API and the
 engine's own memory store. A memory served before is still staged in the shared-memory
-exchange (retained): the store hands its span over without KV and reads nothing from its
+exchange (retained), and so is one just encoded (the room the worker captured it into is kept
+under its span key): the store hands its span over without KV and reads nothing from its
 tiers. A held span whose room another request gave up before this one staged it is resolved
 again, with its KV: the answer never depends on that timing.
 
@@ -37,6 +38,7 @@ QUESTIONS = {
     "caroline": "Question: When did Caroline run her first marathon, and what is her cat called?\nAnswer:",
     "melanie": "Question: Where does Melanie keep bees, and what is her daughter called?\nAnswer:",
 }
+QUESTIONS["carla"] = QUESTIONS["caroline"]  # Caroline's memories again, encoded with nothing kept staged
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +46,16 @@ def engine(smollm2_path, tmp_path_factory):
     with InferScaleEngine(model=smollm2_path, device="cpu", dtype="bfloat16", max_model_len=1024, recompute=0,
                           multiprocess=True, store_path=tmp_path_factory.mktemp("held-store")) as eng:
         for user, facts in FACTS.items():
-            for i, fact in enumerate(facts):
-                # Encoded after exactly the text it follows in the prompt (the store appends the
-                # "\n" that ends a context).
-                eng.memory.add_texts([fact], user_id=user, context=[(HEAD + "\n" + "".join(facts[:i]))[:-1]])
-        eng.memory.wait_for_encoding()
+            _add(eng, user, facts)
         yield eng
+
+
+def _add(engine, user, facts):
+    for i, fact in enumerate(facts):
+        # Encoded after exactly the text it follows in the prompt (the store appends the "\n"
+        # that ends a context).
+        engine.memory.add_texts([fact], user_id=user, context=[(HEAD + "\n" + "".join(facts[:i]))[:-1]])
+    engine.memory.wait_for_encoding()
 
 
 def _prompt(engine, user):
@@ -82,12 +88,16 @@ def _ask(engine, user, **kw):
 
 def test_a_memory_served_again_is_not_read_again(engine, monkeypatch):
     assert not engine.exchange.local
-    reference = _ask(engine, "caroline", mode="prompt")
+    # Encoded while the exchange keeps nothing: not staged from its encoding (see the last test).
+    with monkeypatch.context() as m:
+        m.setattr(engine.exchange, "retain_bytes", 0)
+        _add(engine, "carla", FACTS["caroline"])
+    reference = _ask(engine, "carla", mode="prompt")
     reads = _tier_reads(engine, monkeypatch)
-    first = _ask(engine, "caroline")
+    first = _ask(engine, "carla")
     assert sum(reads) == len(FACTS["caroline"])
     reads.clear()
-    second = _ask(engine, "caroline")
+    second = _ask(engine, "carla")
     assert sum(reads) == 0  # every memory's span was retained: none read, none copied
     assert first.usage.injected_tokens == second.usage.injected_tokens > 0
     assert second.token_ids == first.token_ids == reference.token_ids, (second.text, first.text, reference.text)
@@ -113,3 +123,19 @@ def test_a_held_span_given_up_before_staging_is_read_after_all(engine, monkeypat
     assert sum(reads) == len(FACTS[user])
     assert result.usage.injected_tokens > 0
     assert result.token_ids == reference.token_ids, (result.text, reference.text)
+
+
+def test_a_memory_is_staged_from_its_encoding(engine, monkeypatch):
+    """The store encodes a memory keyed as it will be served, and the engine keeps the room the
+    worker captured it into staged under that key: its very first request reads nothing from the
+    tiers and copies nothing, and answers as prompt injection does."""
+    user = "noor"
+    (item,) = engine.memory.add_texts(["Noor's favourite colour is teal.\n"], user_id=user, context=[HEAD])
+    engine.memory.wait_for_encoding()
+    prompt = f"{HEAD}\n{item.handle}Question: What is Noor's favourite colour?\nAnswer:"
+    reads = _tier_reads(engine, monkeypatch)
+    first = engine.generate(prompt, user_id=user, max_tokens=12)
+    assert sum(reads) == 0
+    assert first.usage.injected_tokens > 0
+    reference = engine.generate(prompt, user_id=user, max_tokens=12, mode="prompt")
+    assert first.token_ids == reference.token_ids, (first.text, reference.text)

@@ -235,3 +235,34 @@ def test_how_much_staged_kv_an_engine_keeps_for_reuse_is_its_config():
     assert EngineConfig(device="cpu", staged_kv_gib=0).staged_kv_bytes() == 0  # nothing kept
     with pytest.raises(ValueError, match="staged_kv_gib"):
         EngineConfig(device="cpu", staged_kv_gib=-1)
+
+
+def test_a_capture_kept_as_a_span_is_staged_for_its_first_request():
+    """A capture taken with ``keep_as`` leaves its room staged as that span (its K and V lie as
+    a span's do): the span's first request copies nothing and another process reads exactly the
+    captured rows there. A local exchange, or one that keeps nothing, frees the room."""
+    exchange = KVExchange(GEOMETRY, "cpu", segment_bytes=1 << 16)
+    try:
+        room = exchange.reserve_capture(4)
+        _in_worker(exchange.descriptors({room.segment}), [], room, slice(0, 2))
+        captured = exchange.take_capture(room, position=3, keep_as="fact:a:1")
+        assert exchange.holds("fact:a:1")
+        at = exchange.stage([("fact:a:1", None)]).at["fact:a:1"]  # no KV needed: nothing copied
+        assert (at.segment, at.offset, at.position, at.tokens) == (room.segment, room.offset, 3, 4)
+        (k, v), = _in_worker(exchange.descriptors({at.segment}), [at], exchange.reserve_capture(1), slice(0, 2))
+        assert torch.equal(torch.from_numpy(k), captured.k.float()) and torch.equal(torch.from_numpy(v), captured.v.float())
+        exchange.unstage(["fact:a:1"])
+        assert exchange.holds("fact:a:1")  # retained, as any span no request uses
+    finally:
+        exchange.close()
+
+    for exchange in (KVExchange(GEOMETRY, "cpu", segment_bytes=1 << 16, local=True),
+                     KVExchange(GEOMETRY, "cpu", segment_bytes=1 << 16, retain_bytes=0)):
+        try:
+            room = exchange.reserve_capture(4)
+            _in_worker(exchange.descriptors({room.segment}), [], room, slice(0, 2))
+            exchange.take_capture(room, position=0, keep_as="fact:b:1")
+            assert not exchange.holds("fact:b:1")
+            assert [seg.free for seg in exchange._segments.values()] == [[(0, 1 << 16)]]  # the room is free
+        finally:
+            exchange.close()

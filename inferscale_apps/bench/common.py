@@ -5,6 +5,7 @@ Every ``--json`` file is ``{"bench": name, "env": {...}, "results": [rows]}``; o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -114,8 +115,12 @@ class SyntheticWorkload:
         vocab = (min(1000, hi // 2), hi)  # skip the low ids where special tokens usually live
         draw = lambda n: [rng.randint(*vocab) for _ in range(n)]  # noqa: E731
         fact_ids = [draw(fact_tokens) for _ in range(pool)]
-        kvs = engine.encode([EncodeWindow.single(ids) for ids in fact_ids], progress=True)
-        facts = [Span(f"bench:{i}", tuple(ids), kv[0]) for i, (ids, kv) in enumerate(zip(fact_ids, kvs))]
+        # Keyed by their tokens (encoded with no context, the KV is theirs alone): equal keys
+        # must mean equal KV, also across workloads of one engine, whose exchange keeps spans
+        # staged. Passed to the encoder as the memory store does: kept staged from the start.
+        keys = ["bench:" + hashlib.sha256(repr(ids).encode()).hexdigest()[:20] for ids in fact_ids]
+        kvs = engine.encode([EncodeWindow.single(ids) for ids in fact_ids], progress=True, keys=[[k] for k in keys])
+        facts = [Span(key, tuple(ids), kv[0]) for key, ids, kv in zip(keys, fact_ids, kvs)]
         return cls(draw(head_tokens), facts, fact_ids, question_tokens, rng, vocab)
 
     def question(self) -> list[int]:

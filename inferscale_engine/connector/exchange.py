@@ -520,9 +520,13 @@ class KVExchange:
         g = self.geometry
         return 2 * g.kv_bytes(n) + g.layers * n * g.heads
 
-    def take_capture(self, location: Location, position: int) -> FactKV:
-        """The captured rows, encoded at ``position``, as a FactKV of the owner's own (the room
-        is freed)."""
+    def take_capture(self, location: Location, position: int, *, keep_as: str | None = None) -> FactKV:
+        """The captured rows, encoded at ``position``, as a FactKV of the owner's own. The room is
+        freed; with ``keep_as``, the key of the span these rows will be served as, it is kept
+        instead, as that span's staged KV no request uses yet (its K and V lie as a span's do):
+        the span's first request then copies nothing. A local exchange keeps nothing (it stages
+        spans by reference)."""
+        kept = False
         try:
             k, v, filled = self._views(location, flags=True)
             if self.device.type == "cuda":
@@ -533,9 +537,24 @@ class KVExchange:
                     "layout InferScale cannot read back, full CUDA graphs hide vLLM's KV writes: "
                     "use compilation_config={'cudagraph_mode': 'FULL_AND_PIECEWISE'})"
                 )
-            return FactKV(k.clone(), v.clone(), position)
+            kv = FactKV(k.clone(), v.clone(), position)
+            if keep_as is not None:
+                kept = self._keep(location, position, keep_as)
+            return kv
         finally:
-            self.release_capture(location)
+            if not kept:
+                self.release_capture(location)
+
+    def _keep(self, room: Location, position: int, key: str) -> bool:
+        """Retain a capture room as the staged KV of span ``key`` (see :meth:`take_capture`)."""
+        if self.local or self.retain_bytes <= 0:
+            return False
+        with self._lock:
+            if room.segment not in self._segments or key in self._staged or key in self._retained:
+                return False
+            at = Location(room.segment, room.offset, position, room.tokens)
+            self._retained[key] = _Staged(at, self._capture_bytes(room.tokens), 0)
+        return True
 
     def release_capture(self, location: Location) -> None:
         with self._lock:

@@ -29,7 +29,12 @@ class Encoder(Protocol):
 
     def tokenize(self, text: str) -> Sequence[int]: ...
 
-    def encode(self, windows: Sequence[EncodeWindow]) -> list[list[FactKV]]: ...
+    def encode(
+        self, windows: Sequence[EncodeWindow], *, keys: Sequence[Sequence[str | None]] | None = None
+    ) -> list[list[FactKV]]:
+        """KV of every range of every window; ``keys``: the span key each range's KV will be
+        served under (an encoder may keep it ready for that)."""
+        ...
 
 
 def kv_fingerprint(encoder: Encoder | None, window: int, context_prefix: str) -> str | None:

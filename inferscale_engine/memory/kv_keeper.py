@@ -40,9 +40,9 @@ from inferscale_engine.types import ColdFact, Span, TextFact
 logger = logging.getLogger(__name__)
 
 
-def _span_key(f: FactRow) -> str:
-    """The span key of ``f``'s KV: a fact version's KV never changes (new KV, new version)."""
-    return f"fact:{f.id}:{f.kv_version}"
+def _span_key(fact_id: str, kv_version: int) -> str:
+    """The span key of a fact version's KV, which never changes (new KV, new version)."""
+    return f"fact:{fact_id}:{kv_version}"
 
 
 @dataclass(frozen=True)
@@ -218,7 +218,7 @@ class KVKeeper:
         kept: dict[int, Span | TextFact] = {}
         if held is not None:
             for i, f in enumerate(facts):
-                key = _span_key(f)
+                key = _span_key(f.id, f.kv_version)
                 # Only KV of the current fingerprint: other KV is re-encoded, under a new key.
                 if f.fingerprint == self.fingerprint and held(key):
                     kept[i] = Span(key, tuple(f.token_ids or ()), None, f.text,
@@ -227,7 +227,7 @@ class KVKeeper:
             todo = [i for i in range(len(facts)) if i not in kept]
             kept.update((todo[j], c) for j, c in self._cold([facts[i] for i in todo]).items())
         rest = [f for i, f in enumerate(facts) if i not in kept]
-        served = iter([Span(key=_span_key(f), token_ids=tuple(f.token_ids or ()), kv=kv, text=f.text)
+        served = iter([Span(key=_span_key(f.id, f.kv_version), token_ids=tuple(f.token_ids or ()), kv=kv, text=f.text)
                        if kv is not None else TextFact(f.token_ids or ()) for kv, f in self.kvs(rest)])
         return [kept[i] if i in kept else next(served) for i in range(len(facts))]
 
@@ -261,7 +261,7 @@ class KVKeeper:
             kv, f = self.kv(f.id)
         if kv is None:
             return TextFact(f.token_ids or ())
-        return Span(key=_span_key(f), token_ids=tuple(f.token_ids or ()), kv=kv, text=f.text)
+        return Span(key=_span_key(f.id, f.kv_version), token_ids=tuple(f.token_ids or ()), kv=kv, text=f.text)
 
     def kvs(self, facts: list[FactRow]) -> list[tuple[FactKV | None, FactRow]]:
         """KV of each fact (snapshots of live rows), read in one batch from the tiers; what is
@@ -365,7 +365,10 @@ class KVKeeper:
         ``unstored``, when given, so the caller can still serve it."""
         assert self.encoder is not None and self.fingerprint is not None
         try:
-            results = self.encoder.encode([w for w, _ in jobs])
+            # Keyed as they will be served: a multiprocess engine keeps each one staged for its
+            # first request (a memory is often asked about right after it is added).
+            results = self.encoder.encode([w for w, _ in jobs], keys=[[_span_key(t.fact_id, t.version) for t, _ in tps]
+                                                                      for _, tps in jobs])
         except Exception as exc:
             self._fail([tp for _, tps in jobs for tp in tps], exc)
             return exc
