@@ -61,6 +61,8 @@ def encode_windows(
             raise ValueError(
                 f"encode window of {len(w.token_ids)} tokens does not fit max_model_len={max_model_len}"
             )
+    if keys is not None and [len(k) for k in keys] != [len(w.ranges) for w in windows]:
+        raise ValueError("keys need one entry per range of every window")
     ids = [[uuid.uuid4().hex for _ in w.ranges] for w in windows]
     rooms = {}
     for w, cids in zip(windows, ids):
