@@ -77,6 +77,8 @@ def test_bad_input_gets_clear_errors(engine):
         engine.encode([EncodeWindow((1, 2), ((2, 0),))])
     with pytest.raises(ValueError, match="max_model_len"):
         engine.encode([EncodeWindow.single([5] * 1024)])
+    with pytest.raises(ValueError, match="one entry per range"):
+        engine.encode([EncodeWindow.single([5, 6])], keys=[["a", "b"]])
     with pytest.raises(ContextOverflowError, match="exceeds the model's context"):
         engine.generate("hello " * 600, max_tokens=600)
     with pytest.raises(ValueError, match="max_tokens"):
