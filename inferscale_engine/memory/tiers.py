@@ -450,24 +450,17 @@ class KVTiers:
         promoted: dict[KVKey, _Entry] = {}
         served: dict[KVKey, FactKV] = {}
         free = self._free
-        if sum(need) <= len(free):  # the slab took them all (the usual case): one slice of pages
-            to_pages = _take(free, sum(need))
-            from_pages = [p for h in hosts for p in h.pages]
-            at = 0
-            for key, h, m in zip(keys, hosts, need):
-                promoted[key] = _Entry(to_pages[at : at + m], h.num_tokens, h.position, h.fingerprint)
-                at += m
-        else:
-            to_pages, from_pages = [], []
-            for key, h, m in zip(keys, hosts, need):
-                if len(free) < m:
-                    self._host[key] = h
-                    served[key] = self._read_host(h)
-                    continue
-                pages = _take(free, m)
-                to_pages += pages
-                from_pages += h.pages
-                promoted[key] = _Entry(pages, h.num_tokens, h.position, h.fingerprint)
+        to_pages: list[int] = []
+        from_pages: list[int] = []
+        for key, h, m in zip(keys, hosts, need):
+            if len(free) < m:
+                self._host[key] = h
+                served[key] = self._read_host(h)
+                continue
+            pages = _take(free, m)
+            to_pages += pages
+            from_pages += h.pages
+            promoted[key] = _Entry(pages, h.num_tokens, h.position, h.fingerprint)
         if promoted:
             self._wait_written(hosts)
             self._copy(self._slab_pool, to_pages, self._host_pool(), from_pages)
