@@ -375,12 +375,13 @@ class KVExchange:
         if self.local:
             return False
         with self._lock:
-            if key in self._staged:
-                return True
             if key in self._retained:
                 self._retained.move_to_end(key)
-                return True
-            return False
+            return self._held(key)
+
+    def _held(self, key: str) -> bool:
+        """Whether ``key``'s KV lies staged, in flight or retained (lock held)."""
+        return key in self._staged or key in self._retained
 
     def stage(self, spans: list[tuple[str, FactKV | None]]) -> SharedKV:
         """Make each ``(key, kv)`` readable by vLLM's workers (a key staged twice is staged once
@@ -399,7 +400,7 @@ class KVExchange:
         # Copies are queued under the lock, and every plan's event recorded after them: a
         # request that finds its keys staged by another is ordered after that one's copies.
         with self._lock:
-            held = [key in self._staged or key in self._retained for key, _ in spans]
+            held = [self._held(key) for key, _ in spans]
             gone = [key for (key, kv), h in zip(spans, held) if kv is None and not h]
             if gone:
                 raise NotHeldError(gone)
@@ -550,7 +551,7 @@ class KVExchange:
         if self.local or self.retain_bytes <= 0:
             return False
         with self._lock:
-            if room.segment not in self._segments or key in self._staged or key in self._retained:
+            if room.segment not in self._segments or self._held(key):
                 return False
             at = Location(room.segment, room.offset, position, room.tokens)
             self._retained[key] = _Staged(at, self._capture_bytes(room.tokens), 0)
