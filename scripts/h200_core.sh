@@ -12,7 +12,8 @@
 # multiprocess against in-process and 100-user throughput multiprocess — profile,
 # promote and hosttier, in this order, ~9 min: more than one call may run, hence the two calls
 # above). Also: promoteprof (a promotion's host time per function), mpretain (multiprocess k=50
-# with 4 GiB staged), mpprof (py-spy over a multiprocess k=50 run, summarized), cudatests (the
+# with 4 GiB staged), mpsplit (a multiprocess and an in-process k=50 request's time, part by part;
+# py-spy over vLLM's processes fell minutes behind and slowed the run past the call's limit), cudatests (the
 # tiers', exchange's and injection streams' CUDA tests). TIERS_REPEATS sets the tiers repeats.
 set -uo pipefail
 source .gpu/device-env.sh
@@ -53,13 +54,8 @@ for step in $STEPS; do
       tail -12 "$OUT/cacheab.log" | grep -v "it/s" ;;
     mp) python3 scripts/h200_mp.py "$M" "$OUT" ${MP_MODES:-} > "$OUT/mp.log" 2>&1
       grep -E "^(multiprocess|inprocess) |Error|error" "$OUT/mp.log" | tail -40 ;;
-    mpprof) # where a multiprocess k=50 request's host time goes: py-spy over the owner and engine core
-      mkdir -p /tmp/mpprof
-      # The raw profile runs to ~200 MB, past what comes back: only its summary goes to $OUT.
-      MP_KS=50 MP_REPEATS=40 MP_THROUGHPUT=0 .gpu/py-spy record --subprocesses --rate 500 --format raw \
-        -o /tmp/mp-k50.raw -- python3 scripts/h200_mp.py "$M" /tmp/mpprof multiprocess > "$OUT/mpprof.log" 2>&1
-      python3 scripts/profile_throughput.py --summarize /tmp/mp-k50.raw > "$OUT/mp-k50-profile.txt" 2>&1
-      grep -E "^multiprocess " "$OUT/mpprof.log" | tail -8 ;;
+    mpsplit) # where a k=50 request's time goes, multiprocess against in-process (vLLM's own timestamps)
+      python3 scripts/h200_mp_split.py "$M" 2>&1 | grep -E "^(multiprocess|inprocess) |Error" | tee "$OUT/mp-split.txt" ;;
     mpretain) # multiprocess k=50 with every staged span kept for reuse: no staging copies
       MP_KS=50 MP_REPEATS=20 MP_THROUGHPUT=0 MP_STAGED_GIB=4 python3 scripts/h200_mp.py "$M" "$OUT" multiprocess \
         > "$OUT/mpretain.log" 2>&1; grep -E "^multiprocess " "$OUT/mpretain.log" | tail -8 ;;

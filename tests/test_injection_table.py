@@ -270,6 +270,14 @@ def test_plans_travel_as_json_or_inline():
     bad["inferscale"]["kv"]["segments"] = {}
     with pytest.raises(ValueError, match="undescribed segments"):
         parse_params(bad)
+    # Whatever a client of a vLLM server sends is refused with a ValueError, which the connector's
+    # scheduler half logs and ignores: anything else raised there would stop vLLM's engine core.
+    malformed = [{"inject": [["fact", 0, 3]], "kv": {}}, {"inject": 5}, {"inject": [["fact", 0]], "kv": {}},
+                 {"capture": [["c1", "x", 2]], "kv": None}, "inject", ["inject"],
+                 {"inject": [["fact", 0, 3]], "kv": {"geometry": [1, 2, 3, "bfloat16"], "at": [], "segments": {}}}]
+    for ours in malformed:
+        with pytest.raises(ValueError):
+            parse_params({"inferscale": ours})
     # The engine's requests carry the plan inline with skip_clone: vLLM's clone must hand the
     # connector that same object, not a deep copy of it.
     params = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": plan.to_params(inline=True)},

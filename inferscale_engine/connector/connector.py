@@ -137,7 +137,7 @@ class InferScaleConnector(KVConnectorBase_V1):
                     core, lambda r: bypasses_prefix_cache(r.kv_transfer_params))
         try:
             plan = parse_params(request.kv_transfer_params)
-        except (ValueError, TypeError) as exc:  # the engine validates first; never kill the scheduler
+        except ValueError as exc:  # the engine validates first; never kill the scheduler
             logger.error("request %s: ignoring bad inferscale params: %s", request.request_id, exc)
             plan = None
         if plan is None:

@@ -138,12 +138,23 @@ def bypasses_prefix_cache(params: dict[str, Any] | None) -> bool:
 
 
 def parse_params(params: dict[str, Any] | None) -> InjectionPlan | CapturePlan | None:
-    """Read our part of a request's ``kv_transfer_params``; ``None`` when there is none."""
+    """Read our part of a request's ``kv_transfer_params``; ``None`` when there is none.
+    ``ValueError`` for anything malformed: they come from any client of a vLLM server, and the
+    scheduler half must refuse them, not fail on them (a raise there stops vLLM's engine core)."""
     ours = (params or {}).get(PARAMS_KEY)
     if isinstance(ours, (InjectionPlan, CapturePlan)):  # inline: validated when it was made
         return ours
     if not ours:
         return None
+    try:
+        return _parse(ours)
+    except (KeyError, TypeError, AttributeError, IndexError) as exc:
+        raise ValueError(f"malformed inferscale kv_transfer_params ({type(exc).__name__}: {exc})") from None
+
+
+def _parse(ours: Any) -> InjectionPlan | CapturePlan:
+    if not isinstance(ours, dict):
+        raise ValueError(f"inferscale kv_transfer_params must be an object, got {type(ours).__name__}")
     if "inject" in ours:
         spans = tuple(SpanRef(str(k), int(p), int(n)) for k, p, n in ours["inject"])
         return InjectionPlan(spans, _shared(ours, [s.key for s in spans]), bool(ours.get("keep_cached", False)))
