@@ -104,12 +104,23 @@ def plan(
     caller runs it once the request's first token is out, since reads running during the prefill
     compete with vLLM's host work (GIL, memory bandwidth). The rest stay text (``TextFact``) and, with the quality knob's last
     ``recompute`` memories, form the prefilled tail laid out by the engine."""
-    facts = [i for i, s in enumerate(segments) if isinstance(s, (Span, TextFact))]
+    # One pass over the segments (on every injected request's path): where the memories
+    # are, which are cold, and the first one still waiting to be encoded.
+    facts: list[int] = []
+    cold: list[int] = []
+    waiting = None
+    for i, seg in enumerate(segments):
+        kind = type(seg)
+        if kind is ColdFact:
+            cold.append(len(facts))
+        elif kind is TextFact:
+            waiting = len(facts) if waiting is None else waiting
+        elif kind is not Span:
+            continue
+        facts.append(i)
     limit = max(0, len(facts) - recompute)
-    waiting = next((j for j, i in enumerate(facts) if type(segments[i]) is TextFact), None)
     if waiting is not None:  # not encoded yet: prefilled, and everything after it
         limit = min(limit, waiting)
-    cold = [j for j, i in enumerate(facts) if isinstance(segments[i], ColdFact)]
     if cold and cold[0] < limit:
         if rates is None:  # nothing measured (no store speeds): load, as before the cost model
             split = limit
@@ -144,18 +155,7 @@ def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rat
     """The cheapest split ``j <= limit`` (see the module docstring)."""
     lengths = [len(s.token_ids) if isinstance(s, Span) else len(s) for s in segments]
     total = sum(lengths)
-    # Tokens prefilled when memories [0, j) are injected: all for j = 0 (the head is injected
-    # only in front of a memory), else everything after memory j - 1.
-    after = [total]
-    tail = total
-    ends = iter(facts)
-    end = next(ends, None)
-    for i, n in enumerate(lengths):
-        tail -= n
-        if i == end:
-            after.append(tail)
-            end = next(ends, None)
-    prompt_s = rates.prefill_s(after[0])
+    prompt_s = rates.prefill_s(total)
     best_j, best_s = 0, prompt_s
     # No split prefills in less than the curve's first point: once the reads plus that cost more
     # than the best split so far, no longer prefix can win. A cold request's planning then looks
@@ -163,14 +163,20 @@ def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rat
     shortest_s = rates.prefill[0][1]
     cold_bytes = 0
     disk_s = 0.0
+    done = 0  # segments [0, done) come before the split: injected
     for j in range(1, limit + 1):
-        seg = segments[facts[j - 1]]
+        end = facts[j - 1]
+        seg = segments[end]
         if isinstance(seg, ColdFact):  # the read's cost changes only where a cold file joins
             cold_bytes += seg.read.nbytes
             disk_s = rates.disk_s(cold_bytes)
             if disk_s + shortest_s > best_s:
                 break
-        cost = disk_s + rates.prefill_s(after[j])
+        # Injecting memories [0, j) prefills everything after memory j - 1 (for j = 0 everything:
+        # the head is injected only in front of a memory).
+        total -= sum(lengths[done : end + 1])
+        done = end + 1
+        cost = disk_s + rates.prefill_s(total)
         if cost <= best_s:
             best_j, best_s = j, cost
     return Plan(best_j, len(facts), best_s, prompt_s)

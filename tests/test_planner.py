@@ -105,6 +105,10 @@ def test_the_knob_and_pending_text_bound_the_split():
     segs, reads = _prompt("ctcc")
     _, mix, _ = plan(segs, 0, _rates(1e12))
     assert mix == MemoryMix(0, 1, 3)
+    # The first memory still being encoded bounds the split; later ones are memories all the same.
+    segs, reads = _prompt("cctwtc")
+    _, mix, _ = plan(segs, 0, _rates(1e12))
+    assert mix == MemoryMix(0, 2, 4)
 
 
 def test_no_rates_reads_as_before():
