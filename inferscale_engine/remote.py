@@ -185,8 +185,12 @@ class RemoteLoop(ThreadedAsyncLoop):
                 finish_reason = choice.get("finish_reason") or finish_reason
                 steps = _logprobs(choice)
                 if steps is not None:
-                    logprobs = (logprobs or []) + steps
-                completion = _Completion(text, list(token_ids), finish_reason, logprobs)
+                    logprobs = logprobs or []
+                    logprobs += steps
+                # Every chunk's output shares the growing token and logprob lists, as a long reply
+                # would copy them quadratically; a listener reads a chunk's new text (a str of its
+                # own) and whether any token came, and the lists whole only once finished.
+                completion = _Completion(text, token_ids, finish_reason, logprobs)
                 tell(listener, RemoteOutput(request_id, [completion], None, finished=False,  # type: ignore[arg-type]
                                             prompt_token_ids=prompt_ids), request_id)
         self._learn(work, usage, None)
