@@ -330,6 +330,54 @@ def test_lru_eviction_and_promotion_under_tiny_capacities(tmp_path):
     assert s["device_pages_used"] == 4 and s["host_to_device"] >= 1 and s["disk_reads"] >= 1
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+def test_a_promoted_fact_keeps_its_host_pages_until_the_host_needs_them(tmp_path, device):
+    # Device: 2 facts of 2 pages. Host: 4 facts. A working set of 4 facts bounces between them.
+    tiers = KVTiers(tmp_path, device=device, device_bytes=page_bytes() * 4, host_bytes=page_bytes() * 8, page_tokens=PT)
+    kvs = {key(i): make_kv(6, i) for i in range(4)}
+    for k, kv in kvs.items():
+        tiers.put(k, kv, FP)
+    assert [tiers.where(key(i)) for i in range(4)] == ["host", "host", "device", "device"]
+    tiers.get_many([key(0), key(1)], FP)  # promoted from the host: 2 and 3 are copied down
+    s = tiers.stats()
+    assert s["device_to_host"] == 4 and s["device_to_host_kept"] == 0
+    assert s["host_backup_bytes"] == 4 * page_bytes()  # 0 and 1 still lie on the host too
+    got = tiers.get_many([key(2), key(3)], FP)  # 0 and 1 go back to their host pages: no copy
+    s = tiers.stats()
+    assert s["device_to_host"] == 6 and s["device_to_host_kept"] == 2
+    for k, kv in zip((key(2), key(3)), got):
+        assert_same(kv, kvs[k])
+    for k, kv in kvs.items():  # every tier hands out the same bytes, kept pages included
+        assert_same(tiers.get(k, FP), kv)
+    tiers.drop_memory()  # every cached copy goes, kept host pages included
+    s = tiers.stats()
+    assert s["host_bytes"] == 0 and s["host_backup_bytes"] == 0 and s["device_pages_used"] == 0
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
+def test_the_host_takes_kept_pages_back_when_it_needs_room(tmp_path, device):
+    # Device: 3 facts of 2 pages. Host: 2 facts.
+    tiers = KVTiers(tmp_path, device=device, device_bytes=page_bytes() * 6, host_bytes=page_bytes() * 4, page_tokens=PT)
+    kvs = {key(i): make_kv(6, i) for i in range(6)}
+    for i in range(5):
+        tiers.put(key(i), kvs[key(i)], FP)
+    assert [tiers.where(key(i)) for i in range(5)] == ["host", "host", "device", "device", "device"]
+    tiers.get_many([key(0), key(1)], FP)  # promoted; 2 and 3 find the host full of their pages
+    assert tiers.stats()["host_backup_bytes"] == 4 * page_bytes() and tiers.stats()["host_facts"] == 0
+    # 4 (no host copy) must go down for 5: the host holds no fact of its own to drop, so the
+    # least recently used device fact (0) gives its kept pages back, and 4 is copied there.
+    tiers.put(key(5), kvs[key(5)], FP)
+    assert [tiers.where(key(i)) for i in range(6)] == ["device", "device", "disk", "disk", "host", "device"]
+    s = tiers.stats()
+    assert s["host_backup_bytes"] == 2 * page_bytes() and s["host_bytes"] == 2 * page_bytes()
+    tiers.evict(key(0))  # its pages went to 4: copied down again, the host dropping 4 for room
+    tiers.evict(key(1))  # 1 still kept its own: no copy
+    assert [tiers.where(key(i)) for i in range(6)] == ["host", "host", "disk", "disk", "disk", "device"]
+    assert tiers.stats()["device_to_host_kept"] == 1
+    for k, kv in kvs.items():
+        assert_same(tiers.get(k, FP), kv)
+
+
 def test_fact_larger_than_the_slab_is_served_from_host_or_disk(tmp_path):
     tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 2, host_bytes=fact_bytes(40), page_tokens=PT)
     big = make_kv(20, 1)  # 5 pages > 2

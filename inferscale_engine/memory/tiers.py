@@ -19,9 +19,12 @@
   write-through and unbounded: every encoded fact has its file before it enters memory, so the
   memory tiers are pure caches.
 
-Memory tiers are exclusive and LRU: a ``put`` or a promotion lands on the device; the device
-evicts its least recently used fact to the host (never one the same ``get_many`` serves), the
-host drops its least recently used fact (the disk still holds it). ``get_many`` returns its
+Memory tiers are LRU: a ``put`` or a promotion lands on the device; the device evicts its least
+recently used fact to the host (never one the same ``get_many`` serves), the host drops its least
+recently used fact (the disk still holds it). A fact promoted from the host keeps its host pages
+while the host tier has room for them (a key's KV never changes): evicting it again, as a working
+set larger than the slab does at every request, is then bookkeeping, not a copy. The host tier
+takes those pages back, least recently used first, when it needs room and holds no fact of its own. ``get_many`` returns its
 facts as views of *one copy* gathered from the slab for all of them (two kernels whatever
 ``k``), so a span in flight never sees its pages reused. Bytes are never converted: KV read
 back from any tier is ``torch.equal`` to what was put.
@@ -68,6 +71,8 @@ class _Entry:
     fingerprint: str
     #: CUDA, host tier: the eviction copy writing these pages, until it is known to be done.
     written: _Written | None = None
+    #: Device tier: host pages still holding this fact's bytes (it was promoted from there).
+    backup: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,9 @@ class KVTiers:
         self._evictions = 0  # evictions queued on the eviction stream so far (_Written.seq)
         self._side_done: torch.cuda.Event | None = None
         self._caller_done: torch.cuda.Event | None = None
-        self.counters = {"host_to_device": 0, "device_to_host": 0, "host_drops": 0}
+        #: device_to_host counts every fact evicted to the host; device_to_host_kept those of them
+        #: that took back the host pages they were promoted from (no copy).
+        self.counters = {"host_to_device": 0, "device_to_host": 0, "device_to_host_kept": 0, "host_drops": 0}
 
     # ------------------------------------------------------------------ public API
 
@@ -372,6 +379,8 @@ class KVTiers:
                 "device_bytes": 0 if self._slab is None else self._slab.nbytes,
                 "host_facts": len(self._host),
                 "host_bytes": host_pages * self._page_bytes,
+                # Host pages device facts keep from their promotion (taken back for room).
+                "host_backup_bytes": sum(len(e.backup or ()) for e in self._device.values()) * self._page_bytes,
                 "host_bytes_allocated": sum(c.nbytes for c in self._host_chunks),
                 "disk_writes": self.disk.writes,
                 "disk_reads": self.disk.reads,
@@ -460,12 +469,12 @@ class KVTiers:
             pages = _take(free, m)
             to_pages += pages
             from_pages += h.pages
-            promoted[key] = _Entry(pages, h.num_tokens, h.position, h.fingerprint)
+            # The host pages stay the fact's: an eviction back is then bookkeeping. Taken back
+            # for room only after this copy is queued, so a copy into them is queued after it.
+            promoted[key] = _Entry(pages, h.num_tokens, h.position, h.fingerprint, backup=h.pages)
         if promoted:
             self._wait_written(hosts)
             self._copy(self._slab_pool, to_pages, self._host_pool(), from_pages)
-            # Only now: an eviction into these host pages is queued after the copy reading them.
-            self._host_free += from_pages
             self._device.update(promoted)
             self.counters["host_to_device"] += len(promoted)
         return promoted, served
@@ -487,27 +496,33 @@ class KVTiers:
             self._evict(victims)
 
     def _evict(self, keys: list[KVKey]) -> None:
-        """Move device facts to the host tier (lock held): one batch of copies for all of them,
-        queued on CUDA streams, so no one waits for it on the host; their slab pages are free at
-        once (later slab writes queue after the copies out of them)."""
+        """Move device facts to the host tier (lock held): those promoted from there take back the
+        host pages still holding them; the others are copied, one batch for all of them, queued
+        on CUDA streams, so no one waits for it on the host. Their slab pages are free at once
+        (later slab writes queue after the copies out of them)."""
         entries = [self._device.pop(key) for key in keys]
-        moved: list[tuple[KVKey, _Entry]] = []
+        kept: list[tuple[KVKey, _Entry]] = []
+        copied: list[tuple[KVKey, _Entry]] = []
         to_pages: list[int] = []
         from_pages: list[int] = []
         for key, e in zip(keys, entries):
+            if e.backup is not None:
+                kept.append((key, _Entry(e.backup, e.num_tokens, e.position, e.fingerprint)))
+                continue
             pages = self._take_host_pages(len(e.pages))
             if pages is None:  # the disk has it
                 self.counters["host_drops"] += 1
                 continue
             to_pages += pages
             from_pages += e.pages
-            moved.append((key, _Entry(pages, e.num_tokens, e.position, e.fingerprint)))
-        if moved:
+            copied.append((key, _Entry(pages, e.num_tokens, e.position, e.fingerprint)))
+        if copied:
             written = self._copy_out(to_pages, from_pages)
-            moved = [(key, replace(e, written=written)) for key, e in moved]
+            copied = [(key, replace(e, written=written)) for key, e in copied]
         # Entered only now, so a later fact of this batch cannot drop them to make room.
-        self._host.update(moved)
-        self.counters["device_to_host"] += len(moved)
+        self._host.update(kept + copied)
+        self.counters["device_to_host"] += len(kept) + len(copied)
+        self.counters["device_to_host_kept"] += len(kept)
         self._free += [p for e in entries for p in e.pages]
 
     def _take_host_pages(self, m: int) -> list[int] | None:
@@ -518,12 +533,23 @@ class KVTiers:
         while len(self._host_free) < m:
             if self._grow_host():
                 continue
-            if not self._host:
+            if self._host:
+                _, old = self._host.popitem(last=False)
+                self._host_free += old.pages
+                self.counters["host_drops"] += 1
+            elif not self._release_backup():
                 return None  # the facts holding the room are in flight in this very batch
-            _, old = self._host.popitem(last=False)
-            self._host_free += old.pages
-            self.counters["host_drops"] += 1
         return _take(self._host_free, m)
+
+    def _release_backup(self) -> bool:
+        """Free the host pages the least recently used device fact still keeps (lock held);
+        False when none keeps any."""
+        for entry in self._device.values():
+            if entry.backup is not None:
+                self._host_free += entry.backup
+                entry.backup = None
+                return True
+        return False
 
     def _grow_host(self) -> bool:
         """Allocate the next host chunk, if the tier's capacity has room for one."""
@@ -705,6 +731,7 @@ class KVTiers:
         entry = self._device.pop(key, None)
         if entry is not None:
             self._free += entry.pages
+            self._host_free += entry.backup or ()
         host = self._host.pop(key, None)
         if host is not None:
             self._host_free += host.pages
