@@ -24,9 +24,9 @@ recently used fact to the host (never one the same ``get_many`` serves), the hos
 recently used fact (the disk still holds it). A fact promoted from the host keeps its host pages
 while the host tier has room for them (a key's KV never changes): evicting it again, as a working
 set larger than the slab does at every request, is then bookkeeping, not a copy. The host tier
-takes those pages back, least recently used first, when it needs room and holds no fact of its own. ``get_many`` returns its
-facts as views of *one copy* gathered from the slab for all of them (two kernels whatever
-``k``), so a span in flight never sees its pages reused. Bytes are never converted: KV read
+takes those pages back, least recently used first, when it needs room and holds no fact of its
+own. ``get_many`` returns its facts as views of *one copy* gathered from the slab for all of
+them (two kernels whatever ``k``), so a span in flight never sees its pages reused. Bytes are never converted: KV read
 back from any tier is ``torch.equal`` to what was put.
 """
 

@@ -1,0 +1,51 @@
+"""A promotion's host time from the host tier, with room on the slab and with a full slab (each
+promotion then evicts as many facts), on the tiers alone: no engine (diagnostic).
+
+usage: python scripts/tiers_promotion.py [cpu|cuda] [K]   (SmolLM2-135M's KV shape, 28-token facts)
+"""
+
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from inferscale_engine.kv import FactKV
+from inferscale_engine.memory.tiers import KVTiers
+
+LAYERS, HEADS, DIM, TOKENS, PAGE_TOKENS = 30, 3, 64, 28, 16
+
+
+def main(device: str, k: int, repeats: int = 40, warmup: int = 5) -> None:
+    kvs = [FactKV(torch.randn(LAYERS, TOKENS, HEADS, DIM).to(torch.bfloat16),
+                  torch.randn(LAYERS, TOKENS, HEADS, DIM).to(torch.bfloat16), 0) for _ in range(2 * k)]
+    page = LAYERS * 2 * PAGE_TOKENS * HEADS * DIM * 2
+    pages = -(-TOKENS // PAGE_TOKENS)
+    tiers = KVTiers(tempfile.mkdtemp(), device=device, device_bytes=k * pages * page, host_bytes=4 * k * pages * page,
+                    page_tokens=PAGE_TOKENS)
+    keys = [(f"{i:016x}", 1) for i in range(2 * k)]
+    for key, kv in zip(keys, kvs):
+        tiers.put(key, kv, "fp")
+    measured, fillers = keys[:k], keys[k:]
+    times: dict[str, list[float]] = {"host, slab full": [], "host, room on the slab": []}
+    for _ in range(warmup + repeats):
+        tiers.get_many(fillers, "fp")  # the measured facts go down to the host, the slab is full
+        t0 = time.perf_counter()
+        tiers.get_many(measured, "fp")
+        times["host, slab full"].append(time.perf_counter() - t0)
+        for key in measured:
+            tiers.evict(key)
+        t0 = time.perf_counter()
+        tiers.get_many(measured, "fp")
+        times["host, room on the slab"].append(time.perf_counter() - t0)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    for name, values in times.items():
+        print(f"k={k} {name}: {1e3 * statistics.median(values[warmup:]):.2f} ms host time")
+    print("evictions that kept their host pages:", tiers.stats()["device_to_host_kept"], "of",
+          tiers.stats()["device_to_host"])
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "cpu", int(sys.argv[2]) if len(sys.argv) > 2 else 50)
