@@ -14,7 +14,8 @@
 # above). Also: promoteprof (a promotion's host time per function), mpretain (multiprocess k=50
 # with 4 GiB staged), mpsplit (a multiprocess and an in-process k=50 request's time, part by part;
 # py-spy over vLLM's processes fell minutes behind and slowed the run past the call's limit), cudatests (the
-# tiers', exchange's and injection streams' CUDA tests). TIERS_REPEATS sets the tiers repeats.
+# tiers', exchange's and injection streams' CUDA tests), tierspromo (a promotion's host time, full slab
+# against room on it, the tiers alone). TIERS_REPEATS sets the tiers repeats.
 set -uo pipefail
 source .gpu/device-env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -64,6 +65,7 @@ for step in $STEPS; do
         tests/test_injection_streams.py 2>&1 | tail -6 ;;
     profile) python3 scripts/h200_profile.py "$M" 2>&1 | grep "k=" ;;
     promote) python3 scripts/h200_promote.py 50 2>&1 | grep -E "k=|copies" ;;
+    tierspromo) python3 scripts/tiers_promotion.py cuda 50 2>&1 | tee "$OUT/tiers-promotion.txt" ;;
     promoteprof) python3 scripts/h200_promote.py 50 --cprofile 2>&1 | tail -26 ;;
     hosttier) python3 scripts/h200_hosttier.py "$M" 50 2>&1 | grep "^k=" ;;
   esac
