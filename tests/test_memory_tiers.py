@@ -365,7 +365,7 @@ def test_the_host_takes_kept_pages_back_when_it_needs_room(tmp_path, device):
     tiers.get_many([key(0), key(1)], FP)  # promoted; 2 and 3 find the host full of their pages
     assert tiers.stats()["host_backup_bytes"] == 4 * page_bytes() and tiers.stats()["host_facts"] == 0
     # 4 (no host copy) must go down for 5: the host holds no fact of its own to drop, so the
-    # least recently used device fact (0) gives its kept pages back, and 4 is copied there.
+    # fact promoted longest ago (0) gives its kept pages back, and 4 is copied there.
     tiers.put(key(5), kvs[key(5)], FP)
     assert [tiers.where(key(i)) for i in range(6)] == ["device", "device", "disk", "disk", "host", "device"]
     s = tiers.stats()

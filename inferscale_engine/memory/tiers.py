@@ -24,7 +24,7 @@ recently used fact to the host (never one the same ``get_many`` serves), the hos
 recently used fact (the disk still holds it). A fact promoted from the host keeps its host pages
 while the host tier has room for them (a key's KV never changes): evicting it again, as a working
 set larger than the slab does at every request, is then bookkeeping, not a copy. The host tier
-takes those pages back, least recently used first, when it needs room and holds no fact of its
+takes those pages back, oldest promotion first, when it needs room and holds no fact of its
 own. ``get_many`` returns its facts as views of *one copy* gathered from the slab for all of
 them (two kernels whatever ``k``), so a span in flight never sees its pages reused. Bytes are never converted: KV read
 back from any tier is ``torch.equal`` to what was put.
@@ -143,6 +143,9 @@ class KVTiers:
         self._host_free: list[int] = []
         self._host_pool_cache: Sources | None = None
         self._host: OrderedDict[KVKey, _Entry] = OrderedDict()
+        # Device facts that keep their host pages (_Entry.backup), oldest promotion first: the
+        # host takes those back in this order, without a walk over the whole device tier.
+        self._kept: OrderedDict[KVKey, None] = OrderedDict()
         # CUDA: every copy between the tiers runs on a side stream. The caller's slab accesses
         # wait for the side stream's last copy, and a copy waits for the caller's last slab
         # access (it may reuse the pages that one read) rather than for all its queued work.
@@ -476,6 +479,7 @@ class KVTiers:
             self._wait_written(hosts)
             self._copy(self._slab_pool, to_pages, self._host_pool(), from_pages)
             self._device.update(promoted)
+            self._kept.update(dict.fromkeys(promoted))
             self.counters["host_to_device"] += len(promoted)
         return promoted, served
 
@@ -507,6 +511,7 @@ class KVTiers:
         from_pages: list[int] = []
         for key, e in zip(keys, entries):
             if e.backup is not None:
+                self._kept.pop(key, None)
                 kept.append((key, _Entry(e.backup, e.num_tokens, e.position, e.fingerprint)))
                 continue
             pages = self._take_host_pages(len(e.pages))
@@ -542,10 +547,12 @@ class KVTiers:
         return _take(self._host_free, m)
 
     def _release_backup(self) -> bool:
-        """Free the host pages the least recently used device fact still keeps (lock held);
+        """Free the host pages the device fact promoted longest ago still keeps (lock held);
         False when none keeps any."""
-        for entry in self._device.values():
-            if entry.backup is not None:
+        while self._kept:
+            key, _ = self._kept.popitem(last=False)
+            entry = self._device.get(key)  # not there: leaving the device in this very batch
+            if entry is not None and entry.backup is not None:
                 self._host_free += entry.backup
                 entry.backup = None
                 return True
@@ -732,6 +739,7 @@ class KVTiers:
         if entry is not None:
             self._free += entry.pages
             self._host_free += entry.backup or ()
+            self._kept.pop(key, None)
         host = self._host.pop(key, None)
         if host is not None:
             self._host_free += host.pages
