@@ -364,16 +364,19 @@ def test_the_host_takes_kept_pages_back_when_it_needs_room(tmp_path, device):
     assert [tiers.where(key(i)) for i in range(5)] == ["host", "host", "device", "device", "device"]
     tiers.get_many([key(0), key(1)], FP)  # promoted; 2 and 3 find the host full of their pages
     assert tiers.stats()["host_backup_bytes"] == 4 * page_bytes() and tiers.stats()["host_facts"] == 0
-    # 4 (no host copy) must go down for 5: the host holds no fact of its own to drop, so the
-    # fact promoted longest ago (0) gives its kept pages back, and 4 is copied there.
+    # 4 (no host copy) must go down for 5: the fact promoted longest ago (0) gives its kept
+    # pages back, and 4 is copied there.
     tiers.put(key(5), kvs[key(5)], FP)
     assert [tiers.where(key(i)) for i in range(6)] == ["device", "device", "disk", "disk", "host", "device"]
     s = tiers.stats()
     assert s["host_backup_bytes"] == 2 * page_bytes() and s["host_bytes"] == 2 * page_bytes()
-    tiers.evict(key(0))  # its pages went to 4: copied down again, the host dropping 4 for room
-    tiers.evict(key(1))  # 1 still kept its own: no copy
+    # Kept pages go before any fact of the host's own: 0 is copied into the pages 1 kept, and 4
+    # stays. Only then does the host drop a fact (4, for 1).
+    tiers.evict(key(0))
+    assert [tiers.where(key(i)) for i in range(6)] == ["host", "device", "disk", "disk", "host", "device"]
+    tiers.evict(key(1))
     assert [tiers.where(key(i)) for i in range(6)] == ["host", "host", "disk", "disk", "disk", "device"]
-    assert tiers.stats()["device_to_host_kept"] == 1
+    assert tiers.stats()["device_to_host_kept"] == 0 and tiers.stats()["host_backup_bytes"] == 0
     for k, kv in kvs.items():
         assert_same(tiers.get(k, FP), kv)
 

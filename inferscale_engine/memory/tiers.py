@@ -24,8 +24,8 @@ recently used fact to the host (never one the same ``get_many`` serves), the hos
 recently used fact (the disk still holds it). A fact promoted from the host keeps its host pages
 while the host tier has room for them (a key's KV never changes): evicting it again, as a working
 set larger than the slab does at every request, is then bookkeeping, not a copy. The host tier
-takes those pages back, oldest promotion first, when it needs room and holds no fact of its
-own. ``get_many`` returns its facts as views of *one copy* gathered from the slab for all of
+takes those pages back, oldest promotion first, before it drops any fact of its own: kept pages
+only use room the host would otherwise leave free. ``get_many`` returns its facts as views of *one copy* gathered from the slab for all of
 them (two kernels whatever ``k``), so a span in flight never sees its pages reused. Bytes are never converted: KV read
 back from any tier is ``torch.equal`` to what was put.
 """
@@ -531,19 +531,21 @@ class KVTiers:
         self._free += [p for e in entries for p in e.pages]
 
     def _take_host_pages(self, m: int) -> list[int] | None:
-        """``m`` free host pages (lock held), allocating a chunk or dropping least recently used
-        host facts (the disk keeps them) for room; ``None`` when the whole tier is smaller."""
+        """``m`` free host pages (lock held): allocating a chunk, taking back pages device facts
+        keep, or dropping least recently used host facts (the disk keeps them), in this order;
+        ``None`` when the whole tier is smaller."""
         if m > self._host_pages_total:
             return None
         while len(self._host_free) < m:
-            if self._grow_host():
+            # Kept pages go first: a copy of a fact the device holds is worth less than a fact
+            # only the disk would hold otherwise.
+            if self._grow_host() or self._release_backup():
                 continue
-            if self._host:
-                _, old = self._host.popitem(last=False)
-                self._host_free += old.pages
-                self.counters["host_drops"] += 1
-            elif not self._release_backup():
+            if not self._host:
                 return None  # the facts holding the room are in flight in this very batch
+            _, old = self._host.popitem(last=False)
+            self._host_free += old.pages
+            self.counters["host_drops"] += 1
         return _take(self._host_free, m)
 
     def _release_backup(self) -> bool:
