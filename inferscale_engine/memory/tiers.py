@@ -25,9 +25,10 @@ recently used fact (the disk still holds it). A fact promoted from the host keep
 while the host tier has room for them (a key's KV never changes): evicting it again, as a working
 set larger than the slab does at every request, is then bookkeeping, not a copy. The host tier
 takes those pages back, oldest promotion first, before it drops any fact of its own: kept pages
-only use room the host would otherwise leave free. ``get_many`` returns its facts as views of *one copy* gathered from the slab for all of
-them (two kernels whatever ``k``), so a span in flight never sees its pages reused. Bytes are never converted: KV read
-back from any tier is ``torch.equal`` to what was put.
+only use room the host would otherwise leave free. ``get_many`` returns its facts as views of
+*one copy* gathered from the slab for all of them (two kernels whatever ``k``), so a span in
+flight never sees its pages reused. Bytes are never converted: KV read back from any tier is
+``torch.equal`` to what was put.
 """
 
 from __future__ import annotations
