@@ -114,7 +114,8 @@ def plan(
         if kind is ColdFact:
             cold.append(len(facts))
         elif kind is TextFact:
-            waiting = len(facts) if waiting is None else waiting
+            if waiting is None:
+                waiting = len(facts)
         elif kind is not Span:
             continue
         facts.append(i)
