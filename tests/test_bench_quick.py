@@ -131,6 +131,8 @@ def test_tiers_quick(tmp_path, tiny_llama):
         assert _finite_positive(r["promote_ms_p50"]) if tier != "prompt" else r["promote_ms_p50"] == 0.0
         # injected from memory / read from disk / recomputed: every fact accounted for
         assert sum(map(int, r["mix"].split("/"))) == 4
+        assert _finite_positive(r["over_prompt_p50"])
+    assert rows["prompt"]["over_prompt_p50"] == 1.0  # paired with itself
     assert rows["device"]["mix"] == "4/0/0" and rows["prompt"]["mix"] == "0/0/4"
     assert _finite_positive(rows["after-prefetch"]["prefetch_ms_p50"])
     assert _finite_positive(rows["disk"]["rates"]["disk_bytes_per_s"])

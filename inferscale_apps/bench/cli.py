@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
                              warm_disk=args.warm_disk)
             env = common.environment(engine)
         common.print_table(rows, ["tier", "k", "ttft_ms_p50", "ttft_ms_p95", "promote_ms_p50", "inject_ms_p50",
-                                  "mix", "prefetch_ms_p50"])
+                                  "over_prompt_p50", "mix", "prefetch_ms_p50"])
         title = f"TTFT by KV tier — {_hardware(env)}, {args.model}"
     else:  # pragma: no cover - argparse enforces the choices
         raise AssertionError(args.bench)

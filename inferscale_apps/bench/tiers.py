@@ -102,8 +102,8 @@ def run_tiers(
     root: str | os.PathLike | None = None,
     seed: int = 0,
 ) -> list[dict[str, Any]]:
-    """Rows ``{tier, k, ttft_ms_p50, ttft_ms_p95, promote_ms_p50, inject_ms_p50, tier_answers_differ,
-    tier_max_logprob_diff}``.
+    """Rows ``{tier, k, ttft_ms_p50, ttft_ms_p95, promote_ms_p50, inject_ms_p50, over_prompt_p50,
+    tier_answers_differ, tier_max_logprob_diff}``.
 
     ``ttft_ms`` = reading the facts (``get_many``, what a store's ``resolve_many`` does; its
     host time is ``promote_ms``) + the engine's time to first token; ``tier_answers_differ`` counts repeats whose greedy token was
@@ -111,7 +111,8 @@ def run_tiers(
     of a top-5 first-token logprob from the device tier's (must be 0: same bytes). Tiers interleave per repeat so
     drift hits them alike, each after a short request. ``tier="host-slab-full"`` is the host tier with a slab full of other
     facts (each promotion evicts ``k``). An extra ``tier="prompt"`` row is the baseline: the same number of
-    facts pasted as text and prefilled (no tier, nothing injected). The cost-model row's
+    facts pasted as text and prefilled (no tier, nothing injected); ``over_prompt_p50`` is the
+    median over repeats of a row's TTFT over the baseline's in the same repeat. The cost-model row's
     ``promote_ms`` is the planner's choice alone: the cold facts it weighs are what the store's
     resolve hands it, whose counterpart (the facts' text) the prompt row does not count either.
     """
@@ -194,21 +195,28 @@ def run_tiers(
                 engine.generate_segments([work.head + work.question()], max_tokens=1, mode="prompt")
 
             for rep in tqdm(range(warmup + repeats), desc=f"tiers k={k}", leave=False):
-                segs = work.prompt_segments(work.sample(k), work.question())
-                result = engine.generate_segments(segs, max_tokens=1, mode="prompt")
-                if rep >= warmup:
-                    ttft[PROMPT].append(result.ttft_s)
-                    promote[PROMPT].append(0.0)
                 # The request right after a long prefill runs slower whatever it is (bench ttft's
-                # after_prefill_ms_p50): an untimed short one takes that, so every tier follows a
-                # short request; device and host alternate which goes first.
+                # after_prefill_ms_p50): an untimed short one takes that, so every row follows a
+                # short request; device and host alternate which goes first, and so do the cost
+                # model and the prompt baseline, which run back to back: the cost model's
+                # all-prefill choice is the baseline's very request, so only the pair shows
+                # what choosing costs.
                 short_request()
                 question = work.question()
                 answers = set()
                 logprobs: dict[str, dict[int, float]] = {}
                 order = (*TIERS, HOST_SLAB_FULL) if rep % 2 == 0 else ("host", "device", *TIERS[2:], HOST_SLAB_FULL)
-                for tier in (*order, COST_MODEL, AFTER_PREFETCH):
+                paired = (COST_MODEL, PROMPT) if rep % 2 == 0 else (PROMPT, COST_MODEL)
+                for tier in (*order, *paired, AFTER_PREFETCH):
                     store = full if tier == HOST_SLAB_FULL else tiers
+                    if tier == PROMPT:  # k facts pasted as text, after a short request as every row
+                        short_request()
+                        segs = work.prompt_segments(work.sample(k), work.question())
+                        result = engine.generate_segments(segs, max_tokens=1, mode="prompt")
+                        if rep >= warmup:
+                            ttft[PROMPT].append(result.ttft_s)
+                            promote[PROMPT].append(0.0)
+                        continue
                     if tier == COST_MODEL:
                         move_to("disk", picked_keys)
                         short_request()  # moving and dropping pages left the GPU idle: not this row's cost
@@ -281,6 +289,7 @@ def run_tiers(
                     "ttft_ms_p50": 1e3 * median(ttft[tier]), "ttft_ms_p95": 1e3 * percentile(ttft[tier], 95),
                     "promote_ms_p50": 1e3 * median(promote[tier]),
                     "inject_ms_p50": 1e3 * median([a - b for a, b in zip(ttft[tier], promote[tier])]),
+                    "over_prompt_p50": median([a / b for a, b in zip(ttft[tier], ttft[PROMPT])]),
                     "fact_tokens": fact_tokens, "kv_bytes_per_fact": int(bytes_per_token * fact_tokens),
                     "device": device, "disk_cache": "warm" if warm_disk else "cold",
                     "tier_answers_differ": mismatches, "tier_max_logprob_diff": worst,
