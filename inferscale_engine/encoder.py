@@ -52,6 +52,7 @@ def encode_windows(
     it (:meth:`~inferscale_engine.connector.exchange.KVExchange.take_capture`)."""
     from vllm import SamplingParams
 
+    from inferscale_engine.connector import compat
     from inferscale_engine.connector.plan import CapturePlan, CaptureRange, SharedKV
 
     for w in windows:
@@ -80,7 +81,7 @@ def encode_windows(
                                 extra_args={"kv_transfer_params": plan.to_params(inline=inline)})
             params.append(sp)
             # A fresh salt keeps vLLM's prefix cache from skipping rows we must see computed.
-            prompt = {"prompt_token_ids": list(w.token_ids), "cache_salt": f"encode-{cids[0]}"}
+            prompt = compat.token_prompt(list(w.token_ids), f"encode-{cids[0]}")
 
             def listener(out: Any, t: float, i: int = i) -> None:
                 if _final(out):

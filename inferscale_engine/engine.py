@@ -584,7 +584,7 @@ class InferScaleEngine:
         spans, tail = self._layout(segments, recompute, user_id)
         token_ids = [*itertools.chain.from_iterable(s.token_ids for s in spans), *tail]
         extra: dict[str, Any] = {}
-        prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+        salt = None
         plan = None
         staged = spans if mode == "inject" and spans else []
         if staged:
@@ -602,11 +602,12 @@ class InferScaleEngine:
             # also fix every span's position. A request that bypasses the cache has no block
             # hashes to salt: the hashing of ~200 keys stays off its path.
             if self.config.prefix_cache_injected or not self._can_bypass_prefix_cache:
-                prompt["cache_salt"] = "is-" + hashlib.sha256(json.dumps([user_id, keys]).encode()).hexdigest()[:32]
+                salt = "is-" + hashlib.sha256(json.dumps([user_id, keys]).encode()).hexdigest()[:32]
         elif not self.config.shared_prefix_cache:
             # Plain prompts are salted by user too: unsalted, a block another user's request left
             # shows up in this one's cached_tokens and time to first token (a prefix-cache oracle).
-            prompt["cache_salt"] = "u-" + hashlib.sha256(user_id.encode()).hexdigest()[:32]
+            salt = "u-" + hashlib.sha256(user_id.encode()).hexdigest()[:32]
+        prompt = compat.token_prompt(token_ids, salt)
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
