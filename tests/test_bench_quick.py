@@ -132,6 +132,7 @@ def test_tiers_quick(tmp_path, tiny_llama):
         # injected from memory / read from disk / recomputed: every fact accounted for
         assert sum(map(int, r["mix"].split("/"))) == 4
         assert _finite_positive(r["over_prompt_p50"])
+        assert 0 <= r["cached_tokens_p50"] < r["k"] * 20 + 88  # prompt tokens at most
     assert rows["prompt"]["over_prompt_p50"] == 1.0  # paired with itself
     assert rows["device"]["mix"] == "4/0/0" and rows["prompt"]["mix"] == "0/0/4"
     assert _finite_positive(rows["after-prefetch"]["prefetch_ms_p50"])

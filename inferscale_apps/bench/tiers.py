@@ -103,7 +103,7 @@ def run_tiers(
     seed: int = 0,
 ) -> list[dict[str, Any]]:
     """Rows ``{tier, k, ttft_ms_p50, ttft_ms_p95, promote_ms_p50, inject_ms_p50, over_prompt_p50,
-    tier_answers_differ, tier_max_logprob_diff}``.
+    cached_tokens_p50, tier_answers_differ, tier_max_logprob_diff}``.
 
     ``ttft_ms`` = reading the facts (``get_many``, what a store's ``resolve_many`` does; its
     host time is ``promote_ms``) + the engine's time to first token; ``tier_answers_differ`` counts repeats whose greedy token was
@@ -186,6 +186,7 @@ def run_tiers(
             promote: dict[str, list[float]] = {t: [] for t in names}
             prefetch_s: list[float] = []
             mixes: dict[str, list[tuple[int, int, int]]] = {t: [] for t in names}
+            cached: dict[str, list[int]] = {t: [] for t in names}  # prompt tokens vLLM's prefix cache held
             full = fill_slab(k)
             mismatches = 0
             worst = 0.0  # largest top-5 logprob difference of any tier from the device tier
@@ -216,6 +217,7 @@ def run_tiers(
                         if rep >= warmup:
                             ttft[PROMPT].append(result.ttft_s)
                             promote[PROMPT].append(0.0)
+                            cached[PROMPT].append(result.usage.cached_tokens)
                         continue
                     if tier == COST_MODEL:
                         move_to("disk", picked_keys)
@@ -245,6 +247,7 @@ def run_tiers(
                             ttft[tier].append(t_promote + result.ttft_s)
                             promote[tier].append(t_promote)
                             mixes[tier].append((mix.injected, mix.from_disk, mix.recomputed))
+                            cached[tier].append(result.usage.cached_tokens)
                         continue
                     if tier == AFTER_PREFETCH:
                         move_to("disk", picked_keys)
@@ -277,6 +280,7 @@ def run_tiers(
                         ttft[tier].append(t_promote + result.ttft_s)
                         promote[tier].append(t_promote)
                         mixes[tier].append((k, 0, 0))
+                        cached[tier].append(result.usage.cached_tokens)
                 # Same KV bytes from every tier: the same greedy token, or a tier serves wrong KV.
                 mismatches += len(answers) > 1
                 for tier in (*TIERS[1:], HOST_SLAB_FULL, AFTER_PREFETCH):
@@ -290,6 +294,7 @@ def run_tiers(
                     "promote_ms_p50": 1e3 * median(promote[tier]),
                     "inject_ms_p50": 1e3 * median([a - b for a, b in zip(ttft[tier], promote[tier])]),
                     "over_prompt_p50": median([a / b for a, b in zip(ttft[tier], ttft[PROMPT])]),
+                    "cached_tokens_p50": median(cached[tier]),
                     "fact_tokens": fact_tokens, "kv_bytes_per_fact": int(bytes_per_token * fact_tokens),
                     "device": device, "disk_cache": "warm" if warm_disk else "cold",
                     "tier_answers_differ": mismatches, "tier_max_logprob_diff": worst,
