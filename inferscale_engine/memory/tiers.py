@@ -268,8 +268,9 @@ class KVTiers:
     def file_bytes(self, key: KVKey, num_tokens: int) -> int:
         """Bytes a read of ``key``'s file (``num_tokens`` tokens of KV) brings in: from the KV
         geometry once any fact was stored or read (no filesystem call), else the file's size."""
-        with self._lock:
-            geometry = self._geometry
+        # No lock: set once and never changed, and the cost model asks this on a request's
+        # path, where a background read holding the lock would make it wait.
+        geometry = self._geometry
         if geometry is None:
             return self.disk.nbytes(key)
         layers, heads, dim, dtype = geometry
