@@ -682,6 +682,9 @@ def test_persistence_across_process_restart(make_store, engine, tiny_llama, tmp_
     orphan = store.tiers.path(("abababababababab", 1))
     orphan.parent.mkdir(exist_ok=True)
     orphan.write_bytes(store.tiers.path((a[0].id, 1)).read_bytes())
+    scratch = path / "kv" / ".calibration-0badc0de" / "00"  # a disk measurement a crash cut short
+    scratch.mkdir(parents=True)
+    (scratch / "0000000000000000-1.safetensors").write_bytes(b"\0" * 4096)
     assert (path / "memory.sqlite3").exists() and (path / "secret.key").stat().st_mode & 0o777 == 0o600
 
     script = tmp_path / "child.py"
@@ -707,7 +710,7 @@ def test_persistence_across_process_restart(make_store, engine, tiny_llama, tmp_
     gkey, gids, gk, gv, gpos = got["kv"][a[2].id]
     assert (gkey, gids, gpos) == lost_kv[:2] + (lost_kv[4],)
     assert torch.allclose(gk, lost_kv[2], atol=1e-4) and torch.allclose(gv, lost_kv[3], atol=1e-4)
-    # No temp or orphan files survived the reopen.
+    # No temp, orphan or scratch files survived the reopen.
     live = {f"{fid}-{key.rsplit(':', 1)[1]}.safetensors" for fid, (key, *_r) in got["kv"].items()}
     assert {p.name for p in (path / "kv").rglob("*") if p.is_file()} == live
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from inferscale_engine.kv import FactKV
-from inferscale_engine.memory.disk_tier import DiskTier
+from inferscale_engine.memory.disk_tier import CALIBRATION_PREFIX, DiskTier
 
 if TYPE_CHECKING:
     from inferscale_engine.memory.tiers import KVTiers
@@ -52,7 +52,7 @@ def measure(tiers: KVTiers, *, files: int = 16, file_bytes: int = 2 << 20) -> Ti
 
 
 def _measure_disk(tiers: KVTiers, files: int, file_bytes: int) -> tuple[float, float, bool]:
-    root = tiers.root / f".calibration-{uuid.uuid4().hex[:8]}"
+    root = tiers.root / f"{CALIBRATION_PREFIX}{uuid.uuid4().hex[:8]}"
     disk = DiskTier(root, pin_memory=tiers.disk.pin_memory, read_bps=tiers.disk.read_bps)
     try:
         # A fact-like file: [layers, tokens, heads, dim] bf16 K and V, ``file_bytes`` together.

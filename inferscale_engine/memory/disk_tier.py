@@ -23,6 +23,7 @@ import mmap
 import os
 import platform
 import re
+import shutil
 import struct
 import sys
 import threading
@@ -43,6 +44,9 @@ KVKey = tuple[str, int]  # (fact id, kv version)
 
 FILE_FORMAT = "inferscale-kv/1"
 _FILE_RE = re.compile(r"^([0-9a-f]{16})-(\d+)\.safetensors$")
+#: Scratch folders of the start-up disk measurement (memory.bandwidth), in the KV folder so that
+#: it measures this disk; one a crash left behind is removed by :meth:`DiskTier.sweep`.
+CALIBRATION_PREFIX = ".calibration-"
 
 
 class DiskTier:
@@ -220,11 +224,18 @@ class DiskTier:
             return None
 
     def sweep(self, live: Mapping[str, int]) -> tuple[set[KVKey], int]:
-        """Remove temp files and KV files of no live fact version; return (files kept, removed)."""
+        """Remove temp files, KV files of no live fact version and scratch folders of a measurement
+        a crash interrupted; return (files kept, files removed)."""
         kept: set[KVKey] = set()
         removed = 0
         for folder in self.root.iterdir():
             if not folder.is_dir():
+                continue
+            if folder.name.startswith(CALIBRATION_PREFIX):
+                # The store's folder is this process's alone (its lock) and sweeps run when it
+                # opens, before its measurement starts: a scratch folder here is a dead one's.
+                removed += sum(1 for p in folder.rglob("*") if p.is_file())
+                shutil.rmtree(folder, ignore_errors=True)
                 continue
             for p in folder.iterdir():
                 m = _FILE_RE.match(p.name)
