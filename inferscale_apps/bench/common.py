@@ -11,6 +11,7 @@ import os
 import platform
 import random
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from inferscale_engine.types import Span
 
 
-def percentile(values: list[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
     if not values:
         return float("nan")
     ordered = sorted(values)
@@ -29,7 +30,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-def median(values: list[float]) -> float:
+def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
