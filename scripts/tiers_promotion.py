@@ -1,5 +1,6 @@
-"""A promotion's host time from the host tier, with room on the slab and with a full slab (each
-promotion then evicts as many facts), on the tiers alone: no engine (diagnostic).
+"""A promotion's host time from the host tier, with room on the slab, with a full slab (each
+promotion then evicts as many facts) and after a prefetch moved the facts from disk to the host
+(parallel reads, landing in completion order), on the tiers alone: no engine (diagnostic).
 
 usage: python scripts/tiers_promotion.py [cpu|cuda] [K]   (SmolLM2-135M's KV shape, 28-token facts)
 """
@@ -28,7 +29,7 @@ def main(device: str, k: int, repeats: int = 40, warmup: int = 5) -> None:
     for key, kv in zip(keys, kvs):
         tiers.put(key, kv, "fp")
     measured, fillers = keys[:k], keys[k:]
-    times: dict[str, list[float]] = {"host, slab full": [], "host, room on the slab": []}
+    times: dict[str, list[float]] = {"host, slab full": [], "host, room on the slab": [], "after prefetch": []}
     for _ in range(warmup + repeats):
         tiers.get_many(fillers, "fp")  # the measured facts go down to the host, the slab is full
         t0 = time.perf_counter()
@@ -39,6 +40,14 @@ def main(device: str, k: int, repeats: int = 40, warmup: int = 5) -> None:
         t0 = time.perf_counter()
         tiers.get_many(measured, "fp")
         times["host, room on the slab"].append(time.perf_counter() - t0)
+        for key in measured:
+            tiers.evict(key, to="disk")
+        tiers.prefetch(measured, "fp")
+        while {tiers.where(key) for key in measured} != {"host"}:
+            time.sleep(0.0005)
+        t0 = time.perf_counter()
+        tiers.get_many(measured, "fp")
+        times["after prefetch"].append(time.perf_counter() - t0)
         if device == "cuda":
             torch.cuda.synchronize()
     for name, values in times.items():
