@@ -131,7 +131,12 @@ def test_answers_with_exhausted_tiers_equal_answers_with_ample_tiers(engine, rep
         ample = answer_all()
     finally:
         store.tiers = small_tiers
-    for s, a in zip(small, ample):
+    # A cold memory may be prefilled instead of read when the cost model expects that to be
+    # faster (its rates are measured, so on a busy box it varies): those answers come from other
+    # KV by design. Every answer whose memories were all injected both times must be the same.
+    compared = [(s, a) for s, a in zip(small, ample) if not s.usage.memory_mix.recomputed and not a.usage.memory_mix.recomputed]
+    assert compared, "every prompt had a memory prefilled: nothing read back through the tiers to compare"
+    for s, a in compared:
         assert s.prompt_token_ids == a.prompt_token_ids and s.usage.injected_tokens == a.usage.injected_tokens > 0
         assert s.token_ids == a.token_ids
-    print(f"\nanswers compared: {len(small)}; tiers during the comparison: {after}")
+    print(f"\nanswers compared: {len(compared)} of {len(small)}; tiers during the comparison: {after}")
