@@ -1,6 +1,7 @@
 """A promotion's host time from the host tier, with room on the slab, with a full slab (each
 promotion then evicts as many facts) and after a prefetch moved the facts from disk to the host
-(parallel reads, landing in completion order), on the tiers alone: no engine (diagnostic).
+(parallel reads, landing in completion order), on the tiers alone: no engine (diagnostic),
+and how many copies (ranges of pages adjacent on both sides) each took.
 
 usage: python scripts/tiers_promotion.py [cpu|cuda] [K]   (SmolLM2-135M's KV shape, 28-token facts)
 """
@@ -29,29 +30,33 @@ def main(device: str, k: int, repeats: int = 40, warmup: int = 5) -> None:
     for key, kv in zip(keys, kvs):
         tiers.put(key, kv, "fp")
     measured, fillers = keys[:k], keys[k:]
+    copies: dict[str, list[int]] = {}
     times: dict[str, list[float]] = {"host, slab full": [], "host, room on the slab": [], "after prefetch": []}
+
+    def promote(case: str) -> None:
+        before = tiers.stats()["host_to_device_copies"]
+        t0 = time.perf_counter()
+        tiers.get_many(measured, "fp")
+        times[case].append(time.perf_counter() - t0)
+        copies.setdefault(case, []).append(tiers.stats()["host_to_device_copies"] - before)
+
     for _ in range(warmup + repeats):
         tiers.get_many(fillers, "fp")  # the measured facts go down to the host, the slab is full
-        t0 = time.perf_counter()
-        tiers.get_many(measured, "fp")
-        times["host, slab full"].append(time.perf_counter() - t0)
+        promote("host, slab full")
         for key in measured:
             tiers.evict(key)
-        t0 = time.perf_counter()
-        tiers.get_many(measured, "fp")
-        times["host, room on the slab"].append(time.perf_counter() - t0)
+        promote("host, room on the slab")
         for key in measured:
             tiers.evict(key, to="disk")
         tiers.prefetch(measured, "fp")
         while {tiers.where(key) for key in measured} != {"host"}:
             time.sleep(0.0005)
-        t0 = time.perf_counter()
-        tiers.get_many(measured, "fp")
-        times["after prefetch"].append(time.perf_counter() - t0)
+        promote("after prefetch")
         if device == "cuda":
             torch.cuda.synchronize()
     for name, values in times.items():
-        print(f"k={k} {name}: {1e3 * statistics.median(values[warmup:]):.2f} ms host time")
+        print(f"k={k} {name}: {1e3 * statistics.median(values[warmup:]):.2f} ms host time, "
+              f"{statistics.median(copies[name][warmup:]):.0f} copies")
     print("evictions that kept their host pages:", tiers.stats()["device_to_host_kept"], "of",
           tiers.stats()["device_to_host"])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import time
 
 import pytest
 import torch
@@ -221,6 +222,35 @@ def test_a_facts_pages_and_a_batchs_pages_lie_one_after_the_other(tmp_path):
     slabs = [p for k in keys for p in tiers._device[k].pages]
     _, lengths = page_runs(np.zeros(18, dtype=np.int64), np.array(slabs), np.zeros(18, dtype=np.int64), np.array(hosts))
     assert len(lengths) <= len(keys) and lengths.sum() == 18
+
+
+def test_facts_prefetched_together_are_promoted_in_one_copy_whatever_order_a_request_names_them(tmp_path):
+    """A prefetch's parallel reads land in the host tier in completion order; a request then
+    names the facts in its own order. The promotion copies by where they lie, not by that order:
+    one range for the whole batch instead of one per fact (each range costs host time)."""
+    import random
+
+    tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 64, host_bytes=page_bytes() * 64, page_tokens=PT)
+    keys = [key(i) for i in range(12)]
+    kvs = {k: make_kv(2 * PT - 3, i) for i, k in enumerate(keys)}  # two pages each
+    for k, kv in kvs.items():
+        tiers.put(k, kv, FP)
+        tiers.evict(k, to="disk")
+    assert tiers.prefetch(keys, FP) == len(keys)
+    deadline = time.monotonic() + 30
+    while set(tiers.where_many(keys)) != {"host"}:
+        assert time.monotonic() < deadline, "prefetch did not finish"
+        time.sleep(0.001)
+    order = keys[:]
+    random.Random(0).shuffle(order)
+    before = tiers.stats()["host_to_device_copies"]
+    got = tiers.get_many(order, FP)
+    assert tiers.stats()["host_to_device_copies"] - before == 1
+    assert tiers.where_many(keys) == ["device"] * len(keys)
+    for k, kv in zip(order, got):  # every fact still gets its own KV
+        assert_same(kv, kvs[k])
+    for k in keys:  # and so do later reads, from the slab pages it was copied into
+        assert_same(tiers.get(k, FP), kvs[k])
 
 
 def _cuda_facts(layers: int, lengths: list[int]) -> dict[tuple[str, int], FactKV]:

@@ -160,7 +160,10 @@ class KVTiers:
         self._caller_done: torch.cuda.Event | None = None
         #: device_to_host counts every fact evicted to the host; device_to_host_kept those of them
         #: that took back the host pages they were promoted from (no copy).
-        self.counters = {"host_to_device": 0, "device_to_host": 0, "device_to_host_kept": 0, "host_drops": 0}
+        # host_to_device_copies: the copies (ranges of pages) promotions took, about one per run
+        # of facts lying together on both sides: what a promotion's host time grows with.
+        self.counters = {"host_to_device": 0, "host_to_device_copies": 0, "device_to_host": 0,
+                         "device_to_host_kept": 0, "host_drops": 0}
 
     # ------------------------------------------------------------------ public API
 
@@ -459,27 +462,35 @@ class KVTiers:
         ``keep`` for room; return the new device entries, and the KV of facts the slab could
         not take, which stay on the host and are served from there."""
         hosts = [self._host.pop(key) for key in keys]
-        need = [len(h.pages) for h in hosts]
-        self._make_room(sum(need), keep)
+        self._make_room(sum(len(h.pages) for h in hosts), keep)
         promoted: dict[KVKey, _Entry] = {}
         served: dict[KVKey, FactKV] = {}
-        free = self._free
-        to_pages: list[int] = []
-        from_pages: list[int] = []
-        for key, h, m in zip(keys, hosts, need):
-            if len(free) < m:
+        room = len(self._free)
+        fits: list[tuple[KVKey, _Entry]] = []
+        for key, h in zip(keys, hosts):
+            if len(h.pages) > room:
                 self._host[key] = h
                 served[key] = self._read_host(h)
                 continue
-            pages = _take(free, m)
-            to_pages += pages
+            room -= len(h.pages)
+            fits.append((key, h))
+        # In host-page order, into slab pages taken in one piece: facts that lie one after the
+        # other on the host (evicted or prefetched together) copy as one range, whatever order
+        # the request names them in (a prefetch's parallel reads land in completion order).
+        to_pages = sorted(_take(self._free, len(self._free) - room))
+        from_pages: list[int] = []
+        slab_pages: dict[KVKey, list[int]] = {}
+        for key, h in sorted(fits, key=lambda kh: kh[1].pages[0]):
+            slab_pages[key] = to_pages[len(from_pages) : len(from_pages) + len(h.pages)]
             from_pages += h.pages
+        for key, h in fits:  # in the request's order, which later evictions go by (_kept)
             # The host pages stay the fact's: an eviction back is then bookkeeping. Taken back
             # for room only after this copy is queued, so a copy into them is queued after it.
-            promoted[key] = _Entry(pages, h.num_tokens, h.position, h.fingerprint, backup=h.pages)
+            promoted[key] = _Entry(slab_pages[key], h.num_tokens, h.position, h.fingerprint, backup=h.pages)
         if promoted:
             self._wait_written(hosts)
-            self._copy(self._slab_pool, to_pages, self._host_pool(), from_pages)
+            copies = self._copy(self._slab_pool, to_pages, self._host_pool(), from_pages)
+            self.counters["host_to_device_copies"] += copies
             self._device.update(promoted)
             self._kept.update(dict.fromkeys(promoted))
             self.counters["host_to_device"] += len(promoted)
@@ -579,17 +590,16 @@ class KVTiers:
             self._host_pool_cache = Sources.of(self._host_chunks)
         return self._host_pool_cache
 
-    def _copy(self, dst: Sources, dst_pages: list[int], src: Sources, src_pages: list[int]) -> None:
+    def _copy(self, dst: Sources, dst_pages: list[int], src: Sources, src_pages: list[int]) -> int:
         """Copy pages between pools (the slab, the host chunks, a buffer), page ``src_pages[i]``
-        of ``src`` to page ``dst_pages[i]`` of ``dst``. A pool's page ``p`` is page ``p % n``
-        of its tensor ``p // n``, ``n`` the pages of its first tensor (the host tier's chunks;
-        other pools are one tensor). On CUDA: one batch of DMAs on the side stream, a range per
-        run of pages that lie one after the other on both sides."""
+        of ``src`` to page ``dst_pages[i]`` of ``dst``, a range per run of pages that lie one
+        after the other on both sides; returns how many ranges. A pool's page ``p`` is page
+        ``p % n`` of its tensor ``p // n``, ``n`` the pages of its first tensor (the host
+        tier's chunks; other pools are one tensor). On CUDA: one batch of DMAs on the side stream."""
         if not self._cuda:
-            _copy_on_host(dst, dst_pages, src, src_pages)
-            return
+            return _copy_on_host(dst, dst_pages, src, src_pages)
         with self._side_work() as side:
-            self._dma(side, dst, dst_pages, src, src_pages)
+            return self._dma(side, dst, dst_pages, src, src_pages)
 
     @contextlib.contextmanager
     def _side_work(self) -> Iterator[torch.cuda.Stream]:
@@ -641,9 +651,9 @@ class KVTiers:
             e.written = None
 
     def _dma(self, stream: torch.cuda.Stream, dst: Sources, dst_pages: list[int], src: Sources,
-             src_pages: list[int]) -> None:
+             src_pages: list[int]) -> int:
         """Queue the page copies on ``stream``: one batch, a range per run of pages that lie one
-        after the other on both sides."""
+        after the other on both sides; returns how many ranges."""
         dst_which, dst_index = _split_pages(dst, dst_pages)
         src_which, src_index = _split_pages(src, src_pages)
         starts, lengths = page_runs(dst_which, dst_index, src_which, src_index)
@@ -653,6 +663,7 @@ class KVTiers:
             copier = self._copiers[stream] = ByteCopier(stream)
         copier.copy(_ranges(dst, dst_which[starts]), dst_index[starts] * pb, _ranges(src, src_which[starts]),
                     src_index[starts] * pb, lengths * pb)
+        return len(starts)
 
     def _read_host(self, entry: _Entry) -> FactKV:
         """A host-tier fact's KV on the device, without caching it there (lock held)."""
@@ -802,12 +813,15 @@ def _split_pages(pool: Sources, pages: list[int]) -> tuple[np.ndarray, np.ndarra
     return np.divmod(at, pool.tensors[0].shape[0])
 
 
-def _copy_on_host(dst: Sources, dst_pages: list[int], src: Sources, src_pages: list[int]) -> None:
-    """:meth:`KVTiers._copy` done by the host, page by page (CPU pools only)."""
+def _copy_on_host(dst: Sources, dst_pages: list[int], src: Sources, src_pages: list[int]) -> int:
+    """:meth:`KVTiers._copy` done by the host, a range per run of pages (CPU pools only)."""
     dst_which, dst_index = _split_pages(dst, dst_pages)
     src_which, src_index = _split_pages(src, src_pages)
-    for dw, di, sw, si in zip(dst_which.tolist(), dst_index.tolist(), src_which.tolist(), src_index.tolist()):
-        dst.tensors[dw][di].copy_(src.tensors[sw][si])
+    starts, lengths = page_runs(dst_which, dst_index, src_which, src_index)
+    for i, n in zip(starts.tolist(), lengths.tolist()):
+        d, s = int(dst_index[i]), int(src_index[i])
+        dst.tensors[dst_which[i]][d : d + n].copy_(src.tensors[src_which[i]][s : s + n])
+    return len(starts)
 
 
 def _ranges(pool: Sources, which: np.ndarray) -> Sources:
