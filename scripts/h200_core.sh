@@ -15,7 +15,10 @@
 # with 4 GiB staged), mpsplit (a multiprocess and an in-process k=50 request's time, part by part;
 # py-spy over vLLM's processes fell minutes behind and slowed the run past the call's limit), cudatests (the
 # tiers', exchange's and injection streams' CUDA tests), tierspromo (a promotion's host time, full slab
-# against room on it, the tiers alone). TIERS_REPEATS sets the tiers repeats.
+# against room on it, the tiers alone), coldtext (a cold request against prompt injection of the same
+# texts, call to answer, through the public API: scripts/profile_cold_plan.py on the Llama shape with
+# SmolLM2's tokenizer; carry .carry/smollm2-tokenizer, a copy of the prepared SmolLM2 folder's
+# config and tokenizer files). TIERS_REPEATS sets the tiers repeats.
 set -uo pipefail
 source .gpu/device-env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -66,6 +69,10 @@ for step in $STEPS; do
     profile) python3 scripts/h200_profile.py "$M" 2>&1 | grep "k=" ;;
     promote) python3 scripts/h200_promote.py 50 2>&1 | grep -E "k=|copies" ;;
     tierspromo) python3 scripts/tiers_promotion.py cuda 50 2>&1 | tee "$OUT/tiers-promotion.txt" ;;
+    coldtext) python3 scripts/make_configs.py /tmp/models --tokenizer .carry/smollm2-tokenizer > /dev/null
+      python3 scripts/profile_cold_plan.py --model /tmp/models/llama-3.1-8b-text --device cuda --dummy-weights \
+        --disk-bps 0 --k ${KS:-50,200} --repeats ${REPEATS:-30} --ttft --check --json "$OUT/cold-text.json" 2>&1 \
+        | grep -E "^(k=|disk|Traceback|[A-Za-z]*Error)" | tee "$OUT/cold-text.txt" ;;
     promoteprof) python3 scripts/h200_promote.py 50 --cprofile 2>&1 | tail -26 ;;
     hosttier) python3 scripts/h200_hosttier.py "$M" 50 2>&1 | grep "^k=" ;;
   esac

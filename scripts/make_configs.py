@@ -1,8 +1,19 @@
-"""Writes config.json folders of real model shapes for random-weight (load_format=dummy) runs."""
+"""Writes config.json folders of real model shapes for random-weight (load_format=dummy) runs.
 
+usage: python3 scripts/make_configs.py OUT [--tokenizer DIR]
+
+``--tokenizer DIR`` (a model folder with a Hugging Face tokenizer, e.g. the prepared SmolLM2)
+also writes ``llama-3.1-8b-text``: the Llama-3.1-8B shape with that tokenizer, its vocabulary
+size set to the tokenizer's, for runs that need text (prompt injection as frameworks do it).
+"""
+
+import argparse
 import json
-import sys
+import shutil
 from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja")
 
 SHAPES = {
     "llama-3.1-8b": {
@@ -31,9 +42,28 @@ SHAPES = {
     },
 }
 
+
+def with_tokenizer(root: Path, tokenizer: Path) -> str:
+    """``llama-3.1-8b-text`` under ``root``: the Llama shape, ``tokenizer``'s files and vocabulary."""
+    out = root / "llama-3.1-8b-text"
+    out.mkdir(parents=True, exist_ok=True)
+    own = json.loads((tokenizer / "config.json").read_text())
+    cfg = {**SHAPES["llama-3.1-8b"], "vocab_size": own["vocab_size"], "bos_token_id": own.get("bos_token_id"),
+           "eos_token_id": own.get("eos_token_id")}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    for name in TOKENIZER_FILES:
+        if (tokenizer / name).exists():
+            shutil.copy(tokenizer / name, out / name)
+    return out.name
+
+
 if __name__ == "__main__":
-    root = Path(sys.argv[1])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--tokenizer", type=Path, help="model folder whose tokenizer a text-capable shape gets")
+    args = p.parse_args()
     for name, cfg in SHAPES.items():
-        (root / name).mkdir(parents=True, exist_ok=True)
-        (root / name / "config.json").write_text(json.dumps(cfg, indent=1))
-    print("wrote", ", ".join(SHAPES))
+        (args.out / name).mkdir(parents=True, exist_ok=True)
+        (args.out / name / "config.json").write_text(json.dumps(cfg, indent=1))
+    names = list(SHAPES) + ([with_tokenizer(args.out, args.tokenizer)] if args.tokenizer else [])
+    print("wrote", ", ".join(names))

@@ -1,14 +1,15 @@
 """Host time of a request whose memories are all cold on disk, against prompt injection of the
 same memories (issue 25: a cold request must cost no more than pasting its facts):
 
-    python scripts/profile_cold_plan.py [--k 50,200] [--repeats 30] [--profile] [--check]
+    python scripts/profile_cold_plan.py [--k 50,200] [--repeats 30] [--profile] [--check] [--ttft]
+        [--model DIR --device cuda --dummy-weights --disk-bps 0]
 
-A store of SmolLM2-135M (real weights, bf16) holds ``max(k)`` memories of one user; every
-memory's KV is only in its disk file, outside the page cache (memory tiers dropped,
+A store of SmolLM2-135M (real weights, bf16; or ``--model``) holds ``max(k)`` memories of one
+user; every memory's KV is only in its disk file, outside the page cache (memory tiers dropped,
 ``posix_fadvise(DONTNEED)`` per file), and the disk is capped at 2 MB/s
-(``MemoryConfig.disk_read_bps``, what the start-up calibration measures), so the cost model
-prefills them all (mix 0/0/k). Per request the clock runs over what the host does before vLLM
-gets the request:
+(``MemoryConfig.disk_read_bps``, what the start-up calibration measures; ``--disk-bps 0``: the
+disk as it is), so the cost model prefills them all (mix 0/0/k). Per request the clock runs over
+what the host does before vLLM gets the request:
 
 * ``cold``: ``engine.resolve`` of the prompt with ``k`` handles (render, tokenize, the store's
   ``resolve_many``) + the engine's preparation (cost model, layout, sampling params);
@@ -18,7 +19,13 @@ gets the request:
 Medians of ``--repeats`` (the two alternate); ``resolve_many`` and ``planner.plan`` are timed
 apart inside ``cold``. ``--profile`` prints cProfile's top functions of the cold path;
 ``--check`` runs one real request each way (``max_tokens=4``) and checks the mix and that both
-give the same tokens (a prefill of thousands of tokens: seconds on a CPU).
+give the same tokens (a prefill of thousands of tokens: seconds on a CPU). ``--ttft`` times whole
+requests as a user sees them, from the call to ``engine.generate`` (``max_tokens=1``) to its
+answer: the cold handles against the pasted texts, each after an untimed short request, the two
+in alternating order, the cold memories' background promotions done before the next repeat;
+medians and the median of the paired ratios. On the H200 (no model weights there): a
+Llama-3.1-8B-shaped model with random weights and SmolLM2's tokenizer (``scripts/make_configs.py
+OUT --tokenizer DIR``, ``STEPS=coldtext bash scripts/h200_core.sh``).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import os
 import pstats
 import random
@@ -33,9 +41,13 @@ import shutil
 import statistics
 import tempfile
 import time
+import zlib
+
+import numpy as np
 
 from inferscale_engine import InferScaleEngine, planner
 from inferscale_engine.config import MemoryConfig
+from inferscale_engine.memory.embedder import Embedder
 from inferscale_engine.runtime import build_memory
 from inferscale_engine.types import MemoryMix
 
@@ -64,35 +76,109 @@ def _make_cold(engine: InferScaleEngine) -> None:
             os.close(fd)
 
 
+class _HashEmbedder:
+    """Deterministic word-hash vectors: handles are resolved by id, so search quality plays no
+    part here, and no embedding model need be on the machine."""
+
+    inferscale_name = "profile-cold-plan-hash"
+
+    def encode(self, texts: list[str], **_: object) -> np.ndarray:
+        out = np.zeros((len(texts), 64), dtype=np.float32)
+        for i, text in enumerate(texts):
+            for word in text.split():
+                out[i, zlib.crc32(word.encode()) % 64] += 1.0
+        return out + 1e-3
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--k", default="50,200", help="memories per request, comma separated")
     p.add_argument("--repeats", type=int, default=30)
     p.add_argument("--profile", action="store_true", help="cProfile the cold path")
     p.add_argument("--check", action="store_true", help="run one real request each way and compare")
+    p.add_argument("--ttft", action="store_true", help="time whole requests, call to answer, both ways")
+    p.add_argument("--model", default="smollm2", help="alias or model folder (with a tokenizer)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dummy-weights", action="store_true", help="random weights (load_format=dummy)")
+    p.add_argument("--disk-bps", type=float, default=SLOW_DISK,
+                   help="cap on disk reads, bytes a second (0: the disk as it is)")
+    p.add_argument("--json", help="write the results here")
     args = p.parse_args()
     ks = [int(k) for k in args.k.split(",")]
     root = tempfile.mkdtemp(prefix="profile-cold-")
+    results: list[dict] = []
     try:
-        with InferScaleEngine(model="smollm2", device="cpu", dtype="bfloat16", max_model_len=8192,
-                              recompute=0, store_path=root) as engine:
-            engine.memory = build_memory(engine, MemoryConfig.for_engine(engine.config, disk_read_bps=SLOW_DISK))
+        with InferScaleEngine(model=args.model, device=args.device, dtype="bfloat16", max_model_len=8192,
+                              recompute=0, store_path=root,
+                              **({"load_format": "dummy"} if args.dummy_weights else {})) as engine:
+            engine.memory = build_memory(engine, MemoryConfig.for_engine(
+                engine.config, disk_read_bps=args.disk_bps or None, embedder=Embedder(_HashEmbedder())))
             texts = _facts(max(ks))
             items = engine.memory.add_texts(texts, user_id=USER)
             engine.memory.wait_for_encoding()
             rates = engine.calibrate()
             assert rates is not None, "the cost model's calibration failed"
             print(f"disk {rates.disk_bytes_per_s / 1e6:.2f} MB/s + {1e3 * rates.disk_latency_s:.1f} ms, "
-                  f"prefill {[(n, round(1e3 * t, 1)) for n, t in rates.prefill]} ms")
+                  f"prefill {[(n, round(1e3 * t, 1)) for n, t in rates.prefill]} ms", flush=True)
             for k in ks:
                 cold_prompt = HEAD + "".join(item.handle for item in items[:k]) + QUESTION
                 text_prompt = HEAD + "".join(texts[:k]) + QUESTION
-                _run(engine, k, cold_prompt, text_prompt, args)
+                row = _run(engine, k, cold_prompt, text_prompt, args)
+                if args.ttft:
+                    row.update(_ttft(engine, k, cold_prompt, text_prompt, [(item.id, 1) for item in items[:k]],
+                                     args.repeats))
+                results.append(row)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"script": "profile_cold_plan", "model": args.model, "device": args.device,
+                               "dummy_weights": args.dummy_weights, "disk_read_bps": args.disk_bps or None,
+                               "rates": rates.as_dict(), "rows": results}, f, indent=1)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _run(engine: InferScaleEngine, k: int, cold_prompt: str, text_prompt: str, args: argparse.Namespace) -> None:
+def _ttft(engine: InferScaleEngine, k: int, cold_prompt: str, text_prompt: str, keys: list[tuple[str, int]],
+          repeats: int) -> dict:
+    """Call-to-answer time of one-token requests: the cold handles against the pasted texts."""
+    tiers = engine.memory.tiers
+    times: dict[str, list[float]] = {"cold": [], "prompt": []}
+    mixes = set()
+
+    def short() -> None:  # the GPU awake, no long prefill just behind: for both alike
+        engine.generate(QUESTION, user_id=USER, max_tokens=1, mode="prompt")
+
+    for rep in range(3 + repeats):
+        _make_cold(engine)
+        for name in ("cold", "prompt") if rep % 2 == 0 else ("prompt", "cold"):
+            short()
+            t0 = time.perf_counter()
+            if name == "cold":
+                result = engine.generate(cold_prompt, user_id=USER, max_tokens=1)
+            else:
+                result = engine.generate(text_prompt, user_id=USER, max_tokens=1, mode="prompt")
+            elapsed = time.perf_counter() - t0
+            if rep >= 3:
+                times[name].append(elapsed)
+            if name == "cold":
+                if rep >= 3:  # a warm-up's memories may still be on their way up from the check
+                    mixes.add(str(result.usage.memory_mix))
+                # The prefilled memories' promotions (reads into the host tier) end before the
+                # next request.
+                deadline = time.monotonic() + 60
+                while any(where == "disk" for where in tiers.where_many(keys)):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the cold memories were not promoted within 60 s")
+                    time.sleep(0.001)
+    ratios = [c / p for c, p in zip(times["cold"], times["prompt"])]
+    row = {"ttft_cold_ms_p50": 1e3 * statistics.median(times["cold"]),
+           "ttft_prompt_ms_p50": 1e3 * statistics.median(times["prompt"]),
+           "cold_over_prompt_p50": statistics.median(ratios), "ttft_mixes": sorted(mixes)}
+    print(f"k={k} call to answer: cold {row['ttft_cold_ms_p50']:.2f} ms, prompt {row['ttft_prompt_ms_p50']:.2f} ms, "
+          f"cold / prompt (paired) {row['cold_over_prompt_p50']:.3f}, mixes {row['ttft_mixes']}", flush=True)
+    return row
+
+
+def _run(engine: InferScaleEngine, k: int, cold_prompt: str, text_prompt: str, args: argparse.Namespace) -> dict:
     store = engine.memory
     inner: dict[str, list[float]] = {"resolve_many": [], "plan": []}
     resolve_many, plan = store.resolve_many, planner.plan
@@ -138,6 +224,8 @@ def _run(engine: InferScaleEngine, k: int, cold_prompt: str, text_prompt: str, a
         planner.plan = plan
     med = {name: 1e3 * statistics.median(v) for name, v in times.items()}
     inner_med = {name: 1e3 * statistics.median(v[-args.repeats:]) for name, v in inner.items()}
+    row = {"k": k, "host_cold_ms_p50": med["cold"], "host_prompt_ms_p50": med["prompt"],
+           "resolve_many_ms_p50": inner_med["resolve_many"], "plan_ms_p50": inner_med["plan"], "mixes": sorted(map(str, mixes))}
     print(f"k={k}: cold {med['cold']:.2f} ms (resolve_many {inner_med['resolve_many']:.2f}, "
           f"plan {inner_med['plan']:.2f}), prompt {med['prompt']:.2f} ms, "
           f"cold - prompt {med['cold'] - med['prompt']:+.2f} ms, mixes {sorted(map(str, mixes))}")
@@ -160,6 +248,9 @@ def _run(engine: InferScaleEngine, k: int, cold_prompt: str, text_prompt: str, a
         want = engine.generate(text_prompt, user_id=USER, max_tokens=4, mode="prompt")
         print(f"k={k} check: mix {got.usage.memory_mix}, same tokens as prompt injection: "
               f"{got.token_ids == want.token_ids}, same prompt: {got.prompt_token_ids == want.prompt_token_ids}")
+        row.update(check_mix=str(got.usage.memory_mix), check_same_tokens=got.token_ids == want.token_ids,
+                   check_same_prompt=got.prompt_token_ids == want.prompt_token_ids)
+    return row
 
 
 if __name__ == "__main__":
