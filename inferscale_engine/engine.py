@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import gc
 import hashlib
 import itertools
@@ -27,6 +28,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -82,7 +84,8 @@ class _Prepared:
     started: float  # perf_counter() when preparation began: TTFT counts the layout and plan too
     memories_as_text: int = 0
     memory_mix: MemoryMix | None = None
-    # Run once the first token is out (planner.plan's promotions of prefilled cold memories).
+    # Run once the first token is out: the engine's hand-off of planner.plan's promotions of
+    # prefilled cold memories.
     after_first_token: Callable[[], None] | None = None
 
 
@@ -129,6 +132,9 @@ class InferScaleEngine:
         self._memory: MemoryStore | None = None
         self._calibration: planner.Calibration | None = None
         self.fact_source: FactSource | None = None
+        # Promotions of cold memories a request prefilled start here, not in the caller's thread
+        # (a generate call, a server's event loop): their bookkeeping is ~10 µs a memory.
+        self._promotions = ThreadPoolExecutor(1, thread_name_prefix="inferscale-promote")
         self._closed = False
         full_graphs = cuda_graphs.wanted(self.config) and not self.config.vllm_url
         self._start_vllm(cuda_graphs.FULL if full_graphs else {})
@@ -266,6 +272,7 @@ class InferScaleEngine:
         if self._closed:
             return
         self._closed = True
+        self._promotions.shutdown(wait=True)  # before the store they read from closes
         if self._memory is not None:
             self._memory.close()
         self._stop_vllm()
@@ -624,7 +631,14 @@ class InferScaleEngine:
             self._unstage(staged)
             raise
         as_text = sum(isinstance(s, TextFact) for s in segments)
-        return _Prepared(prompt, plan, staged, started, as_text, mix, promote), params
+        after = functools.partial(self._promote_later, promote) if promote is not None else None
+        return _Prepared(prompt, plan, staged, started, as_text, mix, after), params
+
+    def _promote_later(self, promote: Callable[[], None]) -> None:
+        try:
+            self._promotions.submit(_logged, promote, "promoting prefilled cold memories")
+        except RuntimeError:  # the engine is closing: they stay on disk for the next start
+            pass
 
     def _layout(self, segments: Sequence[Segment], recompute: int = 0,
                 user_id: str = "default") -> tuple[list[Span], list[int]]:
@@ -705,6 +719,13 @@ class _Accumulator:
             first_logprobs=first,
         )
         return StreamDelta(text, result)
+
+
+def _logged(fn: Callable[[], None], what: str) -> None:
+    try:
+        fn()
+    except Exception:  # a background task's failure must be seen, not lost in its future
+        logger.exception("%s failed", what)
 
 
 def _check_seed(seed: Any) -> None:

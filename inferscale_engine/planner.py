@@ -98,11 +98,12 @@ class Plan:
 
 def plan(
     segments: Sequence[Segment], recompute: int, rates: Rates | None
-) -> tuple[list[Segment], MemoryMix, Callable[[], None]]:
+) -> tuple[list[Segment], MemoryMix, Callable[[], None] | None]:
     """Segments with the cold memories the cost model injects loaded (waited for), the mix of
-    the request, and what moves the prefilled cold memories up a tier for the next request: the
-    caller runs it once the request's first token is out, since reads running during the prefill
-    compete with vLLM's host work (GIL, memory bandwidth). The rest stay text (``TextFact``) and, with the quality knob's last
+    the request, and what moves the prefilled cold memories up a tier for the next request
+    (``None``: no cold memory is prefilled): the caller runs it once the request's first token
+    is out, since reads running during the prefill compete with vLLM's host work (GIL, memory
+    bandwidth). The rest stay text (``TextFact``) and, with the quality knob's last
     ``recompute`` memories, form the prefilled tail laid out by the engine."""
     # One pass over the segments (on every injected request's path): where the memories
     # are, which are cold, and the first one still waiting to be encoded.
@@ -149,7 +150,8 @@ def plan(
             read.promote()
 
     from_disk = sum(1 for j in cold if j < split)
-    return out, MemoryMix(injected=split - from_disk, from_disk=from_disk, recomputed=len(facts) - split), promote
+    mix = MemoryMix(injected=split - from_disk, from_disk=from_disk, recomputed=len(facts) - split)
+    return out, mix, promote if later else None
 
 
 def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rates) -> Plan:

@@ -71,6 +71,7 @@ def test_slow_disk_recomputes_and_promotes():
     out, mix, promote = plan(segs, 0, _rates(1e7))  # 0.1 s a fact against 1 ms of prefill
     assert mix == MemoryMix(0, 0, 4)
     assert all(r.calls == [] for r in reads)  # nothing read during the request's prefill
+    assert promote is not None
     promote()  # the engine's call once the first token is out
     assert all(r.calls == ["promote"] for r in reads)
     assert out == segs
@@ -78,8 +79,9 @@ def test_slow_disk_recomputes_and_promotes():
 
 def test_fast_disk_reads_all_in_parallel():
     segs, reads = _prompt("cccc")
-    out, mix, _ = plan(segs, 0, _rates(1e12))
+    out, mix, promote = plan(segs, 0, _rates(1e12))
     assert mix == MemoryMix(0, 4, 0)
+    assert promote is None  # nothing prefilled, nothing to promote
     assert all(r.calls == ["start", "wait"] for r in reads)
     assert all(isinstance(s, Span) for s in out[1:5])
 
@@ -100,6 +102,7 @@ def test_the_knob_and_pending_text_bound_the_split():
     segs, reads = _prompt("cccc")
     _, mix, promote = plan(segs, 2, _rates(1e12))
     assert mix == MemoryMix(0, 2, 2)
+    assert promote is not None
     promote()
     assert [r.calls for r in reads] == [["start", "wait"]] * 2 + [["promote"]] * 2
     segs, reads = _prompt("ctcc")

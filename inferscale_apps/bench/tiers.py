@@ -237,7 +237,8 @@ def run_tiers(
                         segs = [TextFact(s) if isinstance(s, ColdFact) else s for s in segs]
                         # No logprobs (its answer is not compared): with nothing injected, the prompt row's request.
                         result = engine.generate_segments(segs, max_tokens=1, mode="inject")
-                        promote_later()  # as the engine does once the first token is out
+                        if promote_later is not None:
+                            promote_later()  # as the engine does once the first token is out
                         # Promotions of the prefilled facts finish before the next request.
                         while any(t == "disk" for t in tiers.where_many(picked_keys)):
                             time.sleep(0.0005)
