@@ -1,6 +1,6 @@
 """A promotion's host time from the host tier, with room on the slab, with a full slab (each
 promotion then evicts as many facts) and after a prefetch moved the facts from disk to the host
-(parallel reads, landing in completion order; right away and 50 ms later), on the tiers alone: no engine (diagnostic),
+(parallel reads, landing in completion order), right away and after 50 ms idle, on the tiers alone: no engine (diagnostic),
 and how many copies (ranges of pages adjacent on both sides) each took.
 
 usage: python scripts/tiers_promotion.py [cpu|cuda] [K]   (SmolLM2-135M's KV shape, 28-token facts)
@@ -31,7 +31,8 @@ def main(device: str, k: int, repeats: int = 40, warmup: int = 5) -> None:
         tiers.put(key, kv, "fp")
     measured, fillers = keys[:k], keys[k:]
     copies: dict[str, list[int]] = {}
-    times: dict[str, list[float]] = {"host, slab full": [], "host, room on the slab": [], "after prefetch": [],
+    times: dict[str, list[float]] = {"host, slab full": [], "host, room on the slab": [],
+                                     "host, room on the slab, 50 ms later": [], "after prefetch": [],
                                      "after prefetch, 50 ms later": []}
 
     def promote(case: str) -> None:
@@ -44,9 +45,11 @@ def main(device: str, k: int, repeats: int = 40, warmup: int = 5) -> None:
     for _ in range(warmup + repeats):
         tiers.get_many(fillers, "fp")  # the measured facts go down to the host, the slab is full
         promote("host, slab full")
-        for key in measured:
-            tiers.evict(key)
-        promote("host, room on the slab")
+        for case, pause in (("host, room on the slab", 0.0), ("host, room on the slab, 50 ms later", 0.05)):
+            for key in measured:
+                tiers.evict(key)
+            time.sleep(pause)  # idle as long as after the prefetch below
+            promote(case)
         for case, pause in (("after prefetch", 0.0), ("after prefetch, 50 ms later", 0.05)):
             for key in measured:
                 tiers.evict(key, to="disk")
