@@ -19,6 +19,9 @@ prefilled; the background reads of recomputed facts finish before the next reque
 the disk tier after a prefetch (``tiers.prefetch``, as ``MemoryStore.prefetch(user_id)`` starts
 it) moved the facts to the host tier; ``prefetch_ms`` is how long that took.
 
+Every row's request follows :data:`IDLE_S` seconds without requests, then an untimed short one
+(the after-prefetch row's idle is its prefetch): rows differ only in where their facts are.
+
 ``disk`` reads are cold by default: each fact file's pages are dropped from the OS page cache
 (``posix_fadvise(DONTNEED)``, per file, harmless to other processes) before the timed read;
 ``warm_disk=True`` keeps them cached (a disk tier that fits in RAM).
@@ -53,6 +56,11 @@ PROMPT = "prompt"
 #: Cold disk tier served through the cost model; the disk tier after a prefetch to the host.
 COST_MODEL = "disk-cost-model"
 AFTER_PREFETCH = "after-prefetch"
+#: Seconds without requests before every row's short request: what a user's request follows, and
+#: as long as the after-prefetch row's prefetch (~0.2 s at k=50 on the H200), whose wait is its idle.
+#: The host's first work after an idle gap runs slower (scripts/tiers_promotion.py: a promotion's
+#: host time +0.7 ms after 50 ms), so rows with unequal gaps would differ by that alone.
+IDLE_S = 0.25
 
 
 class _Read:
@@ -190,19 +198,21 @@ def run_tiers(
             full = fill_slab(k)
             mismatches = 0
             worst = 0.0  # largest top-5 logprob difference of any tier from the device tier
-            def short_request() -> None:
-                """An untimed no-memory request: the next one starts with the GPU awake and no
-                long prefill just behind it."""
+            def settle(idle_since: float | None = None) -> None:
+                """:data:`IDLE_S` without requests (counted from ``idle_since``), then an untimed
+                no-memory request: the next one starts with the GPU awake, no long prefill just
+                behind it, after the same idle as every row."""
+                start = time.perf_counter() if idle_since is None else idle_since
+                time.sleep(max(0.0, IDLE_S - (time.perf_counter() - start)))
                 engine.generate_segments([work.head + work.question()], max_tokens=1, mode="prompt")
 
             for rep in tqdm(range(warmup + repeats), desc=f"tiers k={k}", leave=False):
                 # The request right after a long prefill runs slower whatever it is (bench ttft's
-                # after_prefill_ms_p50): an untimed short one takes that, so every row follows a
-                # short request; device and host alternate which goes first, and so do the cost
-                # model and the prompt baseline, which run back to back: the cost model's
-                # all-prefill choice is the baseline's very request, so only the pair shows
-                # what choosing costs.
-                short_request()
+                # after_prefill_ms_p50): an untimed short one takes that, so every row follows
+                # the same idle and a short request (settle); device and host alternate which
+                # goes first, and so do the cost model and the prompt baseline, which run back to
+                # back: the cost model's all-prefill choice is the baseline's very request, so
+                # only the pair shows what choosing costs.
                 question = work.question()
                 answers = set()
                 logprobs: dict[str, dict[int, float]] = {}
@@ -210,8 +220,8 @@ def run_tiers(
                 paired = (COST_MODEL, PROMPT) if rep % 2 == 0 else (PROMPT, COST_MODEL)
                 for tier in (*order, *paired, AFTER_PREFETCH):
                     store = full if tier == HOST_SLAB_FULL else tiers
-                    if tier == PROMPT:  # k facts pasted as text, after a short request as every row
-                        short_request()
+                    if tier == PROMPT:  # k facts pasted as text, settled as every row
+                        settle()
                         segs = work.prompt_segments(work.sample(k), work.question())
                         result = engine.generate_segments(segs, max_tokens=1, mode="prompt")
                         if rep >= warmup:
@@ -221,7 +231,7 @@ def run_tiers(
                         continue
                     if tier == COST_MODEL:
                         move_to("disk", picked_keys)
-                        short_request()  # moving and dropping pages left the GPU idle: not this row's cost
+                        settle()
                         serial += 1
                         # A fresh order each repeat, as the prompt row: vLLM's prefix cache must
                         # not serve the facts this request prefills.
@@ -258,14 +268,16 @@ def run_tiers(
                             time.sleep(0.0005)
                         if rep >= warmup:
                             prefetch_s.append(time.perf_counter() - t0)
-                        short_request()
+                        settle(idle_since=t0)  # the prefetch's wait is this row's idle
                     elif tier == HOST_SLAB_FULL:
                         full.get_many(fillers[:k], fp)  # evicts the measured facts to the host
                         sync()
                         if {full.where(key) for key in picked_keys} != {"host"}:
                             raise RuntimeError("facts meant for the host tier of a full slab are elsewhere")
+                        settle()
                     else:
                         move_to(tier, picked_keys)
+                        settle()
                     t0 = time.perf_counter()
                     kvs = store.get_many(picked_keys, fp)  # host copies may still be in flight: no sync
                     t_promote = time.perf_counter() - t0
