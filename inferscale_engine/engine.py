@@ -133,7 +133,7 @@ class InferScaleEngine:
         self._calibration: planner.Calibration | None = None
         self.fact_source: FactSource | None = None
         # Promotions of cold memories a request prefilled start here, not in the caller's thread
-        # (a generate call, a server's event loop): their bookkeeping is ~10 µs a memory.
+        # (a generate call, a server's event loop), which then waits for no bookkeeping of theirs.
         self._promotions = ThreadPoolExecutor(1, thread_name_prefix="inferscale-promote")
         self._closed = False
         full_graphs = cuda_graphs.wanted(self.config) and not self.config.vllm_url
