@@ -55,7 +55,6 @@ from inferscale_engine.kv import FactKV, check_finite
 from inferscale_engine.logs import configure_vllm_logging
 from inferscale_engine.loop import AsyncEngineLoop, EngineLoop, Loop
 from inferscale_engine.types import (
-    ColdFact,
     FactSource,
     GenerationResult,
     MemoryMix,
@@ -586,8 +585,7 @@ class InferScaleEngine:
         if mode == "inject":
             # Cold memories: wait for their reads or prefill them, whichever the cost model expects
             # to be faster (planner.py); the layout then injects the prefix it leaves as spans.
-            cold = any(isinstance(s, ColdFact) for s in segments)
-            segments, mix, promote = planner.plan(segments, recompute, self._rates() if cold else None)
+            segments, mix, promote = planner.plan(segments, recompute, self._rates)
         spans, tail = self._layout(segments, recompute, user_id)
         token_ids = [*itertools.chain.from_iterable(s.token_ids for s in spans), *tail]
         extra: dict[str, Any] = {}

@@ -2,7 +2,8 @@
 makes a request slower than prefilling it would.
 
 A memory in a prompt is injected from where its KV is (device or host tier, or a disk file
-still in the page cache: all cheap), read from a cold disk file and injected, or recomputed:
+still in the page cache: all cheap; the page cache is probed only for the memories the split
+search reaches), read from a cold disk file and injected, or recomputed:
 prefilled as text, exactly as prompt injection does. The connector injects only a *prefix* of
 the prompt, so the choice is one split: the first ``j`` memories are injected (cold ones among
 them are waited for), everything after memory ``j`` is prefilled, in prompt order — the same
@@ -37,9 +38,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from inferscale_engine.types import ColdFact, MemoryMix, Segment, Span, TextFact
+from inferscale_engine.types import ColdFact, ColdRead, MemoryMix, Segment, Span, TextFact
 
 logger = logging.getLogger(__name__)
 
@@ -97,14 +98,16 @@ class Plan:
 
 
 def plan(
-    segments: Sequence[Segment], recompute: int, rates: Rates | None
+    segments: Sequence[Segment], recompute: int, rates: Rates | Callable[[], Rates | None] | None
 ) -> tuple[list[Segment], MemoryMix, Callable[[], None] | None]:
     """Segments with the cold memories the cost model injects loaded (waited for), the mix of
     the request, and what moves the prefilled cold memories up a tier for the next request
     (``None``: no cold memory is prefilled): the caller runs it once the request's first token
     is out, since reads running during the prefill compete with vLLM's host work (GIL, memory
     bandwidth). The rest stay text (``TextFact``) and, with the quality knob's last
-    ``recompute`` memories, form the prefilled tail laid out by the engine."""
+    ``recompute`` memories, form the prefilled tail laid out by the engine. ``rates`` may be
+    what returns them: it is asked only when a file the split could reach is not in the page
+    cache (the engine's may wait for its start-up measurement)."""
     # One pass over the segments (on every injected request's path): where the memories
     # are, which are cold, and the first one still waiting to be encoded.
     facts: list[int] = []
@@ -123,7 +126,11 @@ def plan(
     limit = max(0, len(facts) - recompute)
     if waiting is not None:  # not encoded yet: prefilled, and everything after it
         limit = min(limit, waiting)
-    if cold and cold[0] < limit:
+    reads: dict[int, ColdRead] = {j: cast(ColdFact, segments[facts[j]]).read for j in cold}
+    reachable = [j for j in cold if j < limit]
+    if reachable and not all(reads[j].cached for j in reachable):
+        if callable(rates):
+            rates = rates()
         if rates is None:  # nothing measured (no store speeds): load, as before the cost model
             split = limit
         else:
@@ -136,20 +143,21 @@ def plan(
     out = list(segments)
     prefix = [j for j in cold if j < split]
     for j in prefix:  # queued together: read in parallel
-        segments[facts[j]].read.start()  # type: ignore[union-attr]
+        reads[j].start()
     for j in prefix:
-        loaded = segments[facts[j]].read.wait()  # type: ignore[union-attr]
+        loaded = reads[j].wait()
         out[facts[j]] = loaded
         if not isinstance(loaded, Span):  # the file was unusable: the prefix ends here
             split = j
             break
-    later = [segments[facts[j]].read for j in cold if j >= split]  # type: ignore[union-attr]
+    later = [reads[j] for j in cold if j >= split]
 
     def promote() -> None:  # prefilled now; in a memory tier for the next request
         for read in later:
             read.promote()
 
-    from_disk = sum(1 for j in cold if j < split)
+    # A file the page cache held was read like a memory tier.
+    from_disk = sum(1 for j in cold if j < split and not reads[j].cached)
     mix = MemoryMix(injected=split - from_disk, from_disk=from_disk, recomputed=len(facts) - split)
     return out, mix, promote if later else None
 
@@ -170,7 +178,7 @@ def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rat
     for j in range(1, limit + 1):
         end = facts[j - 1]
         seg = segments[end]
-        if isinstance(seg, ColdFact):  # the read's cost changes only where a cold file joins
+        if isinstance(seg, ColdFact) and not seg.read.cached:  # costs change only where a cold file joins
             cold_bytes += seg.read.nbytes
             disk_s = rates.disk_s(cold_bytes)
             if disk_s + shortest_s > best_s:

@@ -64,6 +64,11 @@ class ColdRead(Protocol):
     def nbytes(self) -> int:
         """Bytes of the file (asked only of the memories the cost model weighs reading)."""
 
+    @property
+    def cached(self) -> bool:
+        """Whether the whole file sits in the OS page cache, so a read would not wait for the disk
+        (asked only of the memories the cost model weighs reading: a probe is a few syscalls)."""
+
     def start(self) -> None:
         """Queue the read now, on the pool that serves requests (reads started together run in
         parallel); idempotent."""
@@ -78,7 +83,7 @@ class ColdRead(Protocol):
 
 
 class ColdFact(TextFact):
-    """A memory whose KV is only in a disk file outside the page cache.
+    """A memory whose KV is only in a disk file (outside the page cache, unless ``read.cached``).
 
     The engine's cost model (:mod:`inferscale_engine.planner`) either reads it and injects the
     KV, or prefills the memory as text, which is what a :class:`TextFact` is (so anything that

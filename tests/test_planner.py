@@ -17,9 +17,15 @@ PREFILL = ((10, 0.010), (100, 0.019), (1000, 0.109))
 class Read:
     """A cold fact's read that records what the planner asked of it."""
 
-    def __init__(self, span: Span, nbytes: int = 1_000_000) -> None:
-        self.span, self.nbytes = span, nbytes
+    def __init__(self, span: Span, nbytes: int = 1_000_000, in_page_cache: bool = False) -> None:
+        self.span, self.nbytes, self.in_page_cache = span, nbytes, in_page_cache
         self.calls: list[str] = []
+        self.probes = 0  # page-cache probes: a few syscalls each, on the request's path
+
+    @property
+    def cached(self) -> bool:
+        self.probes += 1
+        return self.in_page_cache
 
     def start(self) -> None:
         self.calls.append("start")
@@ -75,6 +81,36 @@ def test_slow_disk_recomputes_and_promotes():
     promote()  # the engine's call once the first token is out
     assert all(r.calls == ["promote"] for r in reads)
     assert out == segs
+
+
+def test_the_page_cache_is_probed_only_where_the_split_search_reaches():
+    segs, reads = _prompt("cccc")
+    _, mix, _ = plan(segs, 0, _rates(1e7))  # the first cold read already costs more than all prefill
+    assert mix == MemoryMix(0, 0, 4)
+    assert [r.probes > 0 for r in reads] == [True, False, False, False]
+    # A file in the page cache is read like a memory tier: it costs nothing and counts as injected.
+    segs, reads = _prompt("cccc")
+    reads[0].in_page_cache = True
+    _, mix, _ = plan(segs, 0, _rates(1e7))
+    assert mix == MemoryMix(1, 0, 3)
+    assert reads[0].calls == ["start", "wait"] and [r.probes > 0 for r in reads] == [True, True, False, False]
+
+
+def test_rates_are_asked_only_for_a_file_outside_the_page_cache():
+    asked = []
+
+    def rates() -> Rates:  # the engine's may wait for its start-up measurement
+        asked.append(1)
+        return _rates(1e7)
+
+    segs, reads = _prompt("cc")
+    for r in reads:
+        r.in_page_cache = True
+    _, mix, _ = plan(segs, 0, rates)
+    assert mix == MemoryMix(2, 0, 0) and asked == []
+    segs, _ = _prompt("cc")
+    _, mix, _ = plan(segs, 0, rates)
+    assert mix == MemoryMix(0, 0, 2) and asked == [1]
 
 
 def test_fast_disk_reads_all_in_parallel():

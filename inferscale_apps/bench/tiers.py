@@ -74,6 +74,10 @@ class _Read:
     def nbytes(self) -> int:
         return self.tiers.file_bytes(self.key, len(self.ids))
 
+    @functools.cached_property
+    def cached(self) -> bool:
+        return self.tiers.disk.cached(self.key)
+
     def start(self) -> None:
         if self.future is None:
             self.future = self.tiers.read_async([self.key], self.fingerprint)[0]

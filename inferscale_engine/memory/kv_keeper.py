@@ -84,6 +84,10 @@ class _ColdRead:
     def nbytes(self) -> int:
         return self._keeper.tiers.file_bytes(self._key, len(self._fact.token_ids or ()))
 
+    @functools.cached_property
+    def cached(self) -> bool:
+        return self._keeper.tiers.disk.cached(self._key)
+
     def start(self) -> None:
         if self._future is None:
             self._future = self._keeper.tiers.read_async([self._key], self._keeper.fingerprint)[0]
@@ -211,8 +215,8 @@ class KVKeeper:
         """What the engine injects for each fact: its tokens and their KV (see :meth:`kvs`). A fact
         another thread is still encoding comes back as :class:`TextFact` (its tokens, prefilled):
         a chat never waits behind ingestion for it. ``defer_cold``: a fact whose KV is only in a
-        disk file outside the page cache comes back as a :class:`ColdFact` whose read has
-        started, for the engine's cost model to wait for or to prefill instead. ``held``: a
+        disk file comes back as a :class:`ColdFact`, nothing read yet, for the engine's cost
+        model to read (at once where the page cache holds the file) or to prefill instead. ``held``: a
         predicate over span keys; an encoded fact whose key it holds comes back as a held
         :class:`Span` (no KV read from any tier; ``reread`` reads it)."""
         kept: dict[int, Span | TextFact] = {}
@@ -241,16 +245,16 @@ class KVKeeper:
         return self.tiers.prefetch(keys, self.fingerprint) if keys else 0
 
     def _cold(self, facts: list[FactRow]) -> dict[int, ColdFact]:
-        """The facts (by position) whose KV is only in a disk file the page cache does not hold,
-        as :class:`ColdFact` (nothing read yet: the engine's cost model starts what it needs).
-        Per fact one page-cache probe and no other filesystem call: an encoded fact has its
-        file (write-through) unless a read found it missing, and its size follows from its KV."""
+        """The facts (by position) whose KV is only in a disk file, as :class:`ColdFact`
+        (nothing read yet: the engine's cost model starts what it needs). No filesystem call:
+        an encoded fact has its file (write-through) unless a read found it missing, its size
+        follows from its KV, and the page cache is probed (``read.cached``) only for the facts
+        the cost model weighs reading."""
         ready = [i for i, f in enumerate(facts) if f.fingerprint == self.fingerprint]
         keys: list[KVKey] = [(facts[i].id, facts[i].kv_version) for i in ready]
-        cached = self.tiers.disk.cached
         return {i: ColdFact(facts[i].token_ids or (), _ColdRead(self, facts[i], key))
                 for i, key, tier in zip(ready, keys, self.tiers.where_many(keys, check_disk=False))
-                if tier == "disk" and not cached(key)}
+                if tier == "disk"}
 
     def _load_cold(self, future: Future[FactKV], f: FactRow) -> Span | TextFact:
         """A cold fact's span once its read is done; a file that turned out unusable goes the

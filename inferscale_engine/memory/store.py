@@ -455,7 +455,7 @@ class MemoryStore:
     def resolve_many(self, handles: Sequence[Handle | str], user_id: str, *,
                      defer_cold: bool = False, held: Callable[[str], bool] | None = None) -> list[Span | TextFact]:
         """:meth:`resolve` for every handle of one request, reading their KV in one batch.
-        ``defer_cold``: facts whose KV is only in a cold disk file come back as
+        ``defer_cold``: facts whose KV is only in a disk file come back as
         :class:`~inferscale_engine.types.ColdFact`, nothing read yet (the engine's cost model
         reads them, or prefills them and has them promoted). ``held``: a predicate over span
         keys (``KVExchange.holds``); a fact whose key it holds comes back as a held
