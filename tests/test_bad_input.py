@@ -46,7 +46,7 @@ from inferscale_engine.handles import (
     find_handles,
     split_on_handles,
 )
-from inferscale_engine.types import Span
+from inferscale_engine.types import ColdFact, Span
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -562,8 +562,9 @@ plain = st.text(st.characters(blacklist_categories=("Cs",)), max_size=30).filter
        chat=st.booleans())
 def test_segmentation_is_the_text_with_handles_replaced_by_fact_tokens(engine, user_facts, parts, last, chat):
     """``resolve`` splits a prompt into [ids, span, ids, span, ..., ids]: each text piece is the
-    tokenizer's ids of that piece, each span the fact's own ids; decoding everything gives the
-    prompt with every handle replaced by its fact's text (what the model sees)."""
+    tokenizer's ids of that piece, each span the fact's own ids (a fact whose KV is only in its
+    disk file comes as a ``ColdFact``, its ids, for the cost model to read or prefill); decoding
+    everything gives the prompt with every handle replaced by its fact's text (what the model sees)."""
     user, items = user_facts
     text = "".join(p + items[i].handle for p, i in parts) + last
     prompt: Any = [{"role": "system", "content": text}, {"role": "user", "content": "Q?"}] if chat else text
@@ -576,6 +577,9 @@ def test_segmentation_is_the_text_with_handles_replaced_by_fact_tokens(engine, u
     for j, seg in enumerate(segments):
         if j % 2:
             i = parts[j // 2][1]
+            if isinstance(seg, ColdFact):
+                assert list(seg) == engine.tokenize(FACT_TEXTS[i])
+                continue
             assert isinstance(seg, Span) and seg.text == FACT_TEXTS[i]
             assert list(seg.token_ids) == engine.tokenize(FACT_TEXTS[i]) and seg.kv.num_tokens == len(seg.token_ids)
         else:
