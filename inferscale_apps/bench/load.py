@@ -5,7 +5,8 @@ alternates between
 
 * **add**: ``POST /v1/memories/`` with a new fact about the user ("My <thing> is <value>."),
 * **ask**: a chat completion that references the user's memories, either with their handles in
-  the system message (KV injection; the answer must report ``injected_tokens > 0``) or with the
+  the system message (KV injection; the answer must report ``injected_tokens > 0``, or the cost
+  model's choice to prefill cold memories in ``usage.memory_mix``) or with the
   server-side ``memory_k`` recall; every third ask streams (SSE, checked to end in ``[DONE]``),
 * **search** (every fourth op): ``POST /v1/memories/search/``; every hit must be the user's own
   (an isolation check under load).
@@ -84,6 +85,8 @@ class LoadReport:
     ttft_stream: dict[str, float | None] = field(default_factory=dict)
     facts_added: int = 0
     injected_tokens: int = 0
+    #: Asks that injected nothing because the cost model prefilled their cold memories.
+    asks_recomputed: int = 0
     cancelled: int = 0
 
     @property
@@ -97,7 +100,8 @@ class LoadReport:
         lines = [
             f"load: {self.users} users x {self.duration_s:g}s against {self.url} (wall {self.wall_s:.1f}s)",
             (f"requests {self.requests} ({self.throughput_rps:.1f}/s), errors {self.errors}, facts added "
-             f"{self.facts_added}, injected tokens {self.injected_tokens}"),
+             f"{self.facts_added}, injected tokens {self.injected_tokens}, asks whose cold memories were "
+             f"prefilled {self.asks_recomputed}"),
         ]
         for op, stats in sorted(self.latency.items()):
             lines.append(
@@ -132,6 +136,7 @@ class _Run:
         self.examples: list[str] = []
         self.facts = 0
         self.injected = 0
+        self.recomputed = 0
         self.user_ids = [f"{prefix}-{i:04d}" for i in range(users)]
 
     def error(self, kind: str, detail: str) -> None:
@@ -219,7 +224,7 @@ class _Run:
                 return False
             data = r.json()
             content = data["choices"][0]["message"]["content"]
-            injected = int(data["usage"].get("injected_tokens", 0))
+            usage = data["usage"]
             if not isinstance(content, str) or data["usage"]["completion_tokens"] < 1:
                 self.error("invalid_response", f"ask: {r.text}")
                 return False
@@ -250,10 +255,14 @@ class _Run:
                 return False
             if first is not None:
                 self.ttft.append(first)
-            injected = int(usage.get("injected_tokens", 0))
-        if injected <= 0:  # the user has memories: handles (or memory_k recall) must inject them
-            self.error("not_injected", f"ask injected nothing: {json.dumps(body)[:200]}")
-            return False
+        injected = int(usage.get("injected_tokens", 0))
+        if injected <= 0:
+            # The user has memories: handles (or memory_k recall) must inject them, unless the
+            # cost model chose to prefill memories whose KV was only in cold disk files.
+            if not (usage.get("memory_mix") or {}).get("recomputed"):
+                self.error("not_injected", f"ask injected nothing: {json.dumps(body)[:200]}")
+                return False
+            self.recomputed += 1
         self.injected += injected
         return True
 
@@ -292,7 +301,7 @@ class _Run:
             url=self.url, users=self.users, duration_s=self.duration, wall_s=round(wall, 3),
             requests=sum(self.ops.values()), errors=errors, by_op=dict(self.ops), errors_by_kind=dict(self.errors),
             error_examples=self.examples, latency=latency, ttft_stream=_stats(self.ttft), facts_added=self.facts,
-            injected_tokens=self.injected, cancelled=cancelled,
+            injected_tokens=self.injected, asks_recomputed=self.recomputed, cancelled=cancelled,
         )
 
 
