@@ -43,7 +43,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -654,16 +654,14 @@ class KVTiers:
              src_pages: list[int]) -> int:
         """Queue the page copies on ``stream``: one batch, a range per run of pages that lie one
         after the other on both sides; returns how many ranges."""
-        dst_which, dst_index = _split_pages(dst, dst_pages)
-        src_which, src_index = _split_pages(src, src_pages)
-        starts, lengths = page_runs(dst_which, dst_index, src_which, src_index)
+        r = _page_ranges(dst, dst_pages, src, src_pages)
         pb = self._page_bytes
         copier = self._copiers.get(stream)
         if copier is None:
             copier = self._copiers[stream] = ByteCopier(stream)
-        copier.copy(_ranges(dst, dst_which[starts]), dst_index[starts] * pb, _ranges(src, src_which[starts]),
-                    src_index[starts] * pb, lengths * pb)
-        return len(starts)
+        copier.copy(_ranges(dst, r.dst_which), r.dst_index * pb, _ranges(src, r.src_which), r.src_index * pb,
+                    r.lengths * pb)
+        return len(r.lengths)
 
     def _read_host(self, entry: _Entry) -> FactKV:
         """A host-tier fact's KV on the device, without caching it there (lock held)."""
@@ -813,15 +811,31 @@ def _split_pages(pool: Sources, pages: list[int]) -> tuple[np.ndarray, np.ndarra
     return np.divmod(at, pool.tensors[0].shape[0])
 
 
-def _copy_on_host(dst: Sources, dst_pages: list[int], src: Sources, src_pages: list[int]) -> int:
-    """:meth:`KVTiers._copy` done by the host, a range per run of pages (CPU pools only)."""
+class _PageRanges(NamedTuple):
+    """Page copies merged into ranges: per range, each side's tensor and first page, and its length."""
+
+    dst_which: np.ndarray
+    dst_index: np.ndarray
+    src_which: np.ndarray
+    src_index: np.ndarray
+    lengths: np.ndarray
+
+
+def _page_ranges(dst: Sources, dst_pages: list[int], src: Sources, src_pages: list[int]) -> _PageRanges:
+    """The ranges :meth:`KVTiers._copy` copies, on the device or on the host alike."""
     dst_which, dst_index = _split_pages(dst, dst_pages)
     src_which, src_index = _split_pages(src, src_pages)
     starts, lengths = page_runs(dst_which, dst_index, src_which, src_index)
-    for i, n in zip(starts.tolist(), lengths.tolist()):
-        d, s = int(dst_index[i]), int(src_index[i])
-        dst.tensors[dst_which[i]][d : d + n].copy_(src.tensors[src_which[i]][s : s + n])
-    return len(starts)
+    return _PageRanges(dst_which[starts], dst_index[starts], src_which[starts], src_index[starts], lengths)
+
+
+def _copy_on_host(dst: Sources, dst_pages: list[int], src: Sources, src_pages: list[int]) -> int:
+    """:meth:`KVTiers._copy` done by the host, a range per run of pages (CPU pools only)."""
+    r = _page_ranges(dst, dst_pages, src, src_pages)
+    for dw, d, sw, s, n in zip(r.dst_which.tolist(), r.dst_index.tolist(), r.src_which.tolist(),
+                               r.src_index.tolist(), r.lengths.tolist()):
+        dst.tensors[dw][d : d + n].copy_(src.tensors[sw][s : s + n])
+    return len(r.lengths)
 
 
 def _ranges(pool: Sources, which: np.ndarray) -> Sources:
