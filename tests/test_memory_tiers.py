@@ -202,6 +202,35 @@ def test_page_runs_merge_only_pages_that_follow_each_other_on_both_sides():
                 dst_which[s - 1], src_which[s - 1], dst_index[s - 1] + 1, src_index[s - 1] + 1)
 
 
+def test_page_ranges_one_range_or_many_cover_every_page_once():
+    """A copy that is one range both ways (a promotion of facts lying together) skips the numpy
+    pass; either way the ranges are what pages one after the other in one tensor make."""
+    import random
+
+    from inferscale_engine.memory.dma import Sources
+    from inferscale_engine.memory.tiers import _page_ranges
+
+    rng = random.Random(0)
+    slab = Sources.of([torch.empty(40, 2)])
+    chunks = Sources.of([torch.empty(8, 2), torch.empty(8, 2), torch.empty(5, 2)])  # the last one smaller
+    for _ in range(300):
+        n = rng.randint(1, 12)
+        d0, s0 = rng.randint(0, 40 - n), rng.randint(0, 20 - n)
+        dst, src = list(range(d0, d0 + n)), list(range(s0, s0 + n))
+        if rng.random() < 0.5:  # not one range: another order, or a jump
+            src = rng.sample(src, n) if rng.random() < 0.5 else src[: n // 2] + [p + 1 for p in src[n // 2 :]]
+        r = _page_ranges(slab, dst, chunks, src)
+        pages = []
+        for dw, d, sw, s_, m in zip(r.dst_which.tolist(), r.dst_index.tolist(), r.src_which.tolist(),
+                                    r.src_index.tolist(), r.lengths.tolist()):
+            assert dw == 0 and 0 < m and s_ + m <= chunks.tensors[sw].shape[0]
+            pages += [(d + i, 8 * sw + s_ + i) for i in range(m)]
+        assert pages == list(zip(dst, src))
+        breaks = sum(dst[i] != dst[i - 1] + 1 or src[i] != src[i - 1] + 1 or src[i] // 8 != src[i - 1] // 8
+                     for i in range(1, n))
+        assert len(r.lengths) == breaks + 1
+
+
 def test_a_facts_pages_and_a_batchs_pages_lie_one_after_the_other(tmp_path):
     """Pages taken together are consecutive in both memory tiers, so a batch copies about one
     range per fact rather than one per page (the copies' count is what costs host time)."""

@@ -149,7 +149,9 @@ class ByteCopier:
             return
         src_ptrs = srcs.address + src_offsets
         dst_ptrs = dsts.address + dst_offsets
-        if self._batch and self._copy_batch(runtime, dst_ptrs, src_ptrs, sizes, to_device):
+        # One range (a promotion of facts that lie together): a plain cudaMemcpyAsync, which
+        # takes less marshalling than a batch of one.
+        if self._batch and len(sizes) > 1 and self._copy_batch(runtime, dst_ptrs, src_ptrs, sizes, to_device):
             return
         memcpy, stream = runtime.lib.cudaMemcpyAsync, self.stream.cuda_stream
         for d, s, n in zip(dst_ptrs.tolist(), src_ptrs.tolist(), sizes.tolist()):  # ints and one C call each

@@ -477,23 +477,26 @@ class KVTiers:
         # In host-page order, into slab pages taken in one piece: facts that lie one after the
         # other on the host (evicted or prefetched together) copy as one range, whatever order
         # the request names them in (a prefetch's parallel reads land in completion order).
+        if not fits:
+            return promoted, served
         to_pages = sorted(_take(self._free, len(self._free) - room))
         from_pages: list[int] = []
         slab_pages: dict[KVKey, list[int]] = {}
         for key, h in sorted(fits, key=lambda kh: kh[1].pages[0]):
             slab_pages[key] = to_pages[len(from_pages) : len(from_pages) + len(h.pages)]
             from_pages += h.pages
+        self._wait_written(hosts)
+        # Queued before the bookkeeping: the sooner the DMA starts, the sooner its tail lands.
+        self.counters["host_to_device_copies"] += self._copy(self._slab_pool, to_pages, self._host_pool(), from_pages)
         for key, h in fits:  # in the request's order, which later evictions go by (_kept)
-            # The host pages stay the fact's: an eviction back is then bookkeeping. Taken back
-            # for room only after this copy is queued, so a copy into them is queued after it.
-            promoted[key] = _Entry(slab_pages[key], h.num_tokens, h.position, h.fingerprint, backup=h.pages)
-        if promoted:
-            self._wait_written(hosts)
-            copies = self._copy(self._slab_pool, to_pages, self._host_pool(), from_pages)
-            self.counters["host_to_device_copies"] += copies
-            self._device.update(promoted)
-            self._kept.update(dict.fromkeys(promoted))
-            self.counters["host_to_device"] += len(promoted)
+            # The entry moves to the device. Its host pages stay the fact's: an eviction back is
+            # then bookkeeping. Taken back for room only after this copy is queued, so a copy
+            # into them is queued after it.
+            h.pages, h.backup = slab_pages[key], h.pages
+            promoted[key] = h
+        self._device.update(promoted)
+        self._kept.update(dict.fromkeys(promoted))
+        self.counters["host_to_device"] += len(promoted)
         return promoted, served
 
     def _make_room(self, need: int, keep: set[KVKey]) -> None:
@@ -670,24 +673,37 @@ class KVTiers:
         self._wait_written([entry])
         self._copy(Sources.of([buffer]), list(range(m)), self._host_pool(), entry.pages)
         self._after_side()
-        return self._hand_out(buffer, [(entry.num_tokens, m, entry.position)])[0]
+        # contiguous(): a one-page buffer's block is a strided view of it.
+        block = self._pages_to_block(buffer).contiguous()
+        return self._hand_out(block, [(entry.num_tokens, m, entry.position)])[0]
 
     def _read_device(self, entries: list[_Entry]) -> list[FactKV]:
-        """Every entry's KV as views of one copy of their pages (lock held): one gather and one
-        relayout for all, and later slab writes never change KV handed out."""
+        """Every entry's KV as views of one copy of their pages (lock held): one kernel for all,
+        and later slab writes never change KV handed out."""
         if not entries:
             return []
+        block = self._gather([p for e in entries for p in e.pages])
+        return self._hand_out(block, [(e.num_tokens, len(e.pages), e.position) for e in entries])
+
+    def _gather(self, pages: list[int]) -> torch.Tensor:
+        """Slab pages copied into one new ``[2, layers, tokens, heads, dim]`` block (lock held),
+        gathered and laid out by one kernel. Pages one after the other, as a promotion leaves
+        them, are sliced: no page index goes to the device."""
         assert self._slab is not None
         self._after_side()
-        pages = self._slab.index_select(0, self._index([p for e in entries for p in e.pages]))
-        return self._hand_out(pages, [(e.num_tokens, len(e.pages), e.position) for e in entries])
+        slab = self._slab.permute(2, 1, 0, 3, 4, 5)  # [2, layers, pages, page_tokens, heads, dim]
+        first, m = pages[0], len(pages)
+        if pages == list(range(first, first + m)):
+            block = slab[:, :, first : first + m].clone(memory_format=torch.contiguous_format)
+        else:
+            block = slab.index_select(2, self._index(pages))
+        _, layers, _, pt, heads, dim = block.shape
+        return block.view(2, layers, m * pt, heads, dim)
 
-    def _hand_out(self, pages: torch.Tensor, facts: list[tuple[int, int, int]]) -> list[FactKV]:
-        """FactKVs of facts laid out one after the other in ``pages`` (page layout, just read
-        from the slab or the host tier), given as ``(tokens, pages, position)`` each."""
-        # [2, layers, tokens, heads, dim], contiguous from offset 0 (a one-page gather could
-        # otherwise come back as a strided view).
-        block = self._pages_to_block(pages).contiguous()
+    def _hand_out(self, block: torch.Tensor, facts: list[tuple[int, int, int]]) -> list[FactKV]:
+        """FactKVs of facts laid out one after the other in ``block`` (``[2, layers, tokens,
+        heads, dim]``, contiguous, just copied from the slab or the host tier), given as
+        ``(tokens, pages, position)`` each."""
         # Each fact's rows, then its page padding, along the token axis: two splits hand out
         # every fact's K and V (k=200 facts a request; one op per tensor would cost ~1 ms).
         pt = self.page_tokens
@@ -823,10 +839,35 @@ class _PageRanges(NamedTuple):
 
 def _page_ranges(dst: Sources, dst_pages: list[int], src: Sources, src_pages: list[int]) -> _PageRanges:
     """The ranges :meth:`KVTiers._copy` copies, on the device or on the host alike."""
+    one = _one_range(dst, dst_pages, src, src_pages)
+    if one is not None:  # as a promotion of facts that lie together usually is: no numpy pass
+        return _PageRanges(*(np.array([x], dtype=np.int64) for x in one))
     dst_which, dst_index = _split_pages(dst, dst_pages)
     src_which, src_index = _split_pages(src, src_pages)
     starts, lengths = page_runs(dst_which, dst_index, src_which, src_index)
     return _PageRanges(dst_which[starts], dst_index[starts], src_which[starts], src_index[starts], lengths)
+
+
+def _one_range(dst: Sources, dst_pages: list[int], src: Sources, src_pages: list[int]) -> tuple[int, ...] | None:
+    """``(dst tensor, dst page, src tensor, src page, pages)`` when the copy is one range:
+    both sides' pages one after the other in one tensor of their pool; else ``None``."""
+    n = len(dst_pages)
+    if not n:
+        return None
+    d0, s0 = dst_pages[0], src_pages[0]
+    dw, d = _locate(dst, d0)
+    sw, s = _locate(src, s0)
+    if (_locate(dst, d0 + n - 1)[0] != dw or _locate(src, s0 + n - 1)[0] != sw
+            or dst_pages != list(range(d0, d0 + n)) or src_pages != list(range(s0, s0 + n))):
+        return None
+    return dw, d, sw, s, n
+
+
+def _locate(pool: Sources, page: int) -> tuple[int, int]:
+    """Page ``page`` of ``pool`` as (its tensor, its index there); see :meth:`KVTiers._copy`."""
+    if len(pool.tensors) == 1:
+        return 0, page
+    return divmod(page, pool.tensors[0].shape[0])
 
 
 def _copy_on_host(dst: Sources, dst_pages: list[int], src: Sources, src_pages: list[int]) -> int:
