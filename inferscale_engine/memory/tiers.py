@@ -682,8 +682,15 @@ class KVTiers:
         and later slab writes never change KV handed out."""
         if not entries:
             return []
-        block = self._gather([p for e in entries for p in e.pages])
-        return self._hand_out(block, [(e.num_tokens, len(e.pages), e.position) for e in entries])
+        # Gathered in slab order, where a promotion's facts lie one after the other whatever
+        # order the request names them in (they were copied in host-page order): one slice.
+        order = sorted(range(len(entries)), key=lambda i: entries[i].pages[0])
+        block = self._gather([p for i in order for p in entries[i].pages])
+        kvs = self._hand_out(block, [(entries[i].num_tokens, len(entries[i].pages), entries[i].position) for i in order])
+        out: list[FactKV] = [None] * len(entries)  # type: ignore[list-item]
+        for i, kv in zip(order, kvs):
+            out[i] = kv
+        return out
 
     def _gather(self, pages: list[int]) -> torch.Tensor:
         """Slab pages copied into one new ``[2, layers, tokens, heads, dim]`` block (lock held),
@@ -839,35 +846,46 @@ class _PageRanges(NamedTuple):
 
 def _page_ranges(dst: Sources, dst_pages: list[int], src: Sources, src_pages: list[int]) -> _PageRanges:
     """The ranges :meth:`KVTiers._copy` copies, on the device or on the host alike."""
-    one = _one_range(dst, dst_pages, src, src_pages)
-    if one is not None:  # as a promotion of facts that lie together usually is: no numpy pass
-        return _PageRanges(*(np.array([x], dtype=np.int64) for x in one))
+    few = _interval_ranges(dst, dst_pages, src, src_pages)
+    if few is not None:  # as a promotion of facts that lie together usually is: no numpy pass
+        return _PageRanges(*(np.array(column, dtype=np.int64) for column in zip(*few)))
     dst_which, dst_index = _split_pages(dst, dst_pages)
     src_which, src_index = _split_pages(src, src_pages)
     starts, lengths = page_runs(dst_which, dst_index, src_which, src_index)
     return _PageRanges(dst_which[starts], dst_index[starts], src_which[starts], src_index[starts], lengths)
 
 
-def _one_range(dst: Sources, dst_pages: list[int], src: Sources, src_pages: list[int]) -> tuple[int, ...] | None:
-    """``(dst tensor, dst page, src tensor, src page, pages)`` when the copy is one range:
-    both sides' pages one after the other in one tensor of their pool; else ``None``."""
+def _interval_ranges(
+    dst: Sources, dst_pages: list[int], src: Sources, src_pages: list[int]
+) -> list[tuple[int, int, int, int, int]] | None:
+    """When both sides' pages are each one interval (a promotion of facts lying together): the
+    ranges as ``(dst tensor, dst page, src tensor, src page, pages)``, cut where either side
+    passes into its pool's next tensor (the host tier's chunks); else ``None``."""
     n = len(dst_pages)
     if not n:
         return None
     d0, s0 = dst_pages[0], src_pages[0]
-    dw, d = _locate(dst, d0)
-    sw, s = _locate(src, s0)
-    if (_locate(dst, d0 + n - 1)[0] != dw or _locate(src, s0 + n - 1)[0] != sw
-            or dst_pages != list(range(d0, d0 + n)) or src_pages != list(range(s0, s0 + n))):
+    if dst_pages != list(range(d0, d0 + n)) or src_pages != list(range(s0, s0 + n)):
         return None
-    return dw, d, sw, s, n
+    dst_per, src_per = _tensor_pages(dst), _tensor_pages(src)
+    out = []
+    done = 0
+    while done < n:
+        (dw, d), (sw, s) = _locate(dst, d0 + done), _locate(src, s0 + done)
+        m = min(n - done, dst_per - d, src_per - s)
+        out.append((dw, d, sw, s, m))
+        done += m
+    return out
+
+
+def _tensor_pages(pool: Sources) -> int:
+    """Pages in each tensor of ``pool`` but maybe its last (unbounded for a one-tensor pool)."""
+    return pool.tensors[0].shape[0] if len(pool.tensors) > 1 else 1 << 62
 
 
 def _locate(pool: Sources, page: int) -> tuple[int, int]:
     """Page ``page`` of ``pool`` as (its tensor, its index there); see :meth:`KVTiers._copy`."""
-    if len(pool.tensors) == 1:
-        return 0, page
-    return divmod(page, pool.tensors[0].shape[0])
+    return divmod(page, _tensor_pages(pool))
 
 
 def _copy_on_host(dst: Sources, dst_pages: list[int], src: Sources, src_pages: list[int]) -> int:
