@@ -13,7 +13,6 @@ resolves the fact id, not here.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import re
 from dataclasses import dataclass
@@ -88,7 +87,7 @@ class HandleCodec:
 
     def _mac(self, user_id: str, fact_id: str) -> str:
         msg = f"{len(user_id)}:{user_id}|{fact_id}".encode()
-        return hmac.new(self._secret, msg, hashlib.sha256).hexdigest()[:_MAC_HEX]
+        return hmac.digest(self._secret, msg, "sha256").hex()[:_MAC_HEX]  # one-shot: no HMAC object per handle
 
     def make(self, user_id: str, fact_id: str) -> str:
         if not re.fullmatch(rf"[0-9a-f]{{{_ID_HEX}}}", fact_id):

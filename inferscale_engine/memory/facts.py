@@ -9,7 +9,6 @@ changes atomically whether the API or the encoder changes it.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import secrets
 import threading
@@ -96,7 +95,7 @@ class FactTable:
                 raise FactNotFoundError(f"memory {fact_id} does not exist (never did, or was deleted)")
             if fact.user_id != user_id:  # cannot happen with a valid MAC; checked anyway
                 raise ForgedHandleError(f"memory {fact_id} does not belong to this user")
-            out.append(copy.copy(fact))  # shallow, as dataclasses.replace, at a third of its cost
+            out.append(fact.copy())
         return out
 
     def count_encoded(self, fingerprint: str | None) -> int:
