@@ -79,7 +79,8 @@ class FactKV:
 
     @property
     def num_tokens(self) -> int:
-        return self.k.shape[1]
+        rows = self.__dict__.get("_rows")
+        return rows[2] if rows is not None else self.k.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -106,36 +107,46 @@ class FactKV:
         return layout
 
     @classmethod
-    def cut_alike(
-        cls,
-        ks: Sequence[torch.Tensor],
-        vs: Sequence[torch.Tensor],
-        positions: Sequence[int],
-        ready: Any = None,
-    ) -> list[FactKV]:
-        """FactKVs for views cut the same way from one K and one V tensor (same shape but for the
-        token count, same strides, dtype and device), as a tier hands out a batch of facts.
+    def rows_of(cls, block: torch.Tensor, rows: Sequence[tuple[int, int, int]], ready: Any = None) -> list[FactKV]:
+        """FactKVs of token rows of one contiguous ``[2, layers, tokens, heads, dim]`` block (K,
+        then V), each given as ``(first row, rows, position)``: how a tier hands out a batch of
+        facts it has just copied into one block.
 
-        Only the first view is checked and has its :meth:`layout` read in full; every other one
-        costs two address reads, where one built on its own costs a dozen calls into torch for
-        its checks and its layout (``scripts/bench_table_build.py`` times both).
+        No view is made until ``k`` or ``v`` is read: an injection reads only the
+        :meth:`layout`, which follows from the block's by arithmetic. Two views a fact cost
+        ~1 µs each on a server's CPU, on the path of every request that reads from a tier.
         """
-        if not ks:
-            return []
-        first = cls(ks[0], vs[0], positions[0], ready)
-        addresses, dtype, is_cuda, num_layers = first.layout()
-        out = [first]
-        if addresses is None:  # rows not contiguous: the table builder rejects these anyway
-            return out + [cls(k, v, p, ready) for k, v, p in zip(ks[1:], vs[1:], positions[1:])]
-        strides = _ADDRESSES.unpack(addresses)[2:]
-        for k, v, position in zip(ks[1:], vs[1:], positions[1:]):
-            fact = cls.__new__(cls)  # skips the per-fact checks: the first view stood for all
+        if block.dim() != 5 or block.shape[0] != 2 or not block.is_contiguous():
+            raise ValueError(f"a block of facts is a contiguous [2, layers, tokens, heads, dim] tensor, "
+                             f"got shape {tuple(block.shape)}")
+        _, num_layers, tokens, heads, dim = block.shape
+        row = heads * dim  # elements; strides in elements, addresses in bytes
+        layer = tokens * row
+        row_bytes = row * block.element_size()
+        k0 = block.data_ptr()
+        v0 = k0 + num_layers * layer * block.element_size()
+        out = []
+        for start, n, position in rows:
+            if not 0 <= start <= start + n <= tokens:
+                raise ValueError(f"rows [{start}, {start + n}) outside a block of {tokens}")
+            fact = cls.__new__(cls)  # no views, no checks: the block stands for all
+            offset = start * row_bytes
             fact.__dict__.update(
-                k=k, v=v, position=position, ready=ready,
-                _layout=(_ADDRESSES.pack(k.data_ptr(), v.data_ptr(), *strides), dtype, is_cuda, num_layers),
+                position=position, ready=ready, _rows=(block, start, n),
+                _layout=(_ADDRESSES.pack(k0 + offset, v0 + offset, layer, layer, row, row), block.dtype,
+                         block.is_cuda, num_layers),
             )
             out.append(fact)
         return out
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for attributes not set: ``k`` and ``v`` of a FactKV made by rows_of, viewed now.
+        rows = self.__dict__.get("_rows")
+        if rows is None or name not in ("k", "v"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        block, start, n = rows
+        self.__dict__.update(k=block[0, :, start : start + n], v=block[1, :, start : start + n])
+        return self.__dict__[name]
 
     def __getstate__(self) -> dict[str, Any]:
         # Copies and unpickled FactKVs may hold other tensors (deepcopy's do): the cached layout

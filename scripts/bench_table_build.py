@@ -5,13 +5,13 @@ Times, at ``--spans`` retrieved facts of ``--tokens`` tokens each (k=200 by defa
 * ``table build``: :meth:`InjectionTable.build` on the same FactKVs every time (``warm``: what a
   chunked prefill's later steps see) and on fresh FactKV objects every time (``cold``: a
   request's first step, since tiers hand out new views per read), made as the tiers make them
-  (:meth:`FactKV.cut_alike`) or one by one;
+  (:meth:`FactKV.rows_of`, no views) or as views one by one;
 * ``tier views``: making those 200 FactKVs, in bulk or one by one;
 * ``worker _inject``: the connector's worker half (piece loop, slots, table build), cold and warm
   (spans in shared memory) and local (spans by reference, an in-process owner);
 * ``scheduler alloc``: the scheduler half's ``update_state_after_alloc`` (LoadPiece per span).
 
-FactKVs are views into one ``[2, layers, rows, heads, dim]`` block, as the tiers hand them out.
+FactKVs are rows of one ``[2, layers, rows, heads, dim]`` block, as the tiers hand them out.
 With ``--device cpu`` (the default) the table is built for the CPU, so the pinned upload is
 skipped: this times the Python part only; ``--device cuda`` adds the pinned copy and upload
 (queued, not waited for). Run: ``python scripts/bench_table_build.py``.
@@ -46,10 +46,9 @@ def _views(block: torch.Tensor, spans: int, tokens: int) -> tuple[tuple[torch.Te
 
 
 def _facts(block: torch.Tensor, spans: int, tokens: int) -> list[FactKV]:
-    """Fresh FactKV views of ``block``, one per span (new objects: nothing cached on them), as
-    the tiers hand them out (:meth:`FactKV.cut_alike`)."""
-    ks, vs = _views(block, spans, tokens)
-    return FactKV.cut_alike(ks, vs, [i * 7 for i in range(spans)])
+    """Fresh FactKVs of ``block``'s rows, one per span (new objects: nothing cached on them), as
+    the tiers hand them out (:meth:`FactKV.rows_of`: no views)."""
+    return FactKV.rows_of(block, [(i * tokens, tokens, i * 7) for i in range(spans)])
 
 
 def _facts_one_by_one(block: torch.Tensor, spans: int, tokens: int) -> list[FactKV]:
@@ -115,7 +114,7 @@ def main() -> None:
 
     _report("table build (cold, 1 by 1)",
             _timed(lambda: InjectionTable.build(cold, slots, device), fresh_parts_one_by_one, args.repeat))
-    _report("tier views: cut_alike", _timed(lambda: _facts(block, spans, tokens), lambda: None, args.repeat))
+    _report("tier views: rows_of", _timed(lambda: _facts(block, spans, tokens), lambda: None, args.repeat))
     _report("tier views: one by one", _timed(lambda: _facts_one_by_one(block, spans, tokens), lambda: None, args.repeat))
 
     # Worker half: a connector without vLLM behind it; the CPU path's torch writer is replaced by

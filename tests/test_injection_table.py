@@ -130,24 +130,29 @@ def test_strided_views_address_where_they_lie():
                           [SpanRows(last_layers, 1, 2, 0)])
 
 
-def test_facts_cut_alike_get_the_layouts_they_would_read_one_by_one():
-    block = torch.randn(2, L, 30, H, D, dtype=torch.bfloat16)  # a device-tier read: facts along tokens
-    sizes = [5, 3, 7, 1, 9, 5]  # each fact's rows, then its page padding
-    ks, vs = block[0].split(sizes, dim=1)[::2], block[1].split(sizes, dim=1)[::2]
-    stacked = torch.randn(4, L, 2, 6, H, D)  # facts side by side: [facts, layers, K/V, tokens, ...]
-    runs = [(ks, vs), (stacked[:, :, 0, :4].unbind(0), stacked[:, :, 1, :4].unbind(0))]
-    for run_k, run_v in runs:
-        facts = FactKV.cut_alike(run_k, run_v, [10 * i for i in range(len(run_k))])
-        for i, (fact, k, v) in enumerate(zip(facts, run_k, run_v)):
-            alone = FactKV(k, v, 10 * i)
-            assert fact.k is k and fact.v is v and fact.position == 10 * i
-            assert fact.layout() == alone.layout()
-        parts = [SpanRows(f, 0, f.num_tokens, 1) for f in facts]
-        assert_rows_addressed(InjectionTable.build(parts, np.arange(sum(f.num_tokens for f in facts)),
-                                                   torch.device("cpu")), parts)
-    assert FactKV.cut_alike([], [], []) == []
-    with pytest.raises(ValueError, match="bad KV shapes"):  # the first view still stands for all
-        FactKV.cut_alike([torch.zeros(L, 2, H)], [torch.zeros(L, 2, H)], [0])
+def test_rows_of_a_block_get_the_layouts_their_views_would_have_and_views_only_when_read():
+    block = torch.randn(2, L, 30, H, D, dtype=torch.bfloat16)  # a tier's read: facts along tokens
+    rows = [(0, 5, 0), (8, 7, 10), (16, 1, 20), (20, 9, 30)]  # each fact's rows, page padding between
+    facts = FactKV.rows_of(block, rows, ready="event")
+    for fact, (start, n, position) in zip(facts, rows):
+        assert "k" not in fact.__dict__ and fact.num_tokens == n  # nothing viewed yet
+        alone = FactKV(block[0, :, start : start + n], block[1, :, start : start + n], position)
+        assert fact.layout() == alone.layout()
+        assert fact.position == position and fact.ready == "event"
+        assert torch.equal(fact.k, alone.k) and torch.equal(fact.v, alone.v)  # viewed on first read
+        assert fact.k.data_ptr() == alone.k.data_ptr() and fact.v.stride() == alone.v.stride()
+    parts = [SpanRows(f, 0, f.num_tokens, 1) for f in FactKV.rows_of(block, rows)]
+    assert_rows_addressed(InjectionTable.build(parts, np.arange(sum(n for _, n, _ in rows)), torch.device("cpu")), parts)
+    for other in (copy.deepcopy(facts[1]), pickle.loads(pickle.dumps(FactKV.rows_of(block, rows)[1]))):
+        assert torch.equal(other.k, facts[1].k) and torch.equal(other.v, facts[1].v) and other.position == 10
+        assert np.frombuffer(other.layout()[0], dtype=np.int64)[0] == other.k.data_ptr()
+    assert FactKV.rows_of(block, []) == []
+    with pytest.raises(ValueError, match="contiguous"):
+        FactKV.rows_of(block[:, :, :10:2], [(0, 1, 0)])
+    with pytest.raises(ValueError, match="outside"):
+        FactKV.rows_of(block, [(25, 9, 0)])
+    with pytest.raises(AttributeError, match="nope"):
+        facts[0].nope  # noqa: B018
 
 
 def test_copies_never_inherit_a_cached_layout():

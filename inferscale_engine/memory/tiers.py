@@ -25,8 +25,8 @@ recently used fact (the disk still holds it). A fact promoted from the host keep
 while the host tier has room for them (a key's KV never changes): evicting it again, as a working
 set larger than the slab does at every request, is then bookkeeping, not a copy. The host tier
 takes those pages back, oldest promotion first, before it drops any fact of its own: kept pages
-only use room the host would otherwise leave free. ``get_many`` returns its facts as views of
-*one copy* gathered from the slab for all of them (two kernels whatever ``k``), so a span in
+only use room the host would otherwise leave free. ``get_many`` returns its facts as rows of
+*one copy* gathered from the slab for all of them (one kernel whatever ``k``), so a span in
 flight never sees its pages reused. Bytes are never converted: KV read back from any tier is
 ``torch.equal`` to what was put.
 """
@@ -181,7 +181,7 @@ class KVTiers:
         return self.get_many([key], fingerprint)[0]
 
     def get_many(self, keys: list[KVKey], fingerprint: str) -> list[FactKV]:
-        """KV of each key on the device, for injection, as views of one copy gathered from the
+        """KV of each key on the device, for injection, as rows of one copy gathered from the
         slab: host-tier facts are copied into the slab first (asynchronously on CUDA: the
         gather waits for those copies on the device, not on the host), disk-tier facts are read
         and cached on the device.
@@ -678,7 +678,7 @@ class KVTiers:
         return self._hand_out(block, [(entry.num_tokens, m, entry.position)])[0]
 
     def _read_device(self, entries: list[_Entry]) -> list[FactKV]:
-        """Every entry's KV as views of one copy of their pages (lock held): one kernel for all,
+        """Every entry's KV as rows of one copy of their pages (lock held): one kernel for all,
         and later slab writes never change KV handed out."""
         if not entries:
             return []
@@ -711,14 +711,13 @@ class KVTiers:
         """FactKVs of facts laid out one after the other in ``block`` (``[2, layers, tokens,
         heads, dim]``, contiguous, just copied from the slab or the host tier), given as
         ``(tokens, pages, position)`` each."""
-        # Each fact's rows, then its page padding, along the token axis: two splits hand out
-        # every fact's K and V (k=200 facts a request; one op per tensor would cost ~1 ms).
-        pt = self.page_tokens
-        sizes = [n for tokens, m, _ in facts for n in (tokens, m * pt - tokens)]
-        ks, vs = block[0].split(sizes, dim=1)[::2], block[1].split(sizes, dim=1)[::2]
-        # One event for both: readers on other streams (vLLM's worker) wait for this copy on the
+        rows, start = [], 0
+        for tokens, pages, position in facts:  # each fact's rows, then its page padding
+            rows.append((start, tokens, position))
+            start += pages * self.page_tokens
+        # One event for all: readers on other streams (vLLM's worker) wait for this copy on the
         # device, and copies reusing the pages it read wait for it too.
-        return FactKV.cut_alike(ks, vs, [position for _, _, position in facts], self._mark_caller())
+        return FactKV.rows_of(block, rows, self._mark_caller())
 
     def _insert(self, key: KVKey, pages: torch.Tensor, n: int, position: int, fingerprint: str) -> None:
         """Cache a fact's pages on the device slab (lock held)."""
