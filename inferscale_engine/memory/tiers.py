@@ -474,11 +474,11 @@ class KVTiers:
                 continue
             room -= len(h.pages)
             fits.append((key, h))
+        if not fits:
+            return promoted, served
         # In host-page order, into slab pages taken in one piece: facts that lie one after the
         # other on the host (evicted or prefetched together) copy as one range, whatever order
         # the request names them in (a prefetch's parallel reads land in completion order).
-        if not fits:
-            return promoted, served
         to_pages = sorted(_take(self._free, len(self._free) - room))
         from_pages: list[int] = []
         slab_pages: dict[KVKey, list[int]] = {}
@@ -827,10 +827,7 @@ def page_runs(
 
 def _split_pages(pool: Sources, pages: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """Each page's tensor in ``pool`` and its index there (see :meth:`KVTiers._copy`)."""
-    at = np.array(pages, dtype=np.int64)
-    if len(pool.tensors) == 1:
-        return np.zeros_like(at), at
-    return np.divmod(at, pool.tensors[0].shape[0])
+    return np.divmod(np.array(pages, dtype=np.int64), _tensor_pages(pool))
 
 
 class _PageRanges(NamedTuple):
