@@ -11,7 +11,8 @@
 # injected prompts kept in vLLM's prefix cache (prefix_cache_injected), for the A/B — mp — TTFT
 # multiprocess against in-process and 100-user throughput multiprocess — profile,
 # promote and hosttier, in this order, ~9 min: more than one call may run, hence the two calls
-# above). Also: promoteprof (a promotion's host time per function), mpretain (multiprocess k=50
+# above). Also: promoteprof (a promotion's host time per function), promotesplit (a tier read's
+# host time per method of the tiers: host and device tier, right away and after idle), mpretain (multiprocess k=50
 # with 4 GiB staged), mpsplit (a multiprocess and an in-process k=50 request's time, part by part;
 # py-spy over vLLM's processes fell minutes behind and slowed the run past the call's limit), cudatests (the
 # tiers', exchange's and injection streams' CUDA tests), tierspromo (a promotion's host time, full slab
@@ -74,6 +75,7 @@ for step in $STEPS; do
         --disk-bps 0 --k ${KS:-50,200} --repeats ${REPEATS:-30} --ttft --check --json "$OUT/cold-text.json" 2>&1 \
         | grep -E "^(k=|disk|Traceback|[A-Za-z]*Error)" | tee "$OUT/cold-text.txt" ;;
     promoteprof) python3 scripts/h200_promote.py 50 --cprofile 2>&1 | tail -26 ;;
+    promotesplit) python3 scripts/h200_promote.py 50 --split 2>&1 | grep -E "^k=|^    " | tee "$OUT/promote-split.txt" ;;
     hosttier) python3 scripts/h200_hosttier.py "$M" 50 2>&1 | grep "^k=" ;;
   esac
 done

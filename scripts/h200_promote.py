@@ -1,13 +1,15 @@
 """Host time of a host-tier promotion, by copy path (diagnostic, not a benchmark).
 
-usage: python scripts/h200_promote.py [K] [--cprofile]
+usage: python scripts/h200_promote.py [K] [--cprofile | --split]
 
 K facts of the Llama-3.1-8B shape (32 layers, 28 tokens, 8 KV heads, 128 dims, bf16) sit in the
 host tier; per copy path (one cudaMemcpyBatchAsync for the batch, one cudaMemcpyAsync per range,
 the torch ``copy_`` fallback), medians of 10 ``get_many`` calls: the host time (what a request
 waits for) and the time until every copy has landed, next to a ``get_many`` of the same facts
 already on the device tier. Also the host time of the same copies issued bare, checked byte for
-byte.
+byte. ``--cprofile``: a promotion's host time per function (cProfile); ``--split``: per method of
+the tiers (``time.perf_counter`` around each, far less overhead than a profiler's), a host-tier
+and a device-tier read, right away and after 50 ms idle.
 """
 
 import sys
@@ -52,6 +54,10 @@ def main(k: int) -> None:
             landed.append(t2 - t0)
             del got
         print(f"k={k} {label}: host {1e3 * median(host[2:]):.2f} ms, landed {1e3 * median(landed[2:]):.2f} ms", flush=True)
+
+    if "--split" in sys.argv:
+        split(t, keys, fp)
+        return
 
     if "--cprofile" in sys.argv:  # where the host time of a promotion goes, per function
         import cProfile
@@ -105,6 +111,58 @@ def main(k: int) -> None:
             torch.cuda.synchronize()
             assert torch.equal(dst.cpu(), src), "copies landed wrong"
             print(f"{n} bare copies of {size >> 10} KiB, {mode}: host {1e3 * median(times[2:]):.2f} ms", flush=True)
+
+
+def split(t: KVTiers, keys: list, fp: str) -> None:
+    """Host time of ``get_many`` per method of the tiers (and of the copier), per request."""
+    from inferscale_engine.memory import tiers as tiers_module
+
+    spent: dict[str, float] = {}  # seconds per method over the timed requests
+    timing = False  # the untimed moves between requests call the same methods
+
+    def timed(owner: object, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if timing:
+                    spent[label] = spent.get(label, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, name, wrapper)
+
+    for name in ("_promote", "_make_room", "_wait_written", "_copy", "_dma", "_read_device", "_gather", "_hand_out",
+                 "_index", "_after_side", "_mark_caller"):
+        timed(KVTiers, name, name)
+    timed(dma.ByteCopier, "copy", "ByteCopier.copy")
+    timed(tiers_module, "_page_ranges", "_page_ranges")
+    for idle in (0.0, 0.05):
+        for tier in ("host", "device"):
+            total = []
+            spent.clear()
+            for i in range(14):
+                for key in keys:  # puts the facts in the tier under test
+                    if tier == "host":
+                        t.evict(key, to="host")
+                    else:
+                        t.get(key, fp)
+                torch.cuda.synchronize()
+                time.sleep(idle)
+                timing = i >= 2
+                t0 = time.perf_counter()
+                got = t.get_many(keys, fp)
+                elapsed = time.perf_counter() - t0
+                timing = False
+                torch.cuda.synchronize()
+                del got
+                if i >= 2:
+                    total.append(elapsed)
+            print(f"k={len(keys)} {tier} tier, {1e3 * idle:.0f} ms idle: get_many {1e3 * median(total):.3f} ms host time",
+                  flush=True)
+            for label, seconds in sorted(spent.items(), key=lambda kv: -kv[1]):
+                print(f"    {label:20s} {1e3 * seconds / len(total):7.3f} ms a request (mean)", flush=True)
 
 
 if __name__ == "__main__":
