@@ -2,7 +2,7 @@
 same memories (issue 25: a cold request must cost no more than pasting its facts):
 
     python scripts/profile_cold_plan.py [--k 50,200] [--repeats 30] [--profile] [--check] [--ttft]
-        [--model DIR --device cuda --dummy-weights --disk-bps 0]
+        [--model DIR --device cuda --dummy-weights --disk-bps 0 --max-model-len N]
 
 A store of SmolLM2-135M (real weights, bf16; or ``--model``) holds ``max(k)`` memories of one
 user; every memory's KV is only in its disk file, outside the page cache (memory tiers dropped,
@@ -99,6 +99,7 @@ def main() -> None:
     p.add_argument("--ttft", action="store_true", help="time whole requests, call to answer, both ways")
     p.add_argument("--model", default="smollm2", help="alias or model folder (with a tokenizer)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--dummy-weights", action="store_true", help="random weights (load_format=dummy)")
     p.add_argument("--disk-bps", type=float, default=SLOW_DISK,
                    help="cap on disk reads, bytes a second (0: the disk as it is)")
@@ -108,7 +109,7 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="profile-cold-")
     results: list[dict] = []
     try:
-        with InferScaleEngine(model=args.model, device=args.device, dtype="bfloat16", max_model_len=8192,
+        with InferScaleEngine(model=args.model, device=args.device, dtype="bfloat16", max_model_len=args.max_model_len,
                               recompute=0, store_path=root,
                               **({"load_format": "dummy"} if args.dummy_weights else {})) as engine:
             engine.memory = build_memory(engine, MemoryConfig.for_engine(
