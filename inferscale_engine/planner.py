@@ -12,20 +12,24 @@ layout as the quality knob ``recompute=R``, whose last ``R`` memories are always
 with exact-context KV every mix gives the same answer.
 
 For each split the model adds the time to read the cold files in the prefix (in parallel:
-``latency + bytes / bandwidth``) and the time to prefill everything after the split (a curve of
-measured prefill times), and takes the cheapest; ties go to injecting more (prefill is compute
-every other request shares). Only then do reads start: the prefix's on the request pool, the
+``latency + bytes / bandwidth`` plus each file's own host work, which the reader threads share),
+the time to inject the prefix (the connector writes every injected token's KV: next to nothing
+on a GPU, a gather, rotation and copy per layer on a CPU) and the time to prefill everything
+after the split (a curve of measured prefill times), and takes the cheapest; ties go to
+injecting more (prefill is compute every other request shares). Only then do reads start: the prefix's on the request pool, the
 recomputed memories' on a small background pool (their Python work would otherwise compete for
 the GIL with the request) that leaves their KV in the host tier: the next request injects them.
 
-Rates are measured, never assumed: prefill time of this engine at a few prompt lengths (cached
-per engine and machine, since it takes seconds on a CPU) and the store's disk and host-to-device
-bandwidths (:mod:`inferscale_engine.memory.bandwidth`, measured when the store is attached).
+Rates are measured, never assumed: prefill time of this engine at a few prompt lengths and what
+injecting costs it per token (cached per engine and machine, since it takes seconds on a CPU), and
+the store's disk and host-to-device speeds (:mod:`inferscale_engine.memory.bandwidth`, measured
+when the store is attached).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import hashlib
 import json
@@ -46,6 +50,8 @@ logger = logging.getLogger(__name__)
 
 #: Prompt lengths whose prefill time is measured (capped by the model's context).
 PREFILL_POINTS = (16, 64, 256, 512, 1024, 2048, 4096)
+#: Tokens injected (at most) to measure what injecting one costs.
+INJECT_POINT = 1024
 #: Measured prefill curves are reused this long (engine fingerprint and machine in the key).
 CACHE_MAX_AGE_S = 7 * 24 * 3600
 
@@ -59,6 +65,10 @@ class Rates:
     disk_bytes_per_s: float
     disk_latency_s: float
     host_to_device_bytes_per_s: float | None = None
+    #: Host seconds each file of a parallel read adds (its checks and parsing share the cores).
+    disk_file_s: float = 0.0
+    #: Seconds injecting one token's KV adds to a request (the connector's write of it).
+    inject_token_s: float = 0.0
 
     @functools.cached_property
     def _tokens(self) -> list[int]:
@@ -80,8 +90,12 @@ class Rates:
         (n0, t0), (n1, t1) = points[i - 1], points[i]
         return t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
 
-    def disk_s(self, nbytes: int) -> float:
-        return self.disk_latency_s + nbytes / self.disk_bytes_per_s
+    def disk_s(self, nbytes: int, files: int = 1) -> float:
+        """Seconds to read ``files`` files of ``nbytes`` in all, in parallel."""
+        return self.disk_latency_s + nbytes / self.disk_bytes_per_s + files * self.disk_file_s
+
+    def inject_s(self, tokens: int) -> float:
+        return tokens * self.inject_token_s
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -150,6 +164,12 @@ def plan(
         if not isinstance(loaded, Span):  # the file was unusable: the prefix ends here
             split = j
             break
+    # The split may fall before memories whose KV is at hand (injecting costs more than
+    # prefilling them): those are prefilled too, as everything after the split is.
+    for j in range(split, limit):
+        seg = out[facts[j]]
+        if type(seg) is Span:
+            out[facts[j]] = TextFact(seg.token_ids)
     later = [reads[j] for j in cold if j >= split]
 
     def promote() -> None:  # prefilled now; in a memory tier for the next request
@@ -165,29 +185,31 @@ def plan(
 def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rates) -> Plan:
     """The cheapest split ``j <= limit`` (see the module docstring)."""
     lengths = [len(s.token_ids) if isinstance(s, Span) else len(s) for s in segments]
-    total = sum(lengths)
+    everything = total = sum(lengths)
     prompt_s = rates.prefill_s(total)
     best_j, best_s = 0, prompt_s
-    # No split prefills in less than the curve's first point: once the reads plus that cost more
-    # than the best split so far, no longer prefix can win. A cold request's planning then looks
-    # at the few memories a read could pay for, not at all k of them (nor at their file sizes).
+    # No split prefills in less than the curve's first point, and reading and injecting only
+    # grow with the prefix: once the reads plus that cost more than the best split so far, no
+    # longer prefix can win. A cold request's planning then looks at the few memories a read
+    # could pay for, not at all k of them (nor at their file sizes).
     shortest_s = rates.prefill[0][1]
-    cold_bytes = 0
+    cold_bytes = cold_files = 0
     disk_s = 0.0
     done = 0  # segments [0, done) come before the split: injected
     for j in range(1, limit + 1):
         end = facts[j - 1]
         seg = segments[end]
-        if isinstance(seg, ColdFact) and not seg.read.cached:  # costs change only where a cold file joins
+        if isinstance(seg, ColdFact) and not seg.read.cached:
             cold_bytes += seg.read.nbytes
-            disk_s = rates.disk_s(cold_bytes)
+            cold_files += 1
+            disk_s = rates.disk_s(cold_bytes, cold_files)
             if disk_s + shortest_s > best_s:
                 break
         # Injecting memories [0, j) prefills everything after memory j - 1 (for j = 0 everything:
         # the head is injected only in front of a memory).
         total -= sum(lengths[done : end + 1])
         done = end + 1
-        cost = disk_s + rates.prefill_s(total)
+        cost = disk_s + rates.inject_s(everything - total) + rates.prefill_s(total)
         if cost <= best_s:
             best_j, best_s = j, cost
     return Plan(best_j, len(facts), best_s, prompt_s)
@@ -215,10 +237,12 @@ class Calibration:
 
     def _run(self) -> None:
         try:
-            speeds = self.store.tier_speeds(refresh=self._refresh)
-            prefill = prefill_curve(self._engine, refresh=self._refresh)
-            self._rates = Rates(prefill, speeds.disk_bytes_per_s, speeds.disk_latency_s,
-                                speeds.host_to_device_bytes_per_s)
+            # Measured with the store's encoding held back: ingestion right after start-up would
+            # make the engine and the disk look slower than they are, for as long as it is cached.
+            pause = getattr(self.store, "encoding_paused", None)
+            with pause() if pause is not None else contextlib.nullcontext():
+                speeds = self.store.tier_speeds(refresh=self._refresh)
+                self._rates = measure_rates(self._engine, speeds, refresh=self._refresh)
             logger.info("cost model rates: %s", self._rates)
         except Exception as exc:  # an engine or store closed meanwhile, a read-only store
             self._error = exc
@@ -227,36 +251,80 @@ class Calibration:
                 "could not measure the cost model's rates (%s); cold memories are read from disk", exc)
 
 
-def prefill_curve(engine: Any, *, refresh: bool = False) -> tuple[tuple[int, float], ...]:
-    """Seconds to first token of plain prompts of :data:`PREFILL_POINTS` tokens on ``engine``
-    (fresh random tokens each, so no cache serves them; the best of two after a warm-up), read
+def measure_rates(engine: Any, speeds: Any, *, refresh: bool = False) -> Rates:
+    """:class:`Rates` of ``engine`` (:func:`engine_costs`) with a store's measured tier
+    ``speeds`` (:class:`~inferscale_engine.memory.bandwidth.TierSpeeds`)."""
+    prefill, inject_token_s = engine_costs(engine, refresh=refresh)
+    return Rates(prefill, speeds.disk_bytes_per_s, speeds.disk_latency_s, speeds.host_to_device_bytes_per_s,
+                 speeds.disk_file_s, inject_token_s)
+
+
+def engine_costs(engine: Any, *, refresh: bool = False) -> tuple[tuple[tuple[int, float], ...], float]:
+    """What requests cost ``engine``: seconds to first token of plain prompts of
+    :data:`PREFILL_POINTS` tokens (fresh random tokens each, so no cache serves them; the best
+    of two after a warm-up), and the seconds injecting one token adds (a span of random tokens
+    injected in front of a short prompt, against that prompt alone; the best of three). Read
     from the cache when measured on this machine for this engine in the last week."""
     cache = _cache_path()
     key = _curve_key(engine)
     stored = _read_cache(cache)
     hit = stored.get(key)
-    if hit and not refresh and time.time() - hit.get("measured_at", 0) < CACHE_MAX_AGE_S:
-        return tuple((int(n), float(t)) for n, t in hit["points"])
+    if hit and not refresh and time.time() - hit.get("measured_at", 0) < CACHE_MAX_AGE_S and "inject_token_s" in hit:
+        return tuple((int(n), float(t)) for n, t in hit["points"]), float(hit["inject_token_s"])
     rng = random.Random(0)
     hi = min(engine.vocab_size, 32000) - 1
     lo = min(1000, hi // 2)  # past the low ids, where special tokens usually live
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randint(lo, hi) for _ in range(n)]
+
+    def ttft(segments: list[Any], mode: str = "prompt") -> float:
+        # recompute=0: the quality knob would prefill the span the injection is measured with.
+        result = engine.generate_segments(segments, max_tokens=1, mode=mode, recompute=0, user_id="inferscale-calibration")
+        if mode == "inject" and result.usage.injected_tokens < len(segments[0].token_ids):
+            raise _NotInjected
+        return float(result.ttft_s)
+
     cap = engine.max_model_len - 2
     # A CPU prefill of thousands of tokens takes seconds: past 512 the curve is extrapolated.
     largest = 512 if engine.config.device == "cpu" else cap
     sizes = [n for n in PREFILL_POINTS if n <= min(cap, largest)] or [cap]
     points = []
-    engine.generate_segments([[rng.randint(lo, hi) for _ in range(sizes[0])]], max_tokens=1, mode="prompt",
-                             user_id="inferscale-calibration")
+    ttft([tokens(sizes[0])])
     for n in sizes:
-        best = min(engine.generate_segments([[rng.randint(lo, hi) for _ in range(n)]], max_tokens=1, mode="prompt",
-                                            user_id="inferscale-calibration").ttft_s for _ in range(2))
-        points.append((n, best))
+        points.append((n, min(ttft([tokens(n)]) for _ in range(2))))
     # A measurement is noisy; the curve the model interpolates must not go down.
     for i in range(1, len(points)):
         points[i] = (points[i][0], max(points[i][1], points[i - 1][1]))
-    stored[key] = {"points": points, "measured_at": time.time()}
+    inject_token_s = _inject_token_cost(engine, ttft, tokens, sizes)
+    stored[key] = {"points": points, "inject_token_s": inject_token_s, "measured_at": time.time()}
     _write_cache(cache, stored)
-    return tuple(points)
+    return tuple(points), inject_token_s
+
+
+def _inject_token_cost(engine: Any, ttft: Callable[..., float], tokens: Callable[[int], list[int]],
+                       sizes: list[int]) -> float:
+    """Seconds one injected token adds: a span of the largest measured size injected in front of
+    a prompt of the smallest, against that prompt alone (each the best of three, alternating)."""
+    n, tail = min(sizes[-1], INJECT_POINT), sizes[0]
+    if n <= tail:
+        return 0.0
+    ids = tokens(n)
+    span = Span(f"calibration:{engine.fingerprint}:{n}", tuple(ids), engine.encode_fact(ids, ()))
+    try:
+        ttft([span, tokens(tail)], "inject")  # warm-up
+        injected, alone = [], []
+        for _ in range(3):
+            injected.append(ttft([span, tokens(tail)], "inject"))
+            alone.append(ttft([tokens(tail)]))
+    except _NotInjected:  # vLLM's prefix cache held the span (prefix_cache_injected): nothing to time
+        logger.info("could not time an injection; the cost model counts injecting as free")
+        return 0.0
+    return max(0.0, min(injected) - min(alone)) / n
+
+
+class _NotInjected(Exception):
+    """The calibration's injected request did not inject its span."""
 
 
 def _cache_path() -> Path:

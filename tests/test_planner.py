@@ -60,8 +60,8 @@ def _prompt(kinds: str) -> tuple[list, list[Read]]:
     return segs, reads
 
 
-def _rates(disk_bps: float, latency: float = 0.0) -> Rates:
-    return Rates(PREFILL, disk_bps, latency)
+def _rates(disk_bps: float, latency: float = 0.0, *, file_s: float = 0.0, inject_token_s: float = 0.0) -> Rates:
+    return Rates(PREFILL, disk_bps, latency, disk_file_s=file_s, inject_token_s=inject_token_s)
 
 
 def test_prefill_curve_interpolates_and_extrapolates():
@@ -134,6 +134,34 @@ def test_split_where_reading_stops_paying():
     assert mix == MemoryMix(3, 1, 0)
 
 
+def test_each_files_own_read_work_is_weighed():
+    """Reads of many small files cost their host work per file (checks, parsing: the reader
+    threads share it), not only bytes: past what that saves, the memories are prefilled."""
+    segs, _ = _prompt("cccc")
+    _, mix, _ = plan(segs, 0, _rates(1e12))
+    assert mix == MemoryMix(0, 4, 0)
+    segs, _ = _prompt("cccc")
+    _, mix, _ = plan(segs, 0, _rates(1e12, file_s=0.002))  # 2 ms a file against 1 ms of prefill
+    assert mix == MemoryMix(0, 0, 4)
+
+
+def test_injecting_is_weighed_where_it_costs_more_than_prefill():
+    """On a model whose prefill is nearly free (a tiny one on a CPU), writing injected KV can
+    cost more than computing it: then even a fast disk's memories are prefilled."""
+    segs, _ = _prompt("wccw")
+    _, mix, _ = plan(segs, 0, _rates(1e12, inject_token_s=1e-6))  # 10 µs a memory: injecting pays
+    assert mix == MemoryMix(2, 2, 0)
+    segs, reads = _prompt("wccw")
+    out, mix, promote = plan(segs, 0, _rates(1e12, inject_token_s=2e-4))  # 2 ms a memory, 1 ms of prefill
+    assert mix == MemoryMix(0, 0, 4)
+    assert all(r.calls == [] for r in reads) and promote is not None
+    # The memory in front, whose KV was at hand, is prefilled with the rest: the engine's layout
+    # injects only up to the first memory served as text.
+    assert type(out[1]) is TextFact and list(out[1]) == list(segs[1].token_ids)
+    assert [list(s) if not isinstance(s, Span) else s for s in out] == [
+        list(s.token_ids) if isinstance(s, Span) else list(s) for s in segs]
+
+
 def test_the_knob_and_pending_text_bound_the_split():
     segs, reads = _prompt("cccc")
     _, mix, promote = plan(segs, 2, _rates(1e12))
@@ -176,11 +204,14 @@ class CountedRead(Read):
 def _exhaustive(segs: list, facts: list[int], limit: int, rates: Rates) -> tuple[int, float]:
     """The split ``choose`` must find, by trying every one (ties to the longer prefix)."""
     best = (0, rates.prefill_s(sum(len(s.token_ids) if isinstance(s, Span) else len(s) for s in segs)))
+    def tokens(part: list) -> int:
+        return sum(len(s.token_ids) if isinstance(s, Span) else len(s) for s in part)
+
     for j in range(1, limit + 1):
-        read = sum(segs[i].read._nbytes for i in facts[:j] if isinstance(segs[i], ColdFact))
-        disk = rates.disk_s(read) if read else 0.0
-        tail = segs[facts[j - 1] + 1 :]
-        cost = disk + rates.prefill_s(sum(len(s.token_ids) if isinstance(s, Span) else len(s) for s in tail))
+        cold = [segs[i].read._nbytes for i in facts[:j] if isinstance(segs[i], ColdFact)]
+        disk = rates.disk_s(sum(cold), len(cold)) if cold else 0.0
+        head, tail = segs[: facts[j - 1] + 1], segs[facts[j - 1] + 1 :]
+        cost = disk + rates.inject_s(tokens(head)) + rates.prefill_s(tokens(tail))
         if cost <= best[1]:
             best = (j, cost)
     return best
@@ -203,7 +234,8 @@ def test_the_split_search_stops_early_and_still_finds_the_cheapest():
                 segs[i] = ColdFact(list(s), CountedRead(s.read.span, rng.choice([10**5, 10**6, 10**7])))
         facts = [i for i, s in enumerate(segs) if isinstance(s, (Span, TextFact))]
         limit = rng.randint(0, len(facts))
-        rates = _rates(rng.choice([1e7, 1e8, 1e9, 1e10]), rng.choice([0.0, 0.001, 0.005]))
+        rates = _rates(rng.choice([1e7, 1e8, 1e9, 1e10]), rng.choice([0.0, 0.001, 0.005]),
+                       file_s=rng.choice([0.0, 0.0005, 0.002]), inject_token_s=rng.choice([0.0, 1e-6, 2e-4]))
         chosen = choose(segs, facts, limit, rates)
         j, cost = _exhaustive(segs, facts, limit, rates)
         assert (chosen.injected, chosen.expected_s) == (j, pytest.approx(cost)), kinds

@@ -159,8 +159,7 @@ def run_tiers(
     fillers = keys[kmax:]
     keys = keys[:kmax]
     speeds = measure(tiers)
-    rates = planner.Rates(planner.prefill_curve(engine), speeds.disk_bytes_per_s, speeds.disk_latency_s,
-                          speeds.host_to_device_bytes_per_s)
+    rates = planner.measure_rates(engine, speeds)
 
     def sync() -> None:
         if cuda:

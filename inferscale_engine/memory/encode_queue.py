@@ -10,11 +10,12 @@ encodes it on demand when it is resolved (or on ``reencode``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class EncodeQueue:
         self._inflight = 0  # queued or being encoded: what wait_idle waits for
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._running = threading.Lock()  # held while a batch is encoded, and by paused()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._work, name="inferscale-memory-encoder", daemon=True)
@@ -71,6 +73,13 @@ class EncodeQueue:
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"{self._inflight} memory facts still waiting to be encoded")
                 self._idle.wait(remaining)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No batch is encoded inside the block (the one running finishes first; queued jobs
+        wait): for measuring the engine's speed without ingestion sharing it."""
+        with self._running:
+            yield
 
     def stop(self, timeout: float = 300) -> int:
         """Let the batch in flight finish, drop the rest; returns how many jobs were dropped."""
@@ -118,7 +127,8 @@ class EncodeQueue:
                 batch.append(job)
                 tokens += n
             try:
-                self._run(batch)
+                with self._running:
+                    self._run(batch)
             except Exception:  # never let the encoder thread die
                 logger.exception("memory encoder thread: unexpected error")
             finally:

@@ -13,6 +13,7 @@ the encoding state and the encode queue.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import dataclasses
@@ -173,6 +174,10 @@ class KVKeeper:
 
     def wait_idle(self, timeout: float | None) -> None:
         self._queue.wait_idle(timeout)
+
+    def encoding_paused(self) -> contextlib.AbstractContextManager[None]:
+        """No batch is encoded inside the block (see :meth:`EncodeQueue.paused`)."""
+        return self._queue.paused()
 
     def stop(self) -> int:
         """Refuse new work and let the batch in flight finish; returns how many jobs were dropped."""

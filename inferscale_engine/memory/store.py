@@ -33,6 +33,7 @@ Decisions (see ``docs/memory.md``):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -486,6 +487,14 @@ class MemoryStore:
         the lock refuses (``inferscale memory list``...) then uses that API instead."""
         self._check_open()
         record_url(self._lock_fd, url)
+
+    def encoding_paused(self) -> contextlib.AbstractContextManager[None]:
+        """A block in which no batch of facts is encoded (the one running finishes first,
+        queued facts wait): the engine measures its own speed inside one, so that ingestion
+        right after start-up does not make it look slower than it is."""
+        if self._keeper is None:
+            return contextlib.nullcontext()
+        return self._keeper.encoding_paused()
 
     def wait_for_encoding(self, timeout: float | None = None) -> None:
         """Block until every queued fact has been encoded (or failed); ``TimeoutError`` after ``timeout``."""
