@@ -2,7 +2,7 @@
 same memories (issue 25: a cold request must cost no more than pasting its facts):
 
     python scripts/profile_cold_plan.py [--k 50,200] [--repeats 30] [--profile] [--check] [--ttft]
-        [--model DIR --device cuda --dummy-weights --disk-bps 0 --max-model-len N]
+        [--model DIR --device cuda --dummy-weights --disk-bps 0 --max-model-len N --no-prefix-cache]
 
 A store of SmolLM2-135M (real weights, bf16; or ``--model``) holds ``max(k)`` memories of one
 user; every memory's KV is only in its disk file, outside the page cache (memory tiers dropped,
@@ -100,6 +100,9 @@ def main() -> None:
     p.add_argument("--model", default="smollm2", help="alias or model folder (with a tokenizer)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="vLLM's prefix cache off: every repeat sends the same prompts, whose pasted texts and "
+                        "recomputed memories it would otherwise serve, where the cost model prices a prefill")
     p.add_argument("--dummy-weights", action="store_true", help="random weights (load_format=dummy)")
     p.add_argument("--disk-bps", type=float, default=SLOW_DISK,
                    help="cap on disk reads, bytes a second (0: the disk as it is)")
@@ -111,7 +114,8 @@ def main() -> None:
     try:
         with InferScaleEngine(model=args.model, device=args.device, dtype="bfloat16", max_model_len=args.max_model_len,
                               recompute=0, store_path=root,
-                              **({"load_format": "dummy"} if args.dummy_weights else {})) as engine:
+                              **({"load_format": "dummy"} if args.dummy_weights else {}),
+                              **({"enable_prefix_caching": False} if args.no_prefix_cache else {})) as engine:
             engine.memory = build_memory(engine, MemoryConfig.for_engine(
                 engine.config, disk_read_bps=args.disk_bps or None, embedder=Embedder(_HashEmbedder())))
             texts = _facts(max(ks))
@@ -133,6 +137,7 @@ def main() -> None:
                 with open(args.json, "w") as f:
                     json.dump({"script": "profile_cold_plan", "model": args.model, "device": args.device,
                                "dummy_weights": args.dummy_weights, "disk_read_bps": args.disk_bps or None,
+                               "prefix_cache": not args.no_prefix_cache,
                                "rates": rates.as_dict(), "rows": results}, f, indent=1)
     finally:
         shutil.rmtree(root, ignore_errors=True)
