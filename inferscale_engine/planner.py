@@ -16,9 +16,10 @@ For each split the model adds the time to read the cold files in the prefix (in 
 the time to inject the prefix (the connector writes every injected token's KV: next to nothing
 on a GPU, a gather, rotation and copy per layer on a CPU) and the time to prefill everything
 after the split (a curve of measured prefill times), and takes the cheapest; ties go to
-injecting more (prefill is compute every other request shares). Only then do reads start: the prefix's on the request pool, the
-recomputed memories' on a small background pool (their Python work would otherwise compete for
-the GIL with the request) that leaves their KV in the host tier: the next request injects them.
+injecting more (prefill is compute every other request shares). Only then do reads start: the
+prefix's on the request pool, the recomputed memories' on a small background pool (their Python
+work would otherwise compete for the GIL with the request) that leaves their KV in the host
+tier: the next request injects them.
 
 Rates are measured, never assumed: prefill time of this engine at a few prompt lengths and what
 injecting costs it per token (cached per engine and machine, since it takes seconds on a CPU), and
