@@ -279,12 +279,12 @@ def engine_costs(engine: Any, *, refresh: bool = False) -> tuple[tuple[tuple[int
     def tokens(n: int) -> list[int]:
         return [rng.randint(lo, hi) for _ in range(n)]
 
-    def ttft(segments: list[Any], mode: str = "prompt") -> float:
+    def run(segments: list[Any], mode: str = "prompt") -> Any:
         # recompute=0: the quality knob would prefill the span the injection is measured with.
-        result = engine.generate_segments(segments, max_tokens=1, mode=mode, recompute=0, user_id="inferscale-calibration")
-        if mode == "inject" and result.usage.injected_tokens < len(segments[0].token_ids):
-            raise _NotInjected
-        return float(result.ttft_s)
+        return engine.generate_segments(segments, max_tokens=1, mode=mode, recompute=0, user_id="inferscale-calibration")
+
+    def ttft(segments: list[Any]) -> float:
+        return float(run(segments).ttft_s)
 
     cap = engine.max_model_len - 2
     # A CPU prefill of thousands of tokens takes seconds: past 512 the curve is extrapolated.
@@ -297,35 +297,32 @@ def engine_costs(engine: Any, *, refresh: bool = False) -> tuple[tuple[tuple[int
     # A measurement is noisy; the curve the model interpolates must not go down.
     for i in range(1, len(points)):
         points[i] = (points[i][0], max(points[i][1], points[i - 1][1]))
-    inject_token_s = _inject_token_cost(engine, ttft, tokens, sizes)
+    inject_token_s = _inject_token_cost(engine, run, tokens, sizes)
     stored[key] = {"points": points, "inject_token_s": inject_token_s, "measured_at": time.time()}
     _write_cache(cache, stored)
     return tuple(points), inject_token_s
 
 
-def _inject_token_cost(engine: Any, ttft: Callable[..., float], tokens: Callable[[int], list[int]],
+def _inject_token_cost(engine: Any, run: Callable[..., Any], tokens: Callable[[int], list[int]],
                        sizes: list[int]) -> float:
-    """Seconds one injected token adds: a span of the largest measured size injected in front of
-    a prompt of the smallest, against that prompt alone (each the best of three, alternating)."""
+    """Seconds one injected token adds: a span of the largest measured size (at most
+    :data:`INJECT_POINT`) injected in front of a prompt of the smallest, against that prompt
+    alone (each the best of three, alternating)."""
     n, tail = min(sizes[-1], INJECT_POINT), sizes[0]
     if n <= tail:
         return 0.0
     ids = tokens(n)
     span = Span(f"calibration:{engine.fingerprint}:{n}", tuple(ids), engine.encode_fact(ids, ()))
-    try:
-        ttft([span, tokens(tail)], "inject")  # warm-up
-        injected, alone = [], []
-        for _ in range(3):
-            injected.append(ttft([span, tokens(tail)], "inject"))
-            alone.append(ttft([tokens(tail)]))
-    except _NotInjected:  # vLLM's prefix cache held the span (prefix_cache_injected): nothing to time
-        logger.info("could not time an injection; the cost model counts injecting as free")
-        return 0.0
+    injected, alone = [], []
+    for i in range(4):  # the first, a warm-up
+        result = run([span, tokens(tail)], "inject")
+        if result.usage.injected_tokens < n:  # vLLM's prefix cache held it (prefix_cache_injected)
+            logger.info("could not time an injection; the cost model counts injecting as free")
+            return 0.0
+        if i:
+            injected.append(result.ttft_s)
+            alone.append(run([tokens(tail)]).ttft_s)
     return max(0.0, min(injected) - min(alone)) / n
-
-
-class _NotInjected(Exception):
-    """The calibration's injected request did not inject its span."""
 
 
 def _cache_path() -> Path:
