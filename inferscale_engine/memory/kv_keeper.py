@@ -14,9 +14,8 @@ the encoding state and the encode queue.
 from __future__ import annotations
 
 import contextlib
-import functools
-
 import dataclasses
+import functools
 import logging
 import threading
 import time
