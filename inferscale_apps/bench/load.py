@@ -225,7 +225,7 @@ class _Run:
             data = r.json()
             content = data["choices"][0]["message"]["content"]
             usage = data["usage"]
-            if not isinstance(content, str) or data["usage"]["completion_tokens"] < 1:
+            if not isinstance(content, str) or usage["completion_tokens"] < 1:
                 self.error("invalid_response", f"ask: {r.text}")
                 return False
         else:
