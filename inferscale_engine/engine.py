@@ -325,6 +325,13 @@ class InferScaleEngine:
             self._calibration = planner.Calibration(self, source)
         return self._calibration.rates()
 
+    def _observed_reads(self) -> planner.ObservedReads | None:
+        """The cold-read correction of the store this request reads from (``_rates``' own)."""
+        calibration = self._calibration
+        if calibration is None or calibration.store is not (self.fact_source or self._memory):
+            return None
+        return calibration.observed
+
     # ------------------------------------------------------------------ tokens
 
     def tokenize(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
@@ -585,7 +592,7 @@ class InferScaleEngine:
         if mode == "inject":
             # Cold memories: wait for their reads or prefill them, whichever the cost model expects
             # to be faster (planner.py); the layout then injects the prefix it leaves as spans.
-            segments, mix, promote = planner.plan(segments, recompute, self._rates)
+            segments, mix, promote = planner.plan(segments, recompute, self._rates, self._observed_reads())
         spans, tail = self._layout(segments, recompute, user_id)
         token_ids = [*itertools.chain.from_iterable(s.token_ids for s in spans), *tail]
         extra: dict[str, Any] = {}

@@ -24,7 +24,8 @@ tier: the next request injects them.
 Rates are measured, never assumed: prefill time of this engine at a few prompt lengths and what
 injecting costs it per token (cached per engine and machine, since it takes seconds on a CPU), and
 the store's disk and host-to-device speeds (:mod:`inferscale_engine.memory.bandwidth`, measured
-when the store is attached).
+when the store is attached). What reads on requests' paths then really take corrects the read
+estimates (:class:`ObservedReads`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import random
@@ -112,8 +114,50 @@ class Plan:
     prompt_s: float  # what prefilling every memory would cost (the bound never to exceed)
 
 
+class ObservedReads:
+    """How long cold reads on requests' paths take against what the rates predict.
+
+    The calibration times bare file reads on an idle store. On a request's path a read also
+    lands in a memory tier and is handed out, and it shares the cores with the request and with
+    the other reads in flight: on the 2-core CPU box, 50 reads took about twice the calibrated
+    time. Each request that waits for cold reads records what they took against the prediction;
+    the model scales its read estimates by a running geometric mean of that ratio (the first few
+    averaged, then weighted towards the latest), so its next choices follow what reads cost on
+    this machine under its load. A model that overestimates reads reads less, and so learns
+    less: it errs towards prefilling, which is never slower than prompt injection.
+    """
+
+    #: Weight of the latest ratio once a few are in.
+    WEIGHT = 0.25
+    #: No ratio counts for more than this factor either way (one read stalled by a page fault
+    #: storm must not switch reading off for good).
+    CLAMP = 16.0
+
+    def __init__(self) -> None:
+        self._log_ratio = 0.0
+        self.samples = 0
+
+    @property
+    def scale(self) -> float:
+        """What the rates' read estimates are multiplied by."""
+        return math.exp(self._log_ratio)
+
+    def record(self, predicted_s: float, observed_s: float) -> None:
+        """A request waited ``observed_s`` for reads the rates priced at ``predicted_s``."""
+        if predicted_s <= 0 or observed_s <= 0:
+            return
+        ratio = min(max(observed_s / predicted_s, 1 / self.CLAMP), self.CLAMP)
+        weight = max(self.WEIGHT, 1 / (self.samples + 1))
+        # Requests record concurrently: a lost update only drops one sample.
+        self._log_ratio += weight * (math.log(ratio) - self._log_ratio)
+        self.samples += 1
+
+
 def plan(
-    segments: Sequence[Segment], recompute: int, rates: Rates | Callable[[], Rates | None] | None
+    segments: Sequence[Segment],
+    recompute: int,
+    rates: Rates | Callable[[], Rates | None] | None,
+    observed: ObservedReads | None = None,
 ) -> tuple[list[Segment], MemoryMix, Callable[[], None] | None]:
     """Segments with the cold memories the cost model injects loaded (waited for), the mix of
     the request, and what moves the prefilled cold memories up a tier for the next request
@@ -122,7 +166,8 @@ def plan(
     bandwidth). The rest stay text (``TextFact``) and, with the quality knob's last
     ``recompute`` memories, form the prefilled tail laid out by the engine. ``rates`` may be
     what returns them: it is asked only when a file the split could reach is not in the page
-    cache (the engine's may wait for its start-up measurement)."""
+    cache (the engine's may wait for its start-up measurement). ``observed`` scales the read
+    estimates, and learns from the reads this request waits for."""
     # One pass over the segments (on every injected request's path): where the memories
     # are, which are cold, and the first one still waiting to be encoded.
     facts: list[int] = []
@@ -149,7 +194,7 @@ def plan(
         if rates is None:  # nothing measured (no store speeds): load, as before the cost model
             split = limit
         else:
-            chosen = choose(segments, facts, limit, rates)
+            chosen = choose(segments, facts, limit, rates, observed.scale if observed is not None else 1.0)
             split = chosen.injected
             logger.debug("cost model: %d of %d memories injected (%d cold), expected %.1f ms, all prefilled %.1f ms",
                          split, len(facts), len(cold), 1e3 * chosen.expected_s, 1e3 * chosen.prompt_s)
@@ -157,6 +202,7 @@ def plan(
         split = limit
     out = list(segments)
     prefix = [j for j in cold if j < split]
+    started = time.perf_counter()
     for j in prefix:  # queued together: read in parallel
         reads[j].start()
     for j in prefix:
@@ -165,6 +211,9 @@ def plan(
         if not isinstance(loaded, Span):  # the file was unusable: the prefix ends here
             split = j
             break
+    else:
+        if observed is not None and isinstance(rates, Rates):
+            _observe(observed, rates, [reads[j] for j in prefix], time.perf_counter() - started)
     # The split may fall before memories whose KV is at hand (injecting costs more than
     # prefilling them): those are prefilled too, as everything after the split is.
     for j in range(split, limit):
@@ -183,8 +232,17 @@ def plan(
     return out, mix, promote if later else None
 
 
-def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rates) -> Plan:
-    """The cheapest split ``j <= limit`` (see the module docstring)."""
+def _observe(observed: ObservedReads, rates: Rates, reads: list[ColdRead], waited_s: float) -> None:
+    """Record a request's wait for its prefix's reads against what the rates price them at (the
+    model prices files in the page cache at nothing: a prefix of only those teaches nothing)."""
+    cold = [read for read in reads if not read.cached]  # cached_property: probed in choose
+    if cold:
+        observed.record(rates.disk_s(sum(read.nbytes for read in cold), len(cold)), waited_s)
+
+
+def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rates, read_scale: float = 1.0) -> Plan:
+    """The cheapest split ``j <= limit`` (see the module docstring); ``read_scale`` multiplies
+    every read estimate (:class:`ObservedReads`)."""
     lengths = [len(s.token_ids) if isinstance(s, Span) else len(s) for s in segments]
     everything = total = sum(lengths)
     prompt_s = rates.prefill_s(total)
@@ -203,7 +261,7 @@ def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rat
         if isinstance(seg, ColdFact) and not seg.read.cached:
             cold_bytes += seg.read.nbytes
             cold_files += 1
-            disk_s = rates.disk_s(cold_bytes, cold_files)
+            disk_s = read_scale * rates.disk_s(cold_bytes, cold_files)
             if disk_s + shortest_s > best_s:
                 break
         # Injecting memories [0, j) prefills everything after memory j - 1 (for j = 0 everything:
@@ -227,6 +285,8 @@ class Calibration:
         self.store = store
         self._refresh = refresh
         self._rates: Rates | None = None
+        #: What this store's reads take on requests' paths, against these rates.
+        self.observed = ObservedReads()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="inferscale-calibration", daemon=True)
         self._thread.start()

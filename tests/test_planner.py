@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from inferscale_engine.kv import FactKV
-from inferscale_engine.planner import Rates, plan
+from inferscale_engine.planner import ObservedReads, Rates, plan
 from inferscale_engine.types import ColdFact, MemoryMix, Span, TextFact
 
 # 1 ms per 10 tokens past a 10 ms floor; a fact of 10 tokens, 1 MB of KV.
@@ -182,6 +182,69 @@ def test_no_rates_reads_as_before():
     segs, reads = _prompt("cc")
     _, mix, _ = plan(segs, 0, None)
     assert mix == MemoryMix(0, 2, 0)
+
+
+class SlowRead(Read):
+    """A read that really takes ``seconds`` to wait for, as a read sharing the cores with its
+    request can take longer than the calibration's bare file read."""
+
+    def __init__(self, span: Span, seconds: float) -> None:
+        super().__init__(span)
+        self.seconds = seconds
+
+    def wait(self) -> Span | TextFact:
+        import time
+
+        time.sleep(self.seconds)
+        return super().wait()
+
+
+def _slow_prompt(k: int, seconds: float) -> tuple[list, list[Read]]:
+    segs, _ = _prompt("c" * k)
+    reads = [SlowRead(s.read.span, seconds) for s in segs if isinstance(s, ColdFact)]
+    it = iter(reads)
+    return [ColdFact(list(s), next(it)) if isinstance(s, ColdFact) else s for s in segs], reads
+
+
+def test_reads_slower_than_calibrated_teach_the_model_to_prefill():
+    """Rates price four 1 MB reads at 2 ms in all, where they save 5 ms of prefill. The reads
+    really take 4 x 10 ms on the request's path: after waiting for them once, the model
+    prefills the next cold request's memories and reads nothing."""
+    rates = _rates(2e9)
+    observed = ObservedReads()
+    segs, reads = _slow_prompt(4, 0.010)
+    _, mix, _ = plan(segs, 0, rates, observed)
+    assert mix == MemoryMix(0, 4, 0)
+    assert observed.samples == 1 and observed.scale == pytest.approx(ObservedReads.CLAMP)  # 40 ms waited, 2 ms priced
+    segs, reads = _slow_prompt(4, 0.010)
+    _, mix, _ = plan(segs, 0, rates, observed)
+    assert mix == MemoryMix(0, 0, 4) and all(r.calls == [] for r in reads)
+    # Without the correction the same rates read again.
+    segs, _ = _slow_prompt(4, 0.0)
+    _, mix, _ = plan(segs, 0, rates)
+    assert mix == MemoryMix(0, 4, 0)
+
+
+def test_observed_reads_average_then_follow_the_latest_and_ignore_nothing_measured():
+    observed = ObservedReads()
+    assert observed.scale == 1.0
+    observed.record(0.010, 0.020)
+    assert observed.scale == pytest.approx(2.0)
+    observed.record(0.010, 0.005)  # the first two count alike: their geometric mean
+    assert observed.scale == pytest.approx(1.0)
+    for _ in range(40):
+        observed.record(0.010, 0.030)
+    assert observed.scale == pytest.approx(3.0, rel=1e-3)
+    observed.record(0.0, 0.010)  # nothing priced: nothing learnt
+    observed.record(0.010, 10.0)  # one stalled read counts as at most 16x
+    assert observed.samples == 43 and observed.scale < 3.0 * 16 ** ObservedReads.WEIGHT * 1.001
+    # A prefix served from the page cache (priced at nothing) teaches nothing either.
+    observed = ObservedReads()
+    segs, reads = _slow_prompt(2, 0.001)
+    for r in reads:
+        r.in_page_cache = True
+    _, mix, _ = plan(segs, 0, _rates(1e9), observed)
+    assert mix == MemoryMix(2, 0, 0) and observed.samples == 0
 
 
 class CountedRead(Read):
