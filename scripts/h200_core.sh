@@ -19,7 +19,8 @@
 # against room on it, the tiers alone), coldtext (a cold request against prompt injection of the same
 # texts, call to answer, through the public API: scripts/profile_cold_plan.py on the Llama shape with
 # SmolLM2's tokenizer; carry .carry/smollm2-tokenizer, a copy of the prepared SmolLM2 folder's
-# config and tokenizer files). TIERS_REPEATS sets the tiers repeats.
+# config and tokenizer files; vLLM's prefix cache off: the two requests have the same tokens, so
+# whichever ran second would be served from the first's blocks). TIERS_REPEATS sets the tiers repeats.
 set -uo pipefail
 source .gpu/device-env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -72,7 +73,7 @@ for step in $STEPS; do
     tierspromo) python3 scripts/tiers_promotion.py cuda 50 2>&1 | tee "$OUT/tiers-promotion.txt" ;;
     coldtext) python3 scripts/make_configs.py /tmp/models --tokenizer .carry/smollm2-tokenizer > /dev/null
       python3 scripts/profile_cold_plan.py --model /tmp/models/llama-3.1-8b-text --device cuda --dummy-weights \
-        --disk-bps 0 --k ${KS:-50,200} --repeats ${REPEATS:-30} --ttft --check --json "$OUT/cold-text.json" 2>&1 \
+        --disk-bps 0 --k ${KS:-50,200} --repeats ${REPEATS:-30} --ttft --check --no-prefix-cache --json "$OUT/cold-text.json" 2>&1 \
         | grep -E "^(k=|disk|Traceback|[A-Za-z]*Error)" | tee "$OUT/cold-text.txt" ;;
     promoteprof) python3 scripts/h200_promote.py 50 --cprofile 2>&1 | tail -26 ;;
     promotesplit) python3 scripts/h200_promote.py 50 --split 2>&1 | grep -E "^k=|^    " | tee "$OUT/promote-split.txt" ;;
