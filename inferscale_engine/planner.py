@@ -202,6 +202,9 @@ def plan(
         split = limit
     out = list(segments)
     prefix = [j for j in cold if j < split]
+    # The prefix's files outside the page cache, asked before the reads put them there (the
+    # split search probed them already, but where no rates were asked for).
+    uncached = [j for j in prefix if not reads[j].cached]
     started = time.perf_counter()
     for j in prefix:  # queued together: read in parallel
         reads[j].start()
@@ -212,8 +215,10 @@ def plan(
             split = j
             break
     else:
-        if observed is not None and isinstance(rates, Rates):
-            _observe(observed, rates, [reads[j] for j in prefix], time.perf_counter() - started)
+        # Files in the page cache are priced at nothing: a prefix of only those teaches nothing.
+        if observed is not None and uncached and isinstance(rates, Rates):
+            priced = rates.disk_s(sum(reads[j].nbytes for j in uncached), len(uncached))
+            observed.record(priced, time.perf_counter() - started)
     # The split may fall before memories whose KV is at hand (injecting costs more than
     # prefilling them): those are prefilled too, as everything after the split is.
     for j in range(split, limit):
@@ -227,17 +232,9 @@ def plan(
             read.promote()
 
     # A file the page cache held was read like a memory tier.
-    from_disk = sum(1 for j in cold if j < split and not reads[j].cached)
+    from_disk = sum(1 for j in uncached if j < split)
     mix = MemoryMix(injected=split - from_disk, from_disk=from_disk, recomputed=len(facts) - split)
     return out, mix, promote if later else None
-
-
-def _observe(observed: ObservedReads, rates: Rates, reads: list[ColdRead], waited_s: float) -> None:
-    """Record a request's wait for its prefix's reads against what the rates price them at (the
-    model prices files in the page cache at nothing: a prefix of only those teaches nothing)."""
-    cold = [read for read in reads if not read.cached]  # cached_property: probed in choose
-    if cold:
-        observed.record(rates.disk_s(sum(read.nbytes for read in cold), len(cold)), waited_s)
 
 
 def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rates, read_scale: float = 1.0) -> Plan:
