@@ -700,7 +700,7 @@ class KVTiers:
         self._after_side()
         slab = self._slab.permute(2, 1, 0, 3, 4, 5)  # [2, layers, pages, page_tokens, heads, dim]
         first, m = pages[0], len(pages)
-        if pages == list(range(first, first + m)):
+        if _one_interval(pages):
             block = slab[:, :, first : first + m].clone(memory_format=torch.contiguous_format)
         else:
             block = slab.index_select(2, self._index(pages))
@@ -858,11 +858,9 @@ def _interval_ranges(
     ranges as ``(dst tensor, dst page, src tensor, src page, pages)``, cut where either side
     passes into its pool's next tensor (the host tier's chunks); else ``None``."""
     n = len(dst_pages)
-    if not n:
+    if not n or not (_one_interval(dst_pages) and _one_interval(src_pages)):
         return None
     d0, s0 = dst_pages[0], src_pages[0]
-    if dst_pages != list(range(d0, d0 + n)) or src_pages != list(range(s0, s0 + n)):
-        return None
     dst_per, src_per = _tensor_pages(dst), _tensor_pages(src)
     out = []
     done = 0
@@ -872,6 +870,11 @@ def _interval_ranges(
         out.append((dw, d, sw, s, m))
         done += m
     return out
+
+
+def _one_interval(pages: list[int]) -> bool:
+    """Whether ``pages`` (not empty) are consecutive and increasing, as a promotion leaves them."""
+    return pages == list(range(pages[0], pages[0] + len(pages)))
 
 
 def _tensor_pages(pool: Sources) -> int:
