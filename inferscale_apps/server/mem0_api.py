@@ -40,11 +40,7 @@ from fastapi import FastAPI, Request
 
 from inferscale_engine.errors import check_utf8
 from inferscale_engine.memory.encoding import engine_generate
-from inferscale_engine.memory.extraction import (
-    extract_actions,
-    parse_actions,
-    parse_facts,
-)
+from inferscale_engine.memory.extraction import extract_actions
 
 ENTITY_KEYS = ("user_id", "agent_id", "run_id", "app_id")
 MAX_USER_ID = 128  # the store's limit
@@ -325,11 +321,9 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         a client never gets an empty success for messages that were not stored."""
         s = store()
         key = who.store_key()
-        replies: list[str] = []
 
         def gen(messages: list[dict[str, str]]) -> str:
-            replies.append(call(generate, messages, key))
-            return replies[-1]
+            return call(generate, messages, key)
 
         scope = {k: v for k, v in vars(who).items() if v}
 
@@ -337,15 +331,16 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
             hits = call(s.search, fact, user_id=key, k=20)
             return [(h.id, h.memory) for h in hits if all(entities_of(h)[k] == v for k, v in scope.items())][:5]
 
-        ids: dict[str, str] = {}
-        actions = extract_actions(gen, conversation, similar)
-        if parse_facts(replies[0]) is None or (len(replies) > 1 and parse_actions(replies[1], ids) is None):
+        extraction = extract_actions(gen, conversation, similar)
+        if extraction.failed_reply is not None:
             raise APIError(422, "infer=true: the served model did not answer the memory extraction prompt with the "
-                                "JSON asked for, so nothing was stored. Retry, use a stronger model, or send "
-                                f"infer=false to store the messages as they are. Its reply began: {replies[-1][:200]!r}",
+                                "JSON asked for, or nothing in it was usable (empty or placeholder texts, ids of "
+                                "memories it was not shown), so nothing was stored. Retry, use a stronger model, "
+                                "or send infer=false to store the messages as they are. Its reply began: "
+                                f"{extraction.failed_reply[:200]!r}",
                            "invalid_request_error", "infer", "extraction_failed")
         out: list[dict[str, Any]] = []
-        for a in actions:
+        for a in extraction.actions:
             if a.event == "ADD":
                 for item in call(s.add, a.text, user_id=key, metadata=meta, context=context):
                     out.append(memory_dict(item, event="ADD"))

@@ -1,0 +1,132 @@
+"""Issue 39 (hardening, second round): the Mem0 memory API, attacks and bad input replayed
+against a real engine through HTTP and the unmodified ``mem0ai`` client.
+
+One tiny-Llama engine and one server (with an API key, as the client needs) for the module.
+Every test works on users of its own, since the store is shared.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+os.environ["MEM0_TELEMETRY"] = "False"  # read when mem0 is imported, so before it
+import mem0  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+API_KEY = "hardening-mem0-key"
+
+
+def uid(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama, tmp_path_factory):
+    from inferscale_engine import InferScaleEngine
+
+    eng = InferScaleEngine(model=tiny_llama, store_path=tmp_path_factory.mktemp("hard-mem0-store"),
+                           device="cpu", dtype="float32", max_model_len=1024, recompute=0)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def server(engine, tmp_path_factory):
+    from inferscale_apps.bench.load import serve_app
+    from inferscale_apps.server import create_app
+
+    os.environ.setdefault("MEM0_DIR", str(tmp_path_factory.mktemp("mem0-home")))  # the client writes its config there
+    with serve_app(create_app(engine, served_model_name="tiny", api_key=API_KEY)) as url:
+        yield url
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server, headers={"Authorization": f"Token {API_KEY}"}, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture
+def client(server):
+    return mem0.MemoryClient(api_key=API_KEY, host=server)
+
+
+def add(http: httpx.Client, text: str, **ids: str) -> dict[str, Any]:
+    r = http.post("/v3/memories/add/", json={"messages": [{"role": "user", "content": text}], "infer": False, **ids})
+    assert r.status_code == 200, r.text
+    [item] = r.json()["results"]
+    return item
+
+
+def listed(http: httpx.Client, filters: dict[str, Any]) -> list[dict[str, Any]]:
+    r = http.post("/v3/memories/", json={"filters": filters})
+    assert r.status_code == 200, r.text
+    return r.json()["results"]
+
+
+# ------------------------------------------------------------------------------ 4: infer=true checks the model's actions
+
+
+@pytest.fixture
+def scripted(engine, monkeypatch):
+    """A server whose extraction model answers with the replies the test queues: the route, the
+    store and the engine are the real ones; only the words of the model are chosen (the tiny
+    random-weight model's own words are noise)."""
+    from fastapi.testclient import TestClient
+
+    from inferscale_apps.server import create_app, mem0_api
+
+    replies: list[str] = []
+    monkeypatch.setattr(mem0_api, "engine_generate", lambda engine, max_tokens: lambda messages, user_id: replies.pop(0))
+    yield TestClient(create_app(engine, served_model_name="tiny")), replies  # re-raises any unhandled error
+
+
+FACTS = '{"facts": ["Lives in Rome"]}'
+
+
+@pytest.mark.parametrize("decision", [
+    '{"memory": [{"id": "0", "text": "...", "event": "UPDATE"}]}',  # the prompt's own example, copied
+    '{"memory": [{"id": "0", "text": "\\u2026", "event": "UPDATE"}]}',
+    '{"memory": [{"id": "0", "text": "  ", "event": "UPDATE"}]}',
+    '{"memory": [{"id": "0", "text": "-- !", "event": "UPDATE"}]}',
+    '{"memory": [{"id": "7", "text": "Lives in Rome", "event": "UPDATE"}]}',  # not an id it was shown
+    '{"memory": [{"id": "ID", "text": "Lives in Rome", "event": "UPDATE"}]}',  # the real id, never shown
+    '{"memory": [{"id": "7", "event": "DELETE"}]}',
+    '{"memory": [{"id": "new", "text": "...", "event": "ADD"}]}',
+])
+def test_infer_never_applies_a_placeholder_or_an_unshown_id(scripted, decision):
+    """A model that copied the prompt's ``"text": "..."`` used to overwrite a real memory with
+    ``...`` and answer 200."""
+    client, replies = scripted
+    user = uid("rome")
+    r = client.post("/v3/memories/add/", json={"messages": "I live in Paris.", "user_id": user, "infer": False})
+    old = r.json()["results"][0]
+    replies[:] = [FACTS, decision.replace('"ID"', f'"{old["id"]}"')]
+    r = client.post("/v3/memories/add/", json={"messages": "I moved to Rome.", "user_id": user, "infer": True})
+    assert r.status_code == 422 and r.json()["error"]["code"] == "extraction_failed", r.text
+    assert not replies  # both model calls were made
+    after = client.get("/v1/memories/", params={"user_id": user}).json()["results"]
+    assert [(m["id"], m["memory"]) for m in after] == [(old["id"], "I live in Paris.")]
+
+
+def test_infer_applies_the_valid_actions_and_answers_none_with_an_empty_result(scripted):
+    client, replies = scripted
+    user = uid("rome")
+    old = client.post("/v3/memories/add/", json={"messages": "I live in Paris.", "user_id": user, "infer": False}).json()["results"][0]
+    replies[:] = [FACTS, '{"memory": [{"id": "0", "event": "NONE"}]}']
+    r = client.post("/v3/memories/add/", json={"messages": "I live in Paris.", "user_id": user, "infer": True})
+    assert r.status_code == 200 and r.json()["results"] == [], r.text
+    replies[:] = [FACTS, '{"memory": [{"id": "0", "text": "...", "event": "UPDATE"}, '
+                         '{"id": "0", "text": "Lives in Rome", "event": "UPDATE"}, {"id": "3", "event": "DELETE"}]}']
+    r = client.post("/v3/memories/add/", json={"messages": "I moved to Rome.", "user_id": user, "infer": True})
+    assert r.status_code == 200, r.text
+    [(event, text, previous)] = [(m["event"], m["memory"], m.get("previous_memory")) for m in r.json()["results"]]
+    assert (event, text, previous) == ("UPDATE", "Lives in Rome", "I live in Paris.")
+    after = client.get(f"/v1/memories/{old['id']}/").json()
+    assert after["memory"] == "Lives in Rome"
