@@ -388,6 +388,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     if args.k < 0 or args.history < 0 or args.max_tokens < 1:
         raise ValueError("--k and --history must be >= 0 and --max-tokens >= 1")
+    _refuse_damaged(args)
     interactive = sys.stdin.isatty()
     quiet = interactive and not args.verbose
     from inferscale_engine.models import MODEL_ALIASES, is_prepared, model_cache_dir, resolve_model
@@ -442,6 +443,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not (0 < args.port < 65536):
         raise ValueError(f"--port must be 1-65535, got {args.port}")
+    _refuse_damaged(args)  # the server would start without its memories (503 on each memory route)
     _progress(f"Loading {args.model} ...")
     serve(
         host=args.host,
@@ -529,6 +531,16 @@ def _refuse_if_held(args: argparse.Namespace, holder: Any) -> None:
         raise InferScaleError(locked_message(_store_folder(args), holder))
 
 
+def _refuse_damaged(args: argparse.Namespace) -> None:
+    """A store folder whose database is lost or damaged, named in one line before any model loads."""
+    from inferscale_engine.config import is_database_url
+    from inferscale_engine.memory.folder import check_database
+
+    folder = _store_folder(args)
+    if not is_database_url(args.store) and folder.is_dir():
+        check_database(folder)
+
+
 @contextlib.contextmanager
 def _memories(args: argparse.Namespace, *, encode: bool = False) -> Iterator[Any]:
     """The store a memory command works on: a server's (see :func:`_server_url`), or the folder,
@@ -540,6 +552,7 @@ def _memories(args: argparse.Namespace, *, encode: bool = False) -> Iterator[Any
         with RemoteMemory(url, api_key=args.api_key) as remote:
             yield remote
     elif encode:
+        _refuse_damaged(args)
         with _make_engine(args) as engine:
             yield engine.memory
             engine.memory.wait_for_encoding()
@@ -620,6 +633,7 @@ def cmd_memory_import_locomo(args: argparse.Namespace) -> int:
     from inferscale_apps.bench.locomo_data import load_locomo, speaker_user
 
     _refuse_if_held(args, _holder(args))  # the server has no import route
+    _refuse_damaged(args)
     conversations = load_locomo(args.path, conversations=args.conversations)
     total = sum(len(c.turns) for c in conversations)
     _progress(f"{len(conversations)} conversation(s), {total} turns from {args.path}")

@@ -74,6 +74,12 @@ class SecretError(InferScaleError):
     """A store's handle secret is missing or is not the one its handles were made with."""
 
 
+class StoreDamagedError(InferScaleError):
+    """A store folder's database is missing, empty or not a SQLite database while the rest of the
+    store (handle secret, KV files, write-ahead log) is there: opened, it would start over empty
+    and remove every KV file as belonging to no memory, so it is refused."""
+
+
 class TooLargeError(InferScaleError, ValueError):
     """An input over one of the documented size limits (HTTP 413)."""
 

@@ -30,7 +30,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from inferscale_engine.config import is_database_url
-from inferscale_engine.errors import SchemaVersionError
+from inferscale_engine.errors import SchemaVersionError, StoreDamagedError
+from inferscale_engine.memory.folder import damaged_message
 from inferscale_engine.memory.item import text_hash
 
 SCHEMA_VERSION = 1
@@ -488,22 +489,38 @@ class SQLiteDB(SQLMetaDB):
         self.location = str(path)
         self.lock = threading.RLock()
         self.conn = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None, timeout=30)
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=FULL")
-        self.conn.execute("PRAGMA foreign_keys=ON")
-        with self.lock:
-            self.conn.executescript(self._schema)  # idempotent (IF NOT EXISTS); runs in its own transaction
-        with self._transaction() as c:
-            self._check_schema(c)
+        try:
+            with self._damage_named():
+                self.conn.execute("PRAGMA journal_mode=WAL")
+                self.conn.execute("PRAGMA synchronous=FULL")
+                self.conn.execute("PRAGMA foreign_keys=ON")
+                with self.lock:
+                    self.conn.executescript(self._schema)  # idempotent (IF NOT EXISTS); runs in its own transaction
+            with self._transaction() as c:
+                self._check_schema(c)
+        except BaseException:
+            self.conn.close()
+            raise
+
+    @contextmanager
+    def _damage_named(self) -> Iterator[None]:
+        """SQLite finding the file is not a database, or a damaged one (truncated, overwritten):
+        a :class:`StoreDamagedError` that says how to recover, not a bare ``DatabaseError``."""
+        try:
+            yield
+        except sqlite3.DatabaseError as exc:
+            if exc.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
+                raise
+            raise StoreDamagedError(damaged_message(self.path.parent, f"{self.path.name} is damaged ({exc})")) from exc
 
     @contextmanager
     def _reading(self) -> Iterator[sqlite3.Connection]:
-        with self.lock:
+        with self.lock, self._damage_named():
             yield self.conn
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        with self.lock:
+        with self.lock, self._damage_named():
             self.conn.execute("BEGIN IMMEDIATE")
             try:
                 yield self.conn

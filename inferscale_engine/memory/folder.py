@@ -13,12 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from inferscale_engine.errors import InferScaleError, SecretError
+from inferscale_engine.errors import InferScaleError, SecretError, StoreDamagedError
 
 SECRET_FILE = "secret.key"
 DB_FILE = "memory.sqlite3"
 KV_DIR = "kv"
 LOCK_FILE = ".lock"
+#: What SQLite keeps beside the database while it is open (or after a crash).
+DB_COMPANIONS = ("-wal", "-shm", "-journal")
+_SQLITE_HEADER = b"SQLite format 3\x00"
 
 if TYPE_CHECKING:
     from inferscale_engine.memory.db import MetaDB
@@ -65,6 +68,48 @@ def open_secret(path: Path, db: MetaDB) -> bytes:
     return secret
 
 
+def check_database(folder: Path) -> None:
+    """Refuse a store folder whose database is gone, empty or not SQLite while the rest of a store
+    is there (:class:`StoreDamagedError`); a new folder, or one with an intact database, passes.
+
+    SQLite would create an empty database in its place, and the open would then remove every KV
+    file as belonging to no memory: everybody's memories, lost without a word. Call it holding
+    the store's lock, before the database is opened.
+    """
+    db = folder / DB_FILE
+    try:
+        size = db.stat().st_size
+    except FileNotFoundError:
+        size = None
+    if size:
+        with db.open("rb") as f:
+            if f.read(len(_SQLITE_HEADER)) != _SQLITE_HEADER:
+                raise StoreDamagedError(damaged_message(folder, f"{DB_FILE} is not a SQLite database"))
+        return
+    marks = _store_marks(folder)
+    if marks:
+        problem = f"{DB_FILE} is missing" if size is None else f"{DB_FILE} is empty (0 bytes)"
+        raise StoreDamagedError(damaged_message(folder, f"{problem}, yet the folder holds the rest of a store "
+                                                        f"({', '.join(marks)})"))
+
+
+def damaged_message(folder: Path, problem: str) -> str:
+    """The refusal of a store whose database is lost or damaged: what is wrong, and the two ways out."""
+    return (f"memory store {folder} cannot be opened: {problem}. Nothing was changed. Restore {DB_FILE} from a "
+            f"backup (first move aside any {DB_FILE}-wal or -shm left there: they belong to the lost file); or, to "
+            f"start over with an empty store (every memory in it is lost), delete the folder {folder} or use "
+            "another one (--store DIR)")
+
+
+def _store_marks(folder: Path) -> list[str]:
+    """The files of an existing store in ``folder``, but for its database."""
+    marks = [name for name in (SECRET_FILE, *(DB_FILE + c for c in DB_COMPANIONS)) if (folder / name).exists()]
+    kv_files = sum(1 for _ in (folder / KV_DIR).rglob("*.safetensors"))
+    if kv_files:
+        marks.append(f"{kv_files} KV file{'s' if kv_files > 1 else ''}")
+    return marks
+
+
 def rotate_secret(folder: Path) -> int:
     """Give the store in ``folder`` a new handle secret; returns how many live memories get new
     handles (the old ones stop working). The store must not be open elsewhere."""
@@ -72,6 +117,7 @@ def rotate_secret(folder: Path) -> int:
 
     lock = acquire_lock(folder / LOCK_FILE)
     try:
+        check_database(folder)
         db = SQLiteDB(folder / DB_FILE)
         try:
             secret = secrets.token_bytes(32)

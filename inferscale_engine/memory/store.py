@@ -67,6 +67,7 @@ from inferscale_engine.memory.folder import (
     SECRET_FILE,
     acquire_lock,
     acquire_replica_folder,
+    check_database,
     open_secret,
     record_url,
     release_lock,
@@ -171,6 +172,8 @@ class MemoryStore:
             self.path.mkdir(parents=True, exist_ok=True)
             self._lock_fd = acquire_lock(self.path / LOCK_FILE)
         try:
+            if not is_database_url(path):
+                check_database(self.path)  # never start over empty where a store's database was lost
             self._db = open_db(str(path) if is_database_url(path) else self.path / DB_FILE)
             self.location = self._db.location if self._db.shared else str(self.path)
             try:
