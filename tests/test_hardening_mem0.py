@@ -130,3 +130,21 @@ def test_infer_applies_the_valid_actions_and_answers_none_with_an_empty_result(s
     assert (event, text, previous) == ("UPDATE", "Lives in Rome", "I live in Paris.")
     after = client.get(f"/v1/memories/{old['id']}/").json()
     assert after["memory"] == "Lives in Rome"
+
+
+# ------------------------------------------------------------------------------ 7: X-User-Id is UTF-8
+
+
+def test_x_user_id_is_decoded_as_utf8(http):
+    """A UTF-8 ``X-User-Id`` used to be read as Latin-1: ``jürgen`` became ``jÃ¼rgen``, another user."""
+    user = "jürgen-" + uuid.uuid4().hex[:6] + "-日本"
+    item = add(http, "Jürgen's bike is green.", user_id=user)
+    r = http.get(f"/v1/memories/{item['id']}/", headers={"X-User-Id": user.encode("utf-8")})
+    assert r.status_code == 200 and r.json()["user_id"] == user, r.text
+    mojibake = user.encode("utf-8").decode("latin-1")  # what the header used to be taken for
+    r = http.get(f"/v1/memories/{item['id']}/", headers={"X-User-Id": mojibake.encode("utf-8")})
+    assert r.status_code == 404, r.text
+    for raw in (b"\xff\xfe", b"j\xfcrgen", b"\xc3"):  # not UTF-8 (the middle one is Latin-1)
+        r = http.get(f"/v1/memories/{item['id']}/", headers={"X-User-Id": raw})
+        assert r.status_code == 400, (raw, r.text)
+        assert r.json()["error"]["code"] == "invalid_header" and r.json()["error"]["param"] == "X-User-Id", r.text

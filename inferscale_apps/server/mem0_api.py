@@ -38,6 +38,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
+from inferscale_apps.server.headers import HeaderEncodingError, user_id_header
 from inferscale_engine.errors import check_utf8
 from inferscale_engine.memory.encoding import engine_generate
 from inferscale_engine.memory.extraction import extract_actions
@@ -233,7 +234,10 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
 
     def caller(request: Request) -> Entities:
         e = entities_from(dict(request.query_params))
-        header = request.headers.get("x-user-id")
+        try:
+            header = user_id_header(request)
+        except HeaderEncodingError as exc:
+            raise bad(str(exc), "X-User-Id", "invalid_header") from None
         if header and not e.user_id:
             e = Entities(header, e.agent_id, e.run_id, e.app_id)
         return e
