@@ -86,10 +86,10 @@ async def flow(client: Any, major: int) -> None:
         r = await _aw(client.search("Where does the user live?", user_id=u, top_k=1))
         assert [m["id"] for m in r["results"]] == [austin["id"]], r
 
-    # get_all: filters, wildcard, pagination
+    # get_all: filters, AND, pagination
     r = await _aw(client.get_all(filters={"user_id": u}))
     assert len(r["results"]) == 3, r
-    r = await _aw(client.get_all(filters={"AND": [{"agent_id": agent}, {"user_id": "*"}]}))
+    r = await _aw(client.get_all(filters={"AND": [{"agent_id": agent}, {"user_id": u}]}))
     assert len(r["results"]) == 2, r
     r = await _aw(client.get_all(filters={"user_id": u}, page=2, page_size=2))
     assert r["count"] == 3 and len(r["results"]) == 1 and r["next"] is None and r["previous"], r

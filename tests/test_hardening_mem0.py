@@ -70,6 +70,46 @@ def listed(http: httpx.Client, filters: dict[str, Any]) -> list[dict[str, Any]]:
     return r.json()["results"]
 
 
+# ------------------------------------------------------------------------------ 1: "*" is an id
+
+
+def test_star_is_a_user_named_star_not_a_wildcard(http, client):
+    """``"*"`` used to select every user's memories: list, search and delete all of them."""
+    from mem0.exceptions import MemoryNotFoundError
+
+    client.delete_all(user_id="*")  # start clean: other tests may use "*" too
+    alice, bob, bot = uid("alice"), uid("bob"), uid("bot")
+    a = client.add("Alice keeps her diary in the blue drawer.", user_id=alice, infer=False)["results"][0]
+    b = client.add("Bob's locker code is 7731.", user_id=bob, agent_id=bot, infer=False)["results"][0]
+    star = client.add("Star's own note.", user_id="*", infer=False)["results"][0]
+    assert star["user_id"] == "*"
+
+    for filters in ({"user_id": "*"}, {"user_id": {"in": ["*"]}}, {"AND": [{"user_id": "*"}]}):
+        assert [m["id"] for m in client.get_all(filters=filters)["results"]] == [star["id"]], filters
+        assert [m["id"] for m in client.search("diary locker code note", filters=filters, top_k=50)["results"]] == [star["id"]]
+    assert client.get_all(filters={"agent_id": "*"})["results"] == []  # no agent is named "*"
+    assert client.get_all(filters={"AND": [{"agent_id": bot}, {"user_id": "*"}]})["results"] == []
+    r = http.get("/v1/memories/", params={"user_id": "*"})
+    assert [m["id"] for m in r.json()["results"]] == [star["id"]]
+    # the per-id calls: a caller named "*" owns only its own memories
+    assert http.get(f"/v1/memories/{a['id']}/", params={"user_id": "*"}).status_code == 404
+    assert http.get(f"/v1/memories/{a['id']}/", headers={"X-User-Id": "*"}).status_code == 404
+
+    with pytest.raises(MemoryNotFoundError):  # agent "*" has no memories: nothing to forget
+        client.delete_users(agent_id="*")
+    client.delete_all(user_id="*")
+    assert [m["id"] for m in client.get_all(filters={"user_id": alice})["results"]] == [a["id"]]
+    assert [m["id"] for m in client.get_all(filters={"user_id": bob})["results"]] == [b["id"]]
+    assert client.get_all(filters={"user_id": "*"})["results"] == []
+
+    star = client.add("Star again.", user_id="*", infer=False)["results"][0]
+    client.delete_users(user_id="*")  # DELETE /v2/entities/user/*/
+    assert [m["id"] for m in client.get_all(filters={"user_id": alice})["results"]] == [a["id"]]
+    assert [m["id"] for m in client.get_all(filters={"user_id": bob})["results"]] == [b["id"]]
+    with pytest.raises(MemoryNotFoundError):
+        client.get(star["id"])
+
+
 # ------------------------------------------------------------------------------ 4: infer=true checks the model's actions
 
 

@@ -167,8 +167,8 @@ def compile_filters(f: Any, error: Callable[[str], Exception]) -> tuple[Pred, se
 
 
 def _entity_pred(key: str, value: Any, error: Callable[[str], Exception]) -> tuple[Pred, set[str] | None]:
-    if value == "*":  # Mem0's wildcard: any non-null value
-        return (lambda e: e[key] is not None), None
+    # Every id is literal, "*" included: Mem0's wildcard would let any caller that may name a
+    # user (an end user's id passed through by an app) read or delete every user's memories.
     if isinstance(value, str):
         return (lambda e: e[key] == value), {value}
     if isinstance(value, dict) and len(value) == 1:
@@ -179,7 +179,7 @@ def _entity_pred(key: str, value: Any, error: Callable[[str], Exception]) -> tup
             if op == "in":
                 return (lambda e: e[key] in arg), set(arg)
             return (lambda e: e[key] not in arg), None
-    raise error(f"filters.{key} must be a string, '*', or one of {{{', '.join(_OPS)}: ...}}")
+    raise error(f"filters.{key} must be a string or one of {{{', '.join(_OPS)}: ...}}")
 
 
 # ---------------------------------------------------------------------------- routes
