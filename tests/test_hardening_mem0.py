@@ -110,6 +110,60 @@ def test_star_is_a_user_named_star_not_a_wildcard(http, client):
         client.get(star["id"])
 
 
+# ------------------------------------------------------------------------------ 2: filters must pin an entity
+
+
+@pytest.mark.parametrize("filters", [
+    {"metadata": {}},
+    {"metadata": {"src": "x"}},
+    {"NOT": [{"user_id": "nobody"}]},
+    {"AND": [{"metadata": {}}]},
+    {"OR": [{"user_id": "PLACEHOLDER"}, {"metadata": {}}]},
+    {"OR": [{"user_id": "PLACEHOLDER"}, {"NOT": [{"user_id": "PLACEHOLDER"}]}]},
+    {"user_id": {"ne": "nobody"}},
+    {"user_id": {"nin": ["nobody"]}},
+    {"agent_id": {"ne": "nobody"}},
+    {"user_id": {"in": []}},
+    {"AND": [{"NOT": [{"user_id": "nobody"}]}, {"run_id": {"nin": []}}]},
+])
+def test_a_selection_that_pins_no_entity_id_is_refused(http, filters):
+    """Filters with no entity id by equality used to list, search and delete every user's memories."""
+    user = uid("pin")
+    mine = add(http, "Pinned fact.", user_id=user)
+    filters = _replace(filters, "PLACEHOLDER", user)
+    for path, body in (("/v3/memories/", {"filters": filters}), ("/v2/memories/", {"filters": filters}),
+                       ("/v3/memories/search/", {"query": "fact", "filters": filters}),
+                       ("/v1/memories/search/", {"query": "fact", "filters": filters})):
+        r = http.post(path, json=body)
+        assert r.status_code == 400, (path, filters, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "entity_id_required" and err["param"] == "filters", err
+        assert "user_id" in err["message"]
+    assert [m["id"] for m in listed(http, {"user_id": user})] == [mine["id"]]
+
+
+@pytest.mark.parametrize("filters", [
+    {"AND": [{"user_id": "PLACEHOLDER"}, {"metadata": {}}]},
+    {"OR": [{"user_id": "PLACEHOLDER"}, {"agent_id": "nobody"}]},
+    {"user_id": {"in": ["PLACEHOLDER", "nobody"]}},
+    {"user_id": {"eq": "PLACEHOLDER"}},
+    {"AND": [{"user_id": "PLACEHOLDER"}, {"NOT": [{"run_id": "r"}]}, {"agent_id": {"ne": "x"}}]},
+    {"user_id": "PLACEHOLDER", "metadata": {"role": "user"}},
+])
+def test_a_selection_that_pins_an_entity_in_every_branch_is_served(http, filters):
+    user = uid("pinned")
+    mine = add(http, "Pinned fact.", user_id=user)
+    assert [m["id"] for m in listed(http, _replace(filters, "PLACEHOLDER", user))] == [mine["id"]]
+
+
+def _replace(obj: Any, old: str, new: str) -> Any:
+    if isinstance(obj, dict):
+        return {k: _replace(v, old, new) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_replace(v, old, new) for v in obj]
+    return new if obj == old else obj
+
+
 # ------------------------------------------------------------------------------ 4: infer=true checks the model's actions
 
 

@@ -122,13 +122,22 @@ def _metadata_equals(want: dict[str, Any]) -> Pred:
     return lambda e: all(e["metadata"].get(k) == v for k, v in want.items())
 
 
-def compile_filters(f: Any, error: Callable[[str], Exception]) -> tuple[Pred, set[str] | None]:
-    """A predicate over ``entities_of + {metadata}`` and, when the filter pins ``user_id``,
-    the store users worth searching (None: all of them)."""
+@dataclass(frozen=True)
+class Selection:
+    """A compiled filter."""
+
+    pred: Pred  # over ``entities_of`` + ``{"metadata": ...}``
+    users: set[str] | None  # the store users worth scanning (None: all of them)
+    pinned: bool  # names an entity id by equality in every OR branch, so it cannot reach everyone
+
+
+def compile_filters(f: Any, error: Callable[[str], Exception]) -> Selection:
+    """Compile Mem0's filter object; ``error(message)`` makes the exception for a bad one."""
     if not isinstance(f, dict):
         raise error("filters must be an object")
     preds: list[Pred] = []
     users: set[str] | None = None
+    pinned = False
 
     def narrow(s: set[str] | None) -> None:
         nonlocal users
@@ -140,22 +149,25 @@ def compile_filters(f: Any, error: Callable[[str], Exception]) -> tuple[Pred, se
             if not isinstance(value, list) or not value:
                 raise error(f"filters.{key} must be a non-empty list")
             parts = [compile_filters(v, error) for v in value]
-            ps = [p for p, _ in parts]
+            ps = [p.pred for p in parts]
             if key == "AND":
                 preds.append(_every(ps))
-                for _, u in parts:
-                    narrow(u)
+                for p in parts:
+                    narrow(p.users)
+                pinned |= any(p.pinned for p in parts)
             elif key == "OR":
                 preds.append(_some(ps))
-                if all(u is not None for _, u in parts):
-                    narrow(set[str]().union(*(u for _, u in parts if u is not None)))
-            else:
+                if all(p.users is not None for p in parts):
+                    narrow(set[str]().union(*(p.users for p in parts if p.users is not None)))
+                pinned |= all(p.pinned for p in parts)
+            else:  # "not alice" is everyone else: a NOT pins nothing
                 preds.append(_none(ps))
         elif key in ENTITY_KEYS:
-            pred, pinned = _entity_pred(key, value, error)
+            pred, ids = _entity_pred(key, value, error)
             preds.append(pred)
+            pinned |= bool(ids)
             if key == "user_id":
-                narrow(pinned)
+                narrow(ids)
         elif key == "metadata":
             if not isinstance(value, dict):
                 raise error("filters.metadata must be an object of key: value equalities")
@@ -163,10 +175,11 @@ def compile_filters(f: Any, error: Callable[[str], Exception]) -> tuple[Pred, se
         else:
             raise error(f"filter {key!r} is not supported by this server (supported: AND, OR, NOT, "
                         f"{', '.join(ENTITY_KEYS)}, metadata)")
-    return _every(preds), users
+    return Selection(_every(preds), users, pinned)
 
 
 def _entity_pred(key: str, value: Any, error: Callable[[str], Exception]) -> tuple[Pred, set[str] | None]:
+    """The predicate, and the ids it selects by equality (None for ``ne`` / ``nin``)."""
     # Every id is literal, "*" included: Mem0's wildcard would let any caller that may name a
     # user (an end user's id passed through by an app) read or delete every user's memories.
     if isinstance(value, str):
@@ -247,16 +260,23 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         meta.pop(META_KEY, None)
         return {**entities_of(item), "metadata": meta}
 
-    def selection(src: dict[str, Any], what: str) -> tuple[Pred, set[str] | None]:
-        """Entity ids given at top level and ``filters``, AND-ed (Mem0 clients send either)."""
+    def selection(src: dict[str, Any], what: str) -> Selection:
+        """Entity ids given at top level and ``filters``, AND-ed (Mem0 clients send either).
+
+        It must pin an entity id by equality in every branch: metadata, NOT, ``ne`` or ``nin``
+        alone would select every user's memories."""
         top = entities_from(src)
         clauses: list[dict[str, Any]] = [{k: v} for k, v in vars(top).items() if v]
         filters = src.get("filters")
         if filters:
             clauses.append(filters)
-        if not clauses:
-            raise bad(f"{what} needs at least one of {', '.join(ENTITY_KEYS)} (at top level or in filters)", "filters")
-        return compile_filters({"AND": clauses}, bad)
+        sel = compile_filters({"AND": clauses}, bad) if clauses else None
+        if sel is None or not sel.pinned:
+            raise bad(f"{what} needs at least one of {', '.join(ENTITY_KEYS)} equal to an id (a string, "
+                      "{\"eq\": id} or {\"in\": [ids]}), at top level or in filters, and in every OR branch; "
+                      "metadata, NOT, ne and nin alone would select every user's memories",
+                      "filters", "entity_id_required")
+        return sel
 
     def owned_by(item: Any, who: Entities) -> bool:
         if not who.any():
@@ -275,12 +295,12 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
             raise not_found(f"memory {memory_id!r} not found")
         return item
 
-    def matching(pred: Pred, users: set[str] | None) -> list[Any]:
+    def matching(sel: Selection) -> list[Any]:
         s = store()
-        keys = sorted(users) if users is not None else call(s.user_ids)
+        keys = sorted(sel.users) if sel.users is not None else call(s.user_ids)
         out: list[Any] = []
         for key in keys:
-            out.extend(i for i in call(s.get_all, user_id=key) if pred(view(i)))
+            out.extend(i for i in call(s.get_all, user_id=key) if sel.pred(view(i)))
         return out
 
     # ------------------------------------------------------------------ ping
@@ -421,9 +441,9 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         threshold = body.get("threshold")
         if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float))):
             raise bad("threshold must be a number", "threshold")
-        pred, users = selection(body, "search")
+        sel = selection(body, "search")
         s = store()
-        keys = sorted(users) if users is not None else call(s.user_ids)
+        keys = sorted(sel.users) if sel.users is not None else call(s.user_ids)
         hits: list[Any] = []
         for key in keys:
             n = len(call(s.get_all, user_id=key))
@@ -431,7 +451,7 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
                 continue
             # Ask for every fact of the user when other filters apply: a top-k cut before
             # filtering would drop matches ranked below another run's facts.
-            hits.extend(h for h in call(s.search, query, user_id=key, k=min(n, 1000)) if pred(view(h)))
+            hits.extend(h for h in call(s.search, query, user_id=key, k=min(n, 1000)) if sel.pred(view(h)))
         hits.sort(key=lambda h: -(h.score or 0.0))
         if threshold is not None:
             hits = [h for h in hits if (h.score or 0.0) >= threshold]
@@ -458,8 +478,7 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         return await _run(do_prefetch, await body_of(request))
 
     def do_list(src: dict[str, Any], page: Any, page_size: Any, base: str) -> dict[str, Any]:
-        pred, users = selection(src, "listing memories")
-        items = matching(pred, users)
+        items = matching(selection(src, "listing memories"))
         if page is None and page_size is None:
             return {"count": len(items), "next": None, "previous": None, "results": [memory_dict(i) for i in items]}
         try:
@@ -491,9 +510,8 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         return await _run(do_list, body, page, size, str(request.url.path))
 
     def do_delete_all(src: dict[str, Any]) -> dict[str, Any]:
-        pred, users = selection(src, "delete_all")
         s = store()
-        items = matching(pred, users)
+        items = matching(selection(src, "delete_all"))
         for i in items:
             call(s.delete, i.id)
         return {"message": "Memories deleted successfully!", "deleted": len(items)}
@@ -603,8 +621,7 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         if kind not in ENTITY_TYPES:
             raise bad(f"entity type must be one of {', '.join(ENTITY_TYPES)}", "type")
         field = ENTITY_TYPES[kind]
-        pred, users = compile_filters({field: name}, bad)
-        items = matching(pred, users)
+        items = matching(compile_filters({field: name}, bad))
         if not items:
             raise APIError(404, f"{kind} {name!r} has no memories", "not_found_error", None, "entity_not_found")
         s = store()
