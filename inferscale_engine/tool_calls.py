@@ -12,6 +12,9 @@
 * **Forced calls** (``tool_choice`` "any" or a tool's name): :func:`forced_call_schema` is the
   JSON schema of a call to one of the allowed tools, for structured-output (guided) decoding,
   so the call is well-formed and names an allowed tool however small the model.
+
+:func:`use_tools` puts these together for one generation; the LangChain model and the HTTP
+server both go through it, so a request renders, decodes and parses the same either way.
 """
 
 from __future__ import annotations
@@ -75,6 +78,38 @@ def format_result(content: str) -> str:
     return f"<tool_response>\n{content}\n</tool_response>"
 
 
+def template_messages(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]], *, native: bool
+) -> list[dict[str, Any]]:
+    """Chat messages with tool calls and results, as the model's chat template takes them.
+
+    ``messages``: ``{"role", "content"}`` dicts; an assistant's may carry ``"tool_calls": [{"id",
+    "type": "function", "function": {"name", "arguments": {...}}}]`` and a ``"tool"`` one its
+    ``"tool_call_id"``. ``native``: the template renders tools, calls and results itself (see
+    :func:`template_renders_tools`), so they stay as they are; otherwise calls and results become
+    text and ``tools`` a system message (:func:`tools_system_text`).
+    """
+    if native:
+        return [dict(m) for m in messages]
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        entry = {k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")}
+        calls = message.get("tool_calls")
+        if calls:
+            text = "\n".join(format_call(function_of(c)["name"], function_of(c).get("arguments") or {}) for c in calls)
+            entry["content"] = f"{message['content']}\n{text}" if message["content"] else text
+        if message["role"] == "tool":
+            entry["content"] = format_result(message["content"])
+        out.append(entry)
+    if tools:
+        block = tools_system_text(tools)
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + block}
+        else:
+            out.insert(0, {"role": "system", "content": block})
+    return out
+
+
 # --------------------------------------------------------------------------------- choice
 
 
@@ -124,6 +159,65 @@ def forced_call_schema(tools: Sequence[Mapping[str, Any]], names: Sequence[str])
     if defs:
         schema = {**schema, "$defs": defs}
     return schema
+
+
+# --------------------------------------------------------------------------------- one generation
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What tools make of one generation (see :func:`use_tools`)."""
+
+    messages: list[dict[str, Any]]  # for the chat template
+    tools: list[dict[str, Any]] | None  # for the template to render (None: none, or they are in a message)
+    names: list[str]  # the answer is read for calls to these (none: the answer is only text)
+    parallel: bool  # False: only the answer's first call is kept
+    structured: dict[str, Any] | None  # the engine's ``structured`` option: the caller's, or the forced call's
+
+    def reader(self) -> ToolCallStream | None:
+        """A parser for the answer as it streams (None: there are no calls to look for)."""
+        return ToolCallStream(self.names, parallel=self.parallel) if self.names else None
+
+    def read(self, text: str) -> tuple[str, list[ToolCall]]:
+        """A whole answer's visible text and calls, as :meth:`reader` would give them."""
+        reader = self.reader()
+        if reader is None:
+            return text, []
+        shown = reader.feed(text)
+        rest, calls = reader.finish()
+        return shown + rest, calls
+
+
+def use_tools(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] = (),
+    tool_choice: Any = None,
+    *,
+    parallel: bool = True,
+    structured: dict[str, Any] | None = None,
+    native: bool,
+) -> ToolUse:
+    """How one generation renders, constrains and reads tool calls.
+
+    ``messages`` as :func:`template_messages` takes them; ``tool_choice`` as :func:`chosen_tools`
+    reads it: ``"none"`` hides the tools (nothing is read as a call) and a forced choice becomes
+    guided decoding of :func:`forced_call_schema`, so the answer is exactly one well-formed call.
+    ``structured``: the caller's own output constraint (``response_format``); ValueError if a
+    forced choice would need a second one, or the choice names no tool in ``tools``.
+    """
+    bound: list[dict[str, Any]] = [] if calls_off(tool_choice) else [dict(t) for t in tools]
+    forced = chosen_tools(bound, tool_choice) if bound else None
+    if forced:
+        if structured:
+            raise ValueError("response_format and a forced tool_choice cannot both constrain one answer")
+        structured = {"json": forced_call_schema(bound, forced)}
+    return ToolUse(
+        messages=template_messages(messages, bound, native=native),
+        tools=bound if native and bound else None,
+        names=tool_names(bound),
+        parallel=parallel,
+        structured=structured,
+    )
 
 
 # --------------------------------------------------------------------------------- parsing
@@ -230,8 +324,10 @@ class ToolCallStream:
 
     _MARKERS = (OPEN, "```")
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], *, parallel: bool = True) -> None:
+        """``parallel=False``: only the answer's first call is kept (``parallel_tool_calls``)."""
         self.names = list(names)
+        self.parallel = parallel
         self.text = ""
         self.shown = ""
         self._held = False
@@ -265,4 +361,4 @@ class ToolCallStream:
         """The rest of the visible text, and the calls of the whole answer."""
         visible, calls = parse_tool_calls(self.text, self.names)
         rest = visible[len(self.shown):] if visible.startswith(self.shown) else ""
-        return rest, calls
+        return rest, calls if self.parallel else calls[:1]

@@ -8,9 +8,9 @@ import json
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
-from inferscale_integrations import tool_calls as tc
+from inferscale_engine import tool_calls as tc
 from inferscale_integrations.langchain import ChatInferScale
-from inferscale_integrations.langchain._messages import to_engine_messages
+from inferscale_integrations.langchain._messages import openai_message
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.",
        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
@@ -82,6 +82,22 @@ def test_forced_choice_schema() -> None:
     assert both["anyOf"][1]["properties"]["arguments"]["type"] == "object"
 
 
+def test_one_generation_with_tools() -> None:
+    """What ``use_tools`` gives the engine and how it reads the answer (the LangChain model and
+    the server both generate through it)."""
+    ask = [{"role": "user", "content": "2+3?"}]
+    forced = tc.use_tools(ask, [ADD, NOW], "required", native=True)
+    assert forced.tools == [ADD, NOW] and forced.messages == ask
+    assert forced.structured == {"json": tc.forced_call_schema([ADD, NOW], ["add", "now"])}
+    with pytest.raises(ValueError, match="cannot both"):
+        tc.use_tools(ask, [ADD], "add", structured={"json_object": True}, native=True)
+    off = tc.use_tools(ask, [ADD], "none", native=False)  # no tools shown, nothing read as a call
+    assert off.messages == ask and off.read('{"name": "add", "arguments": {}}') == ('{"name": "add", "arguments": {}}', [])
+    two = '{"name": "add", "arguments": {"a": 1, "b": 2}}\n{"name": "add", "arguments": {"a": 3, "b": 4}}'
+    assert [c.arguments for c in tc.use_tools(ask, [ADD], native=False).read(two)[1]] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
+    assert [c.arguments for c in tc.use_tools(ask, [ADD], parallel=False, native=False).read(two)[1]] == [{"a": 1, "b": 2}]
+
+
 def test_bind_tools_rejects_a_choice_of_no_bound_tool() -> None:
     llm = ChatInferScale(model="qwen2.5-coder-0.5b", user_id="t")  # construction only: no engine is built
     with pytest.raises(ValueError, match="names no bound tool"):
@@ -95,11 +111,11 @@ def test_messages_for_templates_with_and_without_tools() -> None:
         AIMessage("", tool_calls=[{"name": "add", "args": {"a": 2, "b": 3}, "id": "c1", "type": "tool_call"}]),
         ToolMessage("5", tool_call_id="c1"),
     ]
-    native = to_engine_messages(history, tools=[ADD], native_tools=True)
+    native = tc.template_messages([openai_message(m) for m in history], [ADD], native=True)
     assert native[0] == {"role": "system", "content": "Be brief."}  # the template adds the tools
     assert native[2]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
-    assert native[3] == {"role": "tool", "content": "5"}
-    text = to_engine_messages(history, tools=[ADD], native_tools=False)
+    assert native[3] == {"role": "tool", "content": "5", "tool_call_id": "c1"}  # templates that pair them need it
+    text = tc.template_messages([openai_message(m) for m in history], [ADD], native=False)
     assert text[0]["content"].startswith("Be brief.\n\nYou can call tools.") and '"name": "add"' in text[0]["content"]
     assert json.loads(text[2]["content"].split("\n")[1]) == {"name": "add", "arguments": {"a": 2, "b": 3}}
     assert text[3]["content"] == "<tool_response>\n5\n</tool_response>"

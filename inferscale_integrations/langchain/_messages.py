@@ -2,7 +2,7 @@
 
 The engine takes ``[{"role", "content"}]`` and renders them with the model's own chat template;
 handles may sit anywhere in a content string. Tool calls go through
-:mod:`inferscale_integrations.tool_calls` (shared by the integrations): with a chat template that
+:mod:`inferscale_engine.tool_calls` (shared by the integrations and the server): with a chat template that
 renders tools, an ``AIMessage``'s calls become the message's ``tool_calls`` and a
 ``ToolMessage`` a ``"tool"`` message, for the template to lay out as the model was trained;
 otherwise both become text (``<tool_call>`` / ``<tool_response>`` blocks).
@@ -25,8 +25,8 @@ from langchain_core.messages import (
 )
 from langchain_core.messages.tool import ToolCallChunk, tool_call_chunk
 
+from inferscale_engine import tool_calls as tc
 from inferscale_engine.prompting import engine_role
-from inferscale_integrations import tool_calls as tc
 
 
 def _text_of(message: BaseMessage) -> str:
@@ -66,41 +66,17 @@ def message_role(message: BaseMessage) -> str:
     raise ValueError(f"unsupported message type {type(message).__name__}")
 
 
-def to_engine_messages(
-    messages: Sequence[BaseMessage],
-    *,
-    tools: Sequence[dict[str, Any]] = (),
-    native_tools: bool = True,
-) -> list[dict[str, Any]]:
-    """Chat messages for :meth:`InferScaleEngine.generate`.
-
-    ``native_tools``: the chat template renders tools, calls and results (see module docstring);
-    else ``tools`` go in a system message as text.
-    """
-    out: list[dict[str, Any]] = []
-    for message in messages:
-        role = message_role(message)
-        text = _text_of(message)
-        entry: dict[str, Any] = {"role": role, "content": text}
-        if isinstance(message, AIMessage) and message.tool_calls:
-            if native_tools:
-                entry["tool_calls"] = [
-                    {"type": "function", "id": c.get("id"), "function": {"name": c["name"], "arguments": c.get("args", {})}}
-                    for c in message.tool_calls
-                ]
-            else:
-                calls = "\n".join(tc.format_call(c["name"], c.get("args", {})) for c in message.tool_calls)
-                entry["content"] = f"{text}\n{calls}" if text else calls
-        if role == "tool" and not native_tools:
-            entry["content"] = tc.format_result(text)
-        out.append(entry)
-    if tools and not native_tools:
-        block = tc.tools_system_text(tools)
-        if out and out[0]["role"] == "system":
-            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + block}
-        else:
-            out.insert(0, {"role": "system", "content": block})
-    return out
+def openai_message(message: BaseMessage) -> dict[str, Any]:
+    """A LangChain message as an OpenAI-style chat message (calls' arguments as dicts)."""
+    entry: dict[str, Any] = {"role": message_role(message), "content": _text_of(message)}
+    if isinstance(message, AIMessage) and message.tool_calls:
+        entry["tool_calls"] = [
+            {"type": "function", "id": c.get("id"), "function": {"name": c["name"], "arguments": c.get("args", {})}}
+            for c in message.tool_calls
+        ]
+    if isinstance(message, ToolMessage):
+        entry["tool_call_id"] = message.tool_call_id
+    return entry
 
 
 def langchain_call_chunks(calls: Sequence[tc.ToolCall]) -> list[ToolCallChunk]:

@@ -36,13 +36,10 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 from pydantic import BaseModel, Field, SecretStr
 
+from inferscale_engine import tool_calls as tc
 from inferscale_engine.prompting import structured_options
-from inferscale_integrations import tool_calls as tc
 from inferscale_integrations.langchain._base import InferScaleModelBase
-from inferscale_integrations.langchain._messages import (
-    langchain_call_chunks,
-    to_engine_messages,
-)
+from inferscale_integrations.langchain._messages import langchain_call_chunks, openai_message
 
 if TYPE_CHECKING:
     from inferscale_engine import GenerationResult, InferScaleEngine, StreamDelta
@@ -163,25 +160,11 @@ class ChatInferScale(InferScaleModelBase, BaseChatModel):
         engine = self.get_engine(model)
         sampling = sampling_options(self, stop, kwargs)
         native = tc.template_renders_tools(engine.tokenizer)
-        if tools and tc.calls_off(tool_choice):
-            tools = []  # "none": the model sees no tools and nothing is read as a call
-        forced = tc.chosen_tools(tools, tool_choice) if tools else None
-        if forced:
-            if structured:
-                raise ValueError("response_format and a forced tool_choice cannot both constrain one answer")
-            # Guided decoding: the answer is a well-formed call to an allowed tool, whatever the model.
-            structured = {"json": tc.forced_call_schema(tools, forced)}
-        if structured:
-            sampling["structured"] = structured
-        return _Request(
-            engine=engine,
-            messages=to_engine_messages(messages, tools=tools, native_tools=native),
-            tools=tools if native and tools else None,
-            names=tc.tool_names(tools),
-            parallel=parallel,
-            sampling=sampling,
-            model_name=model or self._engine.model_name,
-        )
+        use = tc.use_tools([openai_message(m) for m in messages], tools, tool_choice, parallel=parallel,
+                           structured=structured, native=native)
+        if use.structured:
+            sampling["structured"] = use.structured
+        return _Request(engine=engine, use=use, sampling=sampling, model_name=model or self._engine.model_name)
 
     def _generate(
         self,
@@ -211,7 +194,7 @@ class ChatInferScale(InferScaleModelBase, BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         req = self._request(messages, stop, kwargs)
         chunks = _Chunker(req)
-        for delta in req.engine.stream(req.messages, tools=req.tools, **req.sampling):
+        for delta in req.engine.stream(req.use.messages, tools=req.use.tools, **req.sampling):
             chunk = chunks.chunk(delta)
             if chunk is None:
                 continue
@@ -228,7 +211,7 @@ class ChatInferScale(InferScaleModelBase, BaseChatModel):
     ) -> AsyncIterator[ChatGenerationChunk]:
         req = await asyncio.to_thread(self._request, messages, stop, kwargs)
         chunks = _Chunker(req)
-        async for delta in req.engine.astream(req.messages, tools=req.tools, **req.sampling):
+        async for delta in req.engine.astream(req.use.messages, tools=req.use.tools, **req.sampling):
             chunk = chunks.chunk(delta)
             if chunk is None:
                 continue
@@ -311,10 +294,7 @@ class _Request:
     """One generation as the engine takes it."""
 
     engine: InferScaleEngine
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None  # for the chat template (None: none, or listed in a message)
-    names: list[str]  # bound tools: the answer is read for calls to these
-    parallel: bool  # False: only the answer's first call is kept (parallel_tool_calls=False)
+    use: tc.ToolUse  # the messages, tools and output constraint; how the answer is read for calls
     sampling: dict[str, Any]
     model_name: str
 
@@ -325,7 +305,7 @@ class _Chunker:
 
     def __init__(self, req: _Request) -> None:
         self.req = req
-        self.calls = tc.ToolCallStream(req.names) if req.names else None
+        self.calls = req.use.reader()
 
     def chunk(self, delta: StreamDelta) -> ChatGenerationChunk | None:
         text = self.calls.feed(delta.text) if self.calls is not None else delta.text
@@ -336,8 +316,6 @@ class _Chunker:
         if self.calls is not None:
             rest, found = self.calls.finish()
             text += rest
-            if not self.req.parallel:
-                found = found[:1]
         message = AIMessageChunk(
             content=text,
             tool_call_chunks=langchain_call_chunks(found),
