@@ -428,9 +428,9 @@ class InferScaleEngine:
         quality knob: the last ``recompute`` memories of the prompt are prefilled as text after
         the injected ones, so they attend to everything before them; list the most relevant
         memories last. At least as many as the prompt holds gives prompt injection's output.
-        Extra keyword arguments go to vLLM's ``SamplingParams``.
+        Extra keyword arguments go to vLLM's ``SamplingParams``; ``tools`` as :meth:`render` takes them.
         """
-        segments = self.resolve(prompt_or_messages, user_id=user_id)
+        segments = self.resolve(prompt_or_messages, user_id=user_id, tools=tools)
         return self.generate_segments(
             segments, user_id=user_id, max_tokens=max_tokens, temperature=temperature, mode=mode,
             recompute=recompute, **sampling

@@ -2,9 +2,9 @@
 
 Routes::
 
-    POST /v1/chat/completions     OpenAI chat (SSE streaming or not); handles in messages are
-                                  injected as KV for the request's user (``user``,
-                                  ``safety_identifier`` or ``X-User-Id``)
+    POST /v1/chat/completions     OpenAI chat (SSE streaming or not, tools and structured output);
+                                  handles in messages are injected as KV for the request's user
+                                  (``user``, ``safety_identifier`` or ``X-User-Id``)
     POST /v1/completions          OpenAI legacy completions (a prompt or a list of prompts)
     GET  /v1/models[/{id}]        the served model
     /v1/ping/, /v1/memories/..., /v2/..., /v3/..., /v1/entities/
@@ -42,6 +42,7 @@ from inferscale_apps.server.schemas import (
     CompletionRequest,
     unsupported,
 )
+from inferscale_apps.server.tools import ToolRequestError, chat_messages, openai_tool_calls, tool_use
 from inferscale_engine import __version__
 from inferscale_engine.errors import (
     ContextOverflowError,
@@ -60,7 +61,6 @@ from inferscale_engine.errors import (
 )
 from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_engine.prompting import (
-    engine_role,
     memory_context,
     openai_usage,
     structured_options,
@@ -68,6 +68,7 @@ from inferscale_engine.prompting import (
     with_memories,
 )
 from inferscale_engine.runtime import warm_up
+from inferscale_engine.tool_calls import ToolUse, template_renders_tools
 
 logger = logging.getLogger(__name__)
 
@@ -333,13 +334,15 @@ def create_app(
         return APIError(400, f"This model's maximum context length is {max_model_len} tokens. {message}",
                         param=param, code="context_length_exceeded")
 
-    async def prepare(prompt: Any, user: str, requested: int | None, param: str) -> tuple[list[Any], int]:
-        """Resolve handles once (4xx for bad ones) and settle ``max_tokens`` against the context."""
+    async def prepare(prompt: Any, user: str, requested: int | None, param: str,
+                      tools: list[dict[str, Any]] | None = None) -> tuple[list[Any], int]:
+        """Render (``tools``: for the chat template), resolve handles once (4xx for bad ones) and
+        settle ``max_tokens`` against the context."""
         if requested is not None and requested >= max_model_len:
             raise too_long(f"However, you requested {requested} tokens in the completion ({param}), which leaves no "
                            "room for the messages. Please reduce the length of the completion.", param)
         try:
-            segments = await asyncio.to_thread(engine.resolve, prompt, user_id=user)
+            segments = await asyncio.to_thread(engine.resolve, prompt, user_id=user, tools=tools)
         except Exception as exc:
             raise api_error(exc) from exc
         n = sum(len(s.token_ids) if hasattr(s, "token_ids") else len(s) for s in segments)
@@ -396,14 +399,20 @@ def create_app(
         return result
 
     async def generate(endpoint: str, segments: list[Any], user: str, req: Any, max_tokens: int,
-                       sampling: dict[str, Any], request: Request) -> Response:
+                       sampling: dict[str, Any], request: Request, use: ToolUse | None = None) -> Response:
+        """``use``: a chat's tools, whose calls the answer is read for."""
         rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
         now = int(time.time())
         kwargs = dict(user_id=user, max_tokens=max_tokens, **sampling)
         if not req.stream:
             result = await run_one(endpoint, segments, kwargs, request)
             if endpoint == "chat":
-                choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None, "finish_reason": result.finish_reason}
+                text, calls = use.read(result.text) if use is not None else (result.text, [])
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if calls:
+                    message.update(content=text or None, tool_calls=openai_tool_calls(calls))
+                choice = {"index": 0, "message": message, "logprobs": None,
+                          "finish_reason": "tool_calls" if calls else result.finish_reason}
                 obj = "chat.completion"
             else:
                 choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}
@@ -480,15 +489,10 @@ def create_app(
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         check_model(req.model)
         sampling = sampling_of(req)
-        messages = []
-        for i, m in enumerate(req.messages):
-            if m.role in ("tool", "function"):
-                raise APIError(400, f"messages[{i}]: role '{m.role}' is not supported (no tool calling)", param=f"messages.{i}.role")
-            try:
-                content = m.text()
-            except ValueError as exc:
-                raise APIError(400, f"messages[{i}]: {exc}", param=f"messages.{i}.content") from exc
-            messages.append({"role": engine_role(m.role), "content": content})
+        try:
+            messages = chat_messages(req)
+        except ToolRequestError as exc:
+            raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
         user = user_of(req, request, bool(req.memory_k) or any(HANDLE_PATTERN.search(m["content"]) for m in messages))
         if req.memory_k:
             query = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
@@ -498,10 +502,19 @@ def create_app(
                 except Exception as exc:
                     raise api_error(exc) from exc
                 messages = with_memories(messages, [m.handle for m in reversed(found)])  # best last
+        # After the memories: a template without tools lists them after the memories' head, so
+        # memories are encoded and served after the same text with tools or without.
+        try:
+            use = tool_use(req, messages, structured=sampling.pop("structured", None),
+                           native=template_renders_tools(engine.tokenizer))
+        except ToolRequestError as exc:
+            raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
+        if use.structured:
+            sampling["structured"] = use.structured
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        segments, max_tokens = await prepare(messages, user, requested, param)
-        return await generate("chat", segments, user, req, max_tokens, sampling, request)
+        segments, max_tokens = await prepare(use.messages, user, requested, param, use.tools)
+        return await generate("chat", segments, user, req, max_tokens, sampling, request, use)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:

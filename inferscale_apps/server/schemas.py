@@ -2,8 +2,9 @@
 
 Own pydantic models rather than vLLM's protocol classes: we accept only what the engine can
 honour, and every field we do not know is tolerated (clients such as LangChain send extras),
-while fields we know but cannot honour (``n>1``, ``tools``, ``logprobs``...) are refused with
-a 400 by :func:`unsupported`.
+while fields we know but cannot honour (``n>1``, ``logprobs``, the legacy ``functions``...) are
+refused with a 400 by :func:`unsupported`. Tools are checked for shape here and for meaning
+(a ``tool_choice`` of a tool the request has...) in tools.py.
 """
 
 from __future__ import annotations
@@ -22,10 +23,47 @@ class ContentPart(_Lenient):
     text: StrictStr | None = None
 
 
+class FunctionCall(_Lenient):
+    name: StrictStr
+    #: A JSON object as a string, as OpenAI sends it (an object itself is taken too).
+    arguments: StrictStr | dict[str, Any]
+
+
+class MessageToolCall(_Lenient):
+    """A call of an earlier assistant message, sent back with the conversation."""
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Lenient):
+    name: StrictStr = Field(min_length=1)
+    description: StrictStr | None = None
+    #: JSON schema of the arguments (none: the function takes none).
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolName(_Lenient):
+    name: StrictStr
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: ToolName
+
+
 class ChatMessage(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: StrictStr | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -76,9 +114,11 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
     functions: list[Any] | None = None
-    tool_choice: Any = None
+    function_call: Any = None
     response_format: dict[str, Any] | None = None
     #: InferScale extension: recall this many of ``user``'s memories for the last user message
     #: and put their handles into the system message (what ``inferscale chat`` does).
@@ -100,8 +140,9 @@ def unsupported(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, st
     if req.logit_bias:
         return "logit_bias", "logit_bias is not supported"
     if isinstance(req, ChatCompletionRequest):
-        if req.tools or req.functions:
-            return ("tools" if req.tools else "functions"), "tool / function calling is not supported"
+        if req.functions or req.function_call is not None:
+            return (("functions" if req.functions else "function_call"),
+                    "the legacy 'functions' / 'function_call' parameters are not supported: send 'tools' and 'tool_choice'")
         if req.logprobs:
             return "logprobs", "logprobs are not supported"
     else:
