@@ -16,12 +16,14 @@ import pytest
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.core.chat_engine import CondensePlusContextChatEngine, SimpleChatEngine
 from llama_index.core.query_engine import RetrieverQueryEngine
+from llama_index.core.response_synthesizers import SimpleSummarize
 from llama_index.core.schema import MetadataMode, NodeWithScore
 from probes import Recorder, check_margin
 
 from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_integrations import get_engine
 from inferscale_integrations.llamaindex import (
+    HandleOwnerError,
     InferScaleLLM,
     InferScaleMemory,
     InferScaleMemoryBlock,
@@ -107,6 +109,30 @@ def test_retriever_query_engine_unchanged(engine: Any) -> None:
     with Recorder(engine) as spy:
         RetrieverQueryEngine.from_args(retriever, llm=knob).query("What is my dog called?")
     assert HANDLE_PATTERN.search(spy.prompts[0]) and spy.results[0].usage.injected_tokens == 0
+
+
+def test_llm_of_another_user_than_the_retriever_raises_instead_of_empty_response(engine: Any) -> None:
+    """The LLM's user_id differs from the retriever's: a clear error, never "Empty Response"
+    (LlamaIndex's synthesizers swallow ValueErrors, and a refused handle was one)."""
+    alice, bob = _user_with_facts(engine), uid()
+    retriever = InferScaleRetriever(engine=engine, user_id=alice, similarity_top_k=2)
+    llm = InferScaleLLM(engine=engine, user_id=bob, max_tokens=4)
+    with Recorder(engine) as spy:
+        for streaming in (False, True):
+            query_engine = RetrieverQueryEngine.from_args(retriever, llm=llm, streaming=streaming)
+            with pytest.raises(HandleOwnerError, match=rf"user_id='{bob}'.*recalled for user_id '{alice}'"):
+                response = query_engine.query("What is my dog called?")
+                "".join(response.response_gen)  # a stream raises when read
+        # A handle no retriever of this process recalled (pasted, kept from an earlier run): the
+        # engine refuses it, and that reaches the user too.
+        (fact,) = engine.memory.add("Alice keeps bees.", user_id=alice)
+        with pytest.raises(HandleOwnerError, match="was not issued to user_id") as err:
+            SimpleSummarize(llm=llm).get_response("Who keeps bees?", [fact.handle])
+        assert isinstance(err.value, PermissionError) and not isinstance(err.value, ValueError)
+    assert spy.results == []  # nothing generated with another user's memories
+    # The same engine given the retriever's user answers.
+    same = InferScaleLLM(engine=engine, user_id=alice, max_tokens=4, sampling_kwargs={"min_tokens": 1})
+    assert str(RetrieverQueryEngine.from_args(retriever, llm=same).query("What is my dog called?")) != "Empty Response"
 
 
 def test_memory_with_simple_chat_engine(engine: Any) -> None:

@@ -7,12 +7,13 @@
 * :class:`InferScaleVectorStore`: ``BasePydanticVectorStore`` for ingestion
   (``VectorStoreIndex.from_documents``): nodes become facts, queries return handles.
 * :class:`InferScaleEmbedding`: the memory store's embedding model (no OpenAI needed).
+* :class:`HandleOwnerError`: the LLM's ``user_id`` is not the one the handles were recalled for.
 
 See docs/llamaindex.md.
 """
 
 from inferscale_integrations._common import get_engine, register_engine
-from inferscale_integrations.llamaindex.llms import InferScaleLLM, register_handle_guard
+from inferscale_integrations.llamaindex.llms import HandleOwnerError, InferScaleLLM, register_handle_guard
 from inferscale_integrations.llamaindex.memory import (
     InferScaleMemory,
     InferScaleMemoryBlock,
@@ -26,6 +27,7 @@ from inferscale_integrations.llamaindex.vector_store import (
 register_handle_guard()
 
 __all__ = [
+    "HandleOwnerError",
     "InferScaleEmbedding",
     "InferScaleLLM",
     "InferScaleMemory",

@@ -9,7 +9,8 @@ handles anywhere in a prompt or message are resolved for ``user_id`` and injecte
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 from llama_index.core.base.llms.types import (
@@ -31,15 +32,31 @@ from llama_index.core.instrumentation.events.llm import LLMChatStartEvent, LLMCo
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
-from inferscale_engine.errors import MissingUserError
+from inferscale_engine.errors import ForgedHandleError, InferScaleError, MissingUserError
 from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_engine.prompting import engine_role, usage_dict
-from inferscale_integrations._common import warn_foreign_handles
+from inferscale_integrations._common import DEFAULT_USER, warn_foreign_handles
 from inferscale_integrations.llamaindex._base import InferScaleComponent
 from inferscale_integrations.llamaindex.retrievers import issued_to
 
 if TYPE_CHECKING:
     from inferscale_engine import GenerationResult, InferScaleEngine
+
+
+class HandleOwnerError(InferScaleError, PermissionError):
+    """Memory handles in an :class:`InferScaleLLM` prompt are not the LLM's user's (the retriever
+    or memory recalled them for another ``user_id``, or they were forged). A ``PermissionError``,
+    as the engine's ``ForgedHandleError`` is, but not a ``ValueError``: LlamaIndex's response
+    synthesizers turn ``ValueError``s into the answer "Empty Response"."""
+
+
+@contextmanager
+def _refusals_raised() -> Iterator[None]:
+    """The engine's refusal of a handle, as an error LlamaIndex lets through to the user."""
+    try:
+        yield
+    except ForgedHandleError as exc:
+        raise HandleOwnerError(str(exc)) from exc
 
 
 def _extra(result: GenerationResult, model_name: str) -> dict[str, Any]:
@@ -120,14 +137,26 @@ class InferScaleLLM(InferScaleComponent, CustomLLM):
 
     # ------------------------------------------------------------------ requests
 
-    def _user_for(self, payload: Any) -> str:
-        if self.user_id is not None:
-            return self.user_id
+    def _user_for(self, payload: Any, user_id: str | None) -> str:
+        """Whose handles the request may resolve: ``user_id`` (per call, else the LLM's), checked
+        against the users an InferScale retriever or memory recalled the prompt's handles for;
+        with none set, the one user they were recalled for."""
+        user = user_id if user_id is not None else self.user_id
         texts = [payload] if isinstance(payload, str) else [m["content"] for m in payload]
         handles = [m.group(0) for t in texts for m in HANDLE_PATTERN.finditer(t)]
         if not handles:
-            return "default"  # nothing in the prompt is scoped by user
+            return DEFAULT_USER if user is None else user  # nothing in the prompt is scoped by user
         users = issued_to(self.get_engine().memory, handles)
+        if user is not None:
+            others = sorted(u for u in users if u is not None and u != user)
+            if others:
+                # Named in full: this is the app's own retriever, in its own process.
+                raise HandleOwnerError(
+                    f"InferScaleLLM(user_id={user!r}) got memory handles that an InferScale retriever or memory "
+                    f"recalled for user_id {', '.join(map(repr, others))}: give the LLM and the retriever (or "
+                    "memory) the same user_id, or leave the LLM's user_id unset to serve the user they recalled for"
+                )
+            return user
         if len(users) == 1 and None not in users:
             return next(iter(users))  # type: ignore[return-value]
         # Not a ValueError: LlamaIndex's response synthesizers swallow those into "Empty Response".
@@ -138,10 +167,11 @@ class InferScaleLLM(InferScaleComponent, CustomLLM):
 
     def _sampling(self, kwargs: dict[str, Any], payload: Any) -> dict[str, Any]:
         kwargs = {k: v for k, v in kwargs.items() if k not in ("formatted", "tools", "tool_choice")}
+        user = self._user_for(payload, kwargs.pop("user_id", None))
         sampling: dict[str, Any] = {
             "temperature": self.temperature,
             "max_tokens": self.max_tokens,
-            "user_id": kwargs["user_id"] if "user_id" in kwargs else self._user_for(payload),
+            "user_id": user,
             "mode": self.mode,
             **({"recompute": self.recompute} if self.recompute is not None else {}),
             **self.sampling_kwargs,
@@ -180,7 +210,9 @@ class InferScaleLLM(InferScaleComponent, CustomLLM):
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         payload = to_engine_messages(messages)
-        result = self.get_engine().generate(payload, **self._sampling(kwargs, payload))
+        sampling = self._sampling(kwargs, payload)
+        with _refusals_raised():
+            result = self.get_engine().generate(payload, **sampling)
         return self._chat_response(result.text, result)
 
     @llm_chat_callback()
@@ -190,9 +222,10 @@ class InferScaleLLM(InferScaleComponent, CustomLLM):
 
         def gen() -> ChatResponseGen:
             text = ""
-            for delta in engine.stream(payload, **sampling):
-                text += delta.text
-                yield self._chat_response(text, delta.result, delta.text)
+            with _refusals_raised():
+                for delta in engine.stream(payload, **sampling):
+                    text += delta.text
+                    yield self._chat_response(text, delta.result, delta.text)
 
         return gen()
 
@@ -200,7 +233,9 @@ class InferScaleLLM(InferScaleComponent, CustomLLM):
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         engine = await asyncio.to_thread(self.get_engine)
         payload = to_engine_messages(messages)
-        result = await engine.agenerate(payload, **self._sampling(kwargs, payload))
+        sampling = self._sampling(kwargs, payload)
+        with _refusals_raised():
+            result = await engine.agenerate(payload, **sampling)
         return self._chat_response(result.text, result)
 
     @llm_chat_callback()
@@ -211,9 +246,10 @@ class InferScaleLLM(InferScaleComponent, CustomLLM):
 
         async def gen() -> ChatResponseAsyncGen:
             text = ""
-            async for delta in engine.astream(payload, **sampling):
-                text += delta.text
-                yield self._chat_response(text, delta.result, delta.text)
+            with _refusals_raised():
+                async for delta in engine.astream(payload, **sampling):
+                    text += delta.text
+                    yield self._chat_response(text, delta.result, delta.text)
 
         return gen()
 
@@ -222,7 +258,9 @@ class InferScaleLLM(InferScaleComponent, CustomLLM):
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         payload = self._completion_payload(prompt, formatted)
-        result = self.get_engine().generate(payload, **self._sampling(kwargs, payload))
+        sampling = self._sampling(kwargs, payload)
+        with _refusals_raised():
+            result = self.get_engine().generate(payload, **sampling)
         return self._completion_response(result.text, result)
 
     @llm_completion_callback()
@@ -232,9 +270,10 @@ class InferScaleLLM(InferScaleComponent, CustomLLM):
 
         def gen() -> CompletionResponseGen:
             text = ""
-            for delta in engine.stream(payload, **sampling):
-                text += delta.text
-                yield self._completion_response(text, delta.result, delta.text)
+            with _refusals_raised():
+                for delta in engine.stream(payload, **sampling):
+                    text += delta.text
+                    yield self._completion_response(text, delta.result, delta.text)
 
         return gen()
 
@@ -242,7 +281,9 @@ class InferScaleLLM(InferScaleComponent, CustomLLM):
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         engine = await asyncio.to_thread(self.get_engine)
         payload = self._completion_payload(prompt, formatted)
-        result = await engine.agenerate(payload, **self._sampling(kwargs, payload))
+        sampling = self._sampling(kwargs, payload)
+        with _refusals_raised():
+            result = await engine.agenerate(payload, **sampling)
         return self._completion_response(result.text, result)
 
     @llm_completion_callback()
@@ -253,9 +294,10 @@ class InferScaleLLM(InferScaleComponent, CustomLLM):
 
         async def gen() -> CompletionResponseAsyncGen:
             text = ""
-            async for delta in engine.astream(payload, **sampling):
-                text += delta.text
-                yield self._completion_response(text, delta.result, delta.text)
+            with _refusals_raised():
+                async for delta in engine.astream(payload, **sampling):
+                    text += delta.text
+                    yield self._completion_response(text, delta.result, delta.text)
 
         return gen()
 
