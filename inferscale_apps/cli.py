@@ -10,9 +10,11 @@ import json
 import logging
 import os
 import pathlib
+import signal
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -681,15 +683,42 @@ def main(argv: list[str] | None = None) -> int:
         _restore_logging(saved)
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread as Ctrl-C raises KeyboardInterrupt: the commands'
+    ``finally`` blocks then close the engine and the store (WAL checkpointed, lock released)."""
+
+
+@contextlib.contextmanager
+def _sigterm_closes() -> Iterator[None]:
+    """SIGTERM raises :class:`_Terminated` while the command runs (a signal's default action ends
+    the process with no cleanup; ``inferscale serve``'s uvicorn re-sends it after its own shutdown)."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread takes signals
+        yield
+        return
+
+    def terminate(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
+        raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _run(args: argparse.Namespace) -> int:
     from inferscale_engine.errors import InferScaleError
     from inferscale_engine.models import ModelNotFoundError, ModelPreparationError
 
     try:
-        return int(args.func(args) or 0)
+        with _sigterm_closes():
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except _Terminated:
+        return 143  # 128 + SIGTERM, as a shell reports a process SIGTERM ended; after the cleanup
     except BrokenPipeError:
         return 0
     except (InferScaleError, ModelNotFoundError, ModelPreparationError, ValueError, LookupError, OSError, ImportError) as exc:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import hmac
@@ -259,7 +260,11 @@ def acquire_replica_folder(base: Path, explicit: bool) -> tuple[Path, int]:
 
 
 def release_lock(fd: int) -> None:
+    """Let the store go. The lock file is emptied first: one that still names a holder after it
+    exited was left by a process that never closed the store (killed, or crashed)."""
     try:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
         fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
