@@ -31,6 +31,11 @@ class ContextOverflowError(InferScaleError, ValueError):
     """Prompt (with injected facts) plus ``max_tokens`` does not fit the model's context."""
 
 
+class InvalidSchemaError(InferScaleError, ValueError):
+    """A JSON schema to constrain output with (``response_format``) that is not one: its metaschema
+    refuses it, or a ``$ref`` in it leads nowhere."""
+
+
 class EngineSettingsError(InferScaleError, ValueError):
     """vLLM refused an engine setting (``max_model_len`` beyond the model's, an unknown option...)."""
 

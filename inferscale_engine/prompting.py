@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
+from inferscale_engine.errors import InvalidSchemaError
 from inferscale_engine.types import Usage
 
 logger = logging.getLogger(__name__)
@@ -162,7 +164,8 @@ def encode_context(
 
 def structured_options(response_format: Any) -> dict[str, Any] | None:
     """The engine's ``structured`` option for an OpenAI-style ``response_format`` (None for
-    none, or for ``{"type": "text"}``); ValueError for any other."""
+    none, or for ``{"type": "text"}``); :class:`InvalidSchemaError` for a ``json_schema`` that
+    is not a valid JSON schema (:func:`check_json_schema`), ValueError for any other format."""
     if response_format is None:
         return None
     kind = response_format.get("type") if isinstance(response_format, dict) else None
@@ -171,14 +174,69 @@ def structured_options(response_format: Any) -> dict[str, Any] | None:
     if kind == "json_object":
         return {"json_object": True}
     if kind == "json_schema":
-        spec = response_format.get("json_schema") or {}
-        schema = spec.get("schema") if isinstance(spec, dict) else None
-        if isinstance(schema, dict):
-            return {"json": schema}
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise InvalidSchemaError("response_format.json_schema must be an object: {'name': ..., 'schema': {...}}")
+        if not isinstance(spec.get("name"), str) or not spec["name"]:
+            raise InvalidSchemaError("response_format.json_schema.name is required: a non-empty string naming the format")
+        if "schema" not in spec:
+            raise InvalidSchemaError("response_format.json_schema.schema is required: the JSON schema to follow")
+        return {"json": check_json_schema(spec["schema"], "response_format.json_schema.schema")}
     raise ValueError(
         "response_format must be {'type': 'json_object'} or "
         f"{{'type': 'json_schema', 'json_schema': {{'name': ..., 'schema': {{...}}}}}}, got {response_format!r}"
     )
+
+
+#: Keywords whose values are data, not schemas: a ``$ref`` in them is no reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def check_json_schema(schema: Any, where: str = "schema") -> dict[str, Any]:
+    """``schema`` if it is a JSON schema output can be constrained by: an object its metaschema
+    accepts (the draft its ``$schema`` names, else 2020-12), whose ``$ref``\\ s within the
+    document resolve. :class:`InvalidSchemaError` otherwise, naming the place (``where``
+    prefixes it): vLLM's grammar compilers refuse such a schema only once the request reaches
+    the engine, after its prompt was laid out and staged."""
+    from jsonschema import Draft202012Validator, SchemaError
+    from jsonschema.validators import validator_for
+    from referencing import Registry
+    from referencing.exceptions import Unresolvable
+    from referencing.jsonschema import DRAFT202012, specification_with
+
+    if not isinstance(schema, dict):
+        raise InvalidSchemaError(f"{where} must be a JSON schema object, got {type(schema).__name__}")
+    try:
+        validator_for(schema, default=Draft202012Validator).check_schema(schema)
+    except SchemaError as exc:
+        raise InvalidSchemaError(f"{where}{exc.json_path.removeprefix('$')} is not valid: {exc.message}") from None
+    except RecursionError:
+        raise InvalidSchemaError(f"{where} is nested too deeply") from None
+    dialect = schema.get("$schema")
+    spec = specification_with(dialect, default=DRAFT202012) if isinstance(dialect, str) else DRAFT202012
+    resolver = Registry().resolver_with_root(spec.create_resource(schema))
+    # (node, its path, whether its $refs are checked); a loop, not recursion: any depth the
+    # metaschema check got through. Not checked: data (``enum`` values...), and subschemas with
+    # an ``$id`` of their own, which resolve $refs against it (vLLM's compilers judge those).
+    stack: list[tuple[Any, str, bool]] = [(schema, "", True)]
+    while stack:
+        node, path, refs = stack.pop()
+        if isinstance(node, dict):
+            refs = refs and (node is schema or "$id" not in node)
+            ref = node.get("$ref")
+            if refs and isinstance(ref, str):
+                try:
+                    resolver.lookup(ref)
+                except Unresolvable:
+                    raise InvalidSchemaError(f"{where}{path}.$ref {ref!r} leads nowhere: only references within "
+                                             "the schema ('#/$defs/...') are followed") from None
+            stack.extend((v, f"{path}.{k}", refs and k not in _DATA_KEYWORDS) for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]", refs) for i, v in enumerate(node))
+        elif isinstance(node, float) and not math.isfinite(node):
+            # Python's JSON reads NaN and Infinity; the grammar compilers' JSON has no such numbers.
+            raise InvalidSchemaError(f"{where}{path} is {node}, not a finite number")
+    return schema
 
 
 # ------------------------------------------------------------------------------ usage

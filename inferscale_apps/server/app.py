@@ -25,6 +25,7 @@ import logging
 import os
 import re
 import sqlite3
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -45,18 +46,30 @@ from inferscale_apps.server.schemas import (
 from inferscale_apps.server.tools import ToolRequestError, chat_messages, openai_tool_calls, tool_use
 from inferscale_engine import __version__
 from inferscale_engine.errors import (
+    ConnectorError,
     ContextOverflowError,
     DatabaseUnavailableError,
     EngineClosedError,
+    EngineSettingsError,
     FactNotFoundError,
     ForgedHandleError,
     HandleError,
+    InferScaleError,
+    InvalidSchemaError,
+    KVMissingError,
     KVNotReadyError,
     MalformedHandleError,
+    MissingUserError,
+    ModelNotFoundError,
+    ModelPreparationError,
+    NonFiniteKVError,
     ReplicaMismatchError,
+    SchemaVersionError,
+    SecretError,
     StaleKVError,
     StorageFullError,
     StorageUnavailableError,
+    StoreDamagedError,
     TooLargeError,
 )
 from inferscale_engine.handles import HANDLE_PATTERN
@@ -140,38 +153,74 @@ def _is_mem0_path(path: str) -> bool:
     return path.startswith(("/v1/", "/v2/", "/v3/")) and not path.startswith(_OPENAI_PATHS)
 
 
+#: The response to each error class of :mod:`inferscale_engine.errors`: (class, status, type,
+#: param, code). The first class an error is an instance of wins, so subclasses come before their
+#: bases; a disk failure (``StorageFullError``...) is :func:`storage_error`'s.
+_ERRORS: tuple[tuple[type[Exception], int, str, str | None, str], ...] = (
+    (ForgedHandleError, 403, "permission_error", "messages", "forged_handle"),
+    (FactNotFoundError, 404, "not_found_error", None, "memory_not_found"),
+    (StaleKVError, 409, "conflict_error", None, "stale_kv"),
+    (MalformedHandleError, 400, "invalid_request_error", "messages", "malformed_handle"),
+    (HandleError, 400, "invalid_request_error", "messages", "invalid_handle"),
+    (ContextOverflowError, 400, "invalid_request_error", "max_tokens", "context_length_exceeded"),
+    (InvalidSchemaError, 400, "invalid_request_error", "response_format", "invalid_json_schema"),
+    (MissingUserError, 400, "invalid_request_error", "user", "user_required"),
+    (TooLargeError, 413, "invalid_request_error", None, "too_large"),
+    (KVNotReadyError, 503, "server_error", None, "kv_not_ready"),
+    (KVMissingError, 503, "server_error", None, "kv_not_ready"),  # unreadable KV: re-encoded on the next try
+    (EngineClosedError, 503, "server_error", None, "engine_closed"),
+    (DatabaseUnavailableError, 503, "server_error", None, "database_unavailable"),
+    # The store does not open (a chat with a handle opens it when start-up could not): its handle
+    # secret, database or schema is not the one of its handles, or it belongs to other replicas.
+    (SecretError, 503, "server_error", None, "memory_unavailable"),
+    (StoreDamagedError, 503, "server_error", None, "memory_unavailable"),
+    (SchemaVersionError, 503, "server_error", None, "memory_unavailable"),
+    (ReplicaMismatchError, 503, "server_error", None, "memory_unavailable"),
+    # The server's own faults, never the request's: a 500 (the ValueErrors among them too).
+    (EngineSettingsError, 500, "server_error", None, "internal_error"),
+    (ModelNotFoundError, 500, "server_error", None, "internal_error"),
+    (ModelPreparationError, 500, "server_error", None, "internal_error"),
+    (NonFiniteKVError, 500, "server_error", None, "internal_error"),
+    (ConnectorError, 500, "server_error", None, "internal_error"),
+    (InferScaleError, 500, "server_error", None, "internal_error"),
+)
+
+
+def _vllm_refused(exc: BaseException) -> bool:
+    """Whether vLLM refused the request as the client's fault (its ``VLLMClientError``: the
+    grammar compiler's verdict on a JSON schema, for one). Looked up, not imported: the server
+    does not load vLLM for it, and an error of vLLM's means it is loaded."""
+    refused = getattr(sys.modules.get("vllm.exceptions"), "VLLMClientError", None)
+    return refused is not None and isinstance(exc, refused)
+
+
 def api_error(exc: BaseException) -> APIError:
     """Map an exception from the engine or store to the response a client should get."""
     if isinstance(exc, APIError):
         return exc
     msg = str(exc) or exc.__class__.__name__
-    if isinstance(exc, ForgedHandleError):
-        return APIError(403, msg, "permission_error", "messages", "forged_handle")
-    if isinstance(exc, FactNotFoundError):
-        return APIError(404, msg, "not_found_error", None, "memory_not_found")
-    if isinstance(exc, StaleKVError):
-        return APIError(409, msg, "conflict_error", None, "stale_kv")
-    if isinstance(exc, MalformedHandleError):
-        return APIError(400, msg, "invalid_request_error", "messages", "malformed_handle")
-    if isinstance(exc, HandleError):
-        return APIError(400, msg, "invalid_request_error", "messages", "invalid_handle")
-    if isinstance(exc, ContextOverflowError):
-        return APIError(400, msg, "invalid_request_error", "max_tokens", "context_length_exceeded")
-    if isinstance(exc, KVNotReadyError):
-        return APIError(503, msg, "server_error", None, "kv_not_ready")
-    if isinstance(exc, EngineClosedError):
-        return APIError(503, msg, "server_error", None, "engine_closed")
-    if isinstance(exc, DatabaseUnavailableError):
-        return APIError(503, msg, "server_error", None, "database_unavailable")
-    if isinstance(exc, TooLargeError):
-        return APIError(413, msg, "invalid_request_error", None, "too_large")
     stored = storage_error(exc)
     if stored is not None:
         return stored
-    if isinstance(exc, ImportError):  # e.g. the memory extra is not installed
-        return APIError(503, f"memory store unavailable: {msg}", "server_error", None, "memory_unavailable")
-    if isinstance(exc, (ValueError, TypeError)):  # vLLM's SamplingParams checks, empty prompts...
-        return APIError(400, msg, "invalid_request_error")
+    for cls, status, kind, param, code in _ERRORS:
+        if isinstance(exc, cls):
+            if status < 500:
+                return APIError(status, msg, kind, param, code)
+            if code != "internal_error":
+                logger.error("%s: %s", type(exc).__name__, msg)
+                return APIError(status, msg, kind, param, code)
+            break
+    else:
+        if _vllm_refused(exc):
+            # Our own checks run first (response_format's schema among them); what vLLM still
+            # refuses is most often a schema its grammar compiler cannot take.
+            schema = any(w in msg.lower() for w in ("grammar", "schema", "structured output"))
+            return APIError(400, msg, "invalid_request_error", "response_format" if schema else getattr(exc, "parameter", None),
+                            "invalid_json_schema" if schema else "invalid_request")
+        if isinstance(exc, ImportError):  # e.g. the memory extra is not installed
+            return APIError(503, f"memory store unavailable: {msg}", "server_error", None, "memory_unavailable")
+        if isinstance(exc, (ValueError, TypeError)):  # vLLM's SamplingParams checks, empty prompts...
+            return APIError(400, msg, "invalid_request_error")
     logger.error("internal error", exc_info=(type(exc), exc, exc.__traceback__))
     return APIError(500, "internal server error (see the server log)", "server_error", None, "internal_error")
 
@@ -323,6 +372,8 @@ def create_app(
         if isinstance(req, ChatCompletionRequest) and req.response_format is not None:
             try:
                 structured = structured_options(req.response_format)
+            except InvalidSchemaError as exc:  # before any work: vLLM would refuse it only once staged
+                raise api_error(exc) from None
             except ValueError as exc:
                 raise APIError(400, str(exc), param="response_format", code="unsupported_parameter") from None
             if structured:

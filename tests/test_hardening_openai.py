@@ -1,0 +1,163 @@
+"""Issue 39 (hardening, second round): the OpenAI-compatible routes, replayed against a real engine.
+
+Each test is an attack or a mistake that used to get a 500, a silent success or minutes of work,
+sent through the public API. One tiny-Llama engine (context 256, the default ``recompute``) for
+the module; HTTP through FastAPI's ``TestClient``, which re-raises any unhandled server error.
+"""
+
+from __future__ import annotations
+
+import inspect
+import uuid
+
+import pytest
+
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+CTX = 256
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def uid(name: str) -> str:
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama, tmp_path_factory):
+    from inferscale_engine import InferScaleEngine
+
+    eng = InferScaleEngine(model=tiny_llama, store_path=tmp_path_factory.mktemp("openai-store"),
+                           device="cpu", dtype="float32", max_model_len=CTX)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    from fastapi.testclient import TestClient
+
+    from inferscale_apps.server import create_app
+
+    return TestClient(create_app(engine, served_model_name="tiny"))  # re-raises any unhandled error
+
+
+def chat(client, **body):
+    return client.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS, "max_tokens": 2, **body})
+
+
+def error_of(r) -> dict:
+    return r.json()["error"]
+
+
+# ------------------------------------------------------------------------------ errors: every class mapped
+
+
+def test_every_engine_error_class_has_its_response():
+    """Each error class of inferscale_engine.errors is answered on purpose: a store that does
+    not open (damaged secret...) is a 503 memory_unavailable, not an unmapped 500; the server's
+    own ValueErrors (settings, KV) are 500s, not the client's 400s."""
+    from inferscale_apps.server import api_error
+    from inferscale_engine import errors
+
+    expected = {
+        "InferScaleError": (500, "internal_error"),
+        "HandleError": (400, "invalid_handle"),
+        "MalformedHandleError": (400, "malformed_handle"),
+        "ForgedHandleError": (403, "forged_handle"),
+        "FactNotFoundError": (404, "memory_not_found"),
+        "StaleKVError": (409, "stale_kv"),
+        "ContextOverflowError": (400, "context_length_exceeded"),
+        "InvalidSchemaError": (400, "invalid_json_schema"),
+        "EngineSettingsError": (500, "internal_error"),
+        "EngineClosedError": (503, "engine_closed"),
+        "KVNotReadyError": (503, "kv_not_ready"),
+        "KVMissingError": (503, "kv_not_ready"),
+        "ModelNotFoundError": (500, "internal_error"),
+        "ModelPreparationError": (500, "internal_error"),
+        "NonFiniteKVError": (500, "internal_error"),
+        "MissingUserError": (400, "user_required"),
+        "SchemaVersionError": (503, "memory_unavailable"),
+        "SecretError": (503, "memory_unavailable"),
+        "StoreDamagedError": (503, "memory_unavailable"),
+        "TooLargeError": (413, "too_large"),
+        "StorageFullError": (507, "insufficient_storage"),
+        "StorageUnavailableError": (503, "storage_unavailable"),
+        "ReplicaMismatchError": (503, "memory_unavailable"),
+        "DatabaseUnavailableError": (503, "database_unavailable"),
+        "ConnectorError": (500, "internal_error"),
+    }
+    classes = {name: cls for name, cls in inspect.getmembers(errors, inspect.isclass)
+               if cls.__module__ == errors.__name__ and not issubclass(cls, Warning)}  # warnings are not raised
+    assert set(classes) == set(expected), "a new error class needs its response in app._ERRORS and here"
+    got = {name: (api_error(cls("what went wrong")).status, api_error(cls("what went wrong")).code)
+           for name, cls in classes.items()}
+    assert got == expected
+
+
+# ------------------------------------------------------------------------------ response_format
+
+BAD_SCHEMAS = {
+    "schema not an object": {"name": "x", "schema": "str"},
+    "unknown type": {"name": "x", "schema": {"type": "nonsense"}},
+    "$ref to nowhere": {"name": "x", "schema": {"$ref": "#/$defs/nope"}},
+    "remote $ref": {"name": "x", "schema": {"$ref": "http://example.com/s.json"}},
+    "schema missing": {"name": "x"},
+    "name missing": {"schema": {"type": "object"}},
+    "properties not an object": {"name": "x", "schema": {"type": "object", "properties": [1, 2]}},
+    "recursive garbage": {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#"}, "b": {"type": 5}}}},
+    "required not a list": {"name": "x", "schema": {"type": "object", "required": "a"}},
+    "minimum not a number": {"name": "x", "schema": {"type": "integer", "minimum": "a"}},
+    "bad pattern": {"name": "x", "schema": {"type": "string", "pattern": "(["}},
+    "items not a schema": {"name": "x", "schema": {"type": "array", "items": 5}},
+    "json_schema not an object": "x",
+}
+
+
+def test_invalid_json_schemas_are_400_before_any_work(client, engine, monkeypatch):
+    resolved = []
+    real = engine.resolve
+    monkeypatch.setattr(engine, "resolve", lambda *a, **k: resolved.append(1) or real(*a, **k))
+    for name, spec in BAD_SCHEMAS.items():
+        r = chat(client, response_format={"type": "json_schema", "json_schema": spec})
+        assert r.status_code == 400, (name, r.text)
+        assert error_of(r)["code"] == "invalid_json_schema" and error_of(r)["param"] == "response_format", (name, r.text)
+    assert resolved == []  # refused before the prompt was even rendered
+    good = {"name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/$defs/n"}}, "$defs": {"n": {"type": "integer"}}}}
+    r = chat(client, response_format={"type": "json_schema", "json_schema": good})
+    assert r.status_code == 200, r.text
+
+
+def test_a_schema_only_vllm_refuses_is_a_400(client):
+    """Valid under its metaschema, but no grammar compiler takes it: vLLM's refusal is the
+    client's error, mapped, not a 500."""
+    r = chat(client, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": []}}})
+    assert r.status_code == 400 and error_of(r)["code"] == "invalid_json_schema", r.text
+    r = chat(client, stream=True, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": []}}})
+    assert r.status_code == 400 and error_of(r)["code"] == "invalid_json_schema", r.text
+
+
+# ------------------------------------------------------------------------------ a store that does not open
+
+
+def test_a_chat_with_a_handle_while_the_store_cannot_open_is_503(engine, tmp_path, monkeypatch):
+    """secret.key replaced after handles were given out: the store refuses to open (SecretError),
+    and a chat that needs it gets a 503 that says so."""
+    from fastapi.testclient import TestClient
+
+    from inferscale_apps.server import create_app
+
+    monkeypatch.setattr(engine.config, "store_path", tmp_path / "store")
+    monkeypatch.setattr(engine, "_memory", None)
+    monkeypatch.setattr(engine, "_calibration", None)
+    user = uid("secret")
+    store = engine.memory  # a store of its own in tmp_path
+    handle = store.add("The locker code is 2231.", user_id=user)[0].handle
+    store.wait_for_encoding(60)
+    store.close()
+    engine._memory = None
+    (tmp_path / "store" / "secret.key").write_bytes(b"\x01" * 32)
+    client = TestClient(create_app(engine, served_model_name="tiny"))
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "user": user, "max_tokens": 2,
+                                                  "messages": [{"role": "user", "content": f"Memory: {handle}. Code?"}]})
+    assert r.status_code == 503 and error_of(r)["code"] == "memory_unavailable", r.text
+    assert "secret" in error_of(r)["message"]
