@@ -113,6 +113,26 @@ def test_a_forced_tool_choice_is_answered_with_an_openai_tool_call(client: Any) 
     assert [c.function.name in ("add", "now") for c in required.choices[0].message.tool_calls] == [True]
 
 
+def test_a_streamed_call_comes_as_tool_call_deltas(client: Any) -> None:
+    forced = {"type": "function", "function": {"name": "add"}}
+    whole = chat(client, ASK, tools=[ADD, NOW], tool_choice=forced).choices[0].message.tool_calls[0]
+    chunks = list(chat(client, ASK, tools=[ADD, NOW], tool_choice=forced, stream=True,
+                       stream_options={"include_usage": True}))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not "".join(d.content or "" for d in deltas)  # nothing shown as text: it was a call
+    calls = [call for d in deltas for call in d.tool_calls or []]
+    assert [c.index for c in calls] == [0]
+    assert_add_call(calls[0])
+    assert (calls[0].function.name, calls[0].function.arguments) == (whole.function.name, whole.function.arguments)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    assert chunks[-1].usage.completion_tokens > 0
+
+    # No call: the text streams (held back only where a call might start) as it answers whole.
+    text = chat(client, ASK, tools=[ADD], max_tokens=12).choices[0].message.content
+    streamed = chat(client, ASK, tools=[ADD], max_tokens=12, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
+
+
 def test_langchain_chat_openai_binds_tools_over_http(base: str) -> None:
     lc = pytest.importorskip("langchain_openai")
     from langchain_core.messages import ToolMessage
@@ -136,6 +156,10 @@ def test_langchain_chat_openai_binds_tools_over_http(base: str) -> None:
         result = ToolMessage(str(call["args"]["a"] + call["args"]["b"]), tool_call_id=call["id"])
         answer = llm.bind_tools([add]).invoke(["What is 2 + 3?", message, result])
         assert answer.usage_metadata["input_tokens"] > 0
+    streamed = None
+    for piece in llm.bind_tools([add], tool_choice="add").stream("What is 2 + 3?"):
+        streamed = piece if streamed is None else streamed + piece
+    assert [c["name"] for c in streamed.tool_calls] == ["add"] and set(streamed.tool_calls[0]["args"]) == {"a", "b"}
 
 
 # ---------------------------------------------------------------------- what the model sees

@@ -485,21 +485,28 @@ def create_app(
             await agen.aclose()
             raise api_error(exc) if isinstance(exc, Exception) else exc
         return StreamingResponse(
-            sse(endpoint, rid, now, first, agen, include_usage),
+            sse(endpoint, rid, now, first, agen, include_usage, use),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def sse(endpoint: str, rid: str, now: int, first: Any, agen: AsyncIterator[Any], include_usage: bool) -> AsyncIterator[str]:
+    async def sse(endpoint: str, rid: str, now: int, first: Any, agen: AsyncIterator[Any], include_usage: bool,
+                  use: ToolUse | None = None) -> AsyncIterator[str]:
+        """The stream's SSE events. With tools, text is held back where a call may start, and the
+        calls come at the end, one ``delta.tool_calls`` chunk each (whole, at its ``index``)."""
         obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+        reader = use.reader() if use is not None else None
 
-        def chunk(delta_text: str | None, finish: str | None = None, role: bool = False) -> str:
+        def chunk(delta_text: str | None, finish: str | None = None, role: bool = False,
+                  tool_call: dict[str, Any] | None = None) -> str:
             if endpoint == "chat":
                 delta: dict[str, Any] = {}
                 if role:
                     delta["role"] = "assistant"
                 if delta_text is not None:
                     delta["content"] = delta_text
+                if tool_call is not None:
+                    delta["tool_calls"] = [tool_call]
                 choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
@@ -513,8 +520,9 @@ def create_app(
                 yield chunk("", role=True)
             delta, result = first, None
             while True:
-                if delta.text:
-                    yield chunk(delta.text)
+                text = reader.feed(delta.text) if reader is not None else delta.text
+                if text:
+                    yield chunk(text)
                 if delta.result is not None:
                     result = delta.result
                     break
@@ -523,8 +531,16 @@ def create_app(
                 except StopAsyncIteration:
                     break
             if result is not None:
+                finish = result.finish_reason
+                if reader is not None:
+                    rest, calls = reader.finish()
+                    if rest:
+                        yield chunk(rest)
+                    for i, call in enumerate(openai_tool_calls(calls)):
+                        yield chunk(None, tool_call={"index": i, **call})
+                    finish = "tool_calls" if calls else finish
                 metrics.observe_generation(endpoint, result)
-                yield chunk(None if endpoint == "chat" else "", finish=result.finish_reason)
+                yield chunk(None if endpoint == "chat" else "", finish=finish)
                 if include_usage:
                     yield "data: " + json.dumps({"id": rid, "object": obj, "created": now, "model": model_name, "choices": [], "usage": openai_usage(result.usage)}) + "\n\n"
             yield "data: [DONE]\n\n"
