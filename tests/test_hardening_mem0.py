@@ -164,6 +164,35 @@ def _replace(obj: Any, old: str, new: str) -> Any:
     return new if obj == old else obj
 
 
+# ------------------------------------------------------------------------------ 3: user ids starting with "@"
+
+
+def test_a_user_id_starting_with_at_round_trips(http, client):
+    """``@handle``-style user ids used to be stored with ``user_id: null`` and vanish from
+    list, search, delete_all and entities."""
+    user = "@" + uid("erin")
+    item = add(http, "Erin's cat is called Miso.", user_id=user)
+    assert item["user_id"] == user
+    assert http.get(f"/v1/memories/{item['id']}/", params={"user_id": user}).json()["user_id"] == user
+    assert [m["id"] for m in client.get_all(filters={"user_id": user})["results"]] == [item["id"]]
+    assert [m["id"] for m in http.get("/v1/memories/", params={"user_id": user}).json()["results"]] == [item["id"]]
+    assert [m["id"] for m in client.search("cat", filters={"user_id": user}, top_k=5)["results"]] == [item["id"]]
+    assert ("user", user) in {(e["type"], e["name"]) for e in client.users()["results"]}
+    assert {h["user_id"] for h in client.history(item["id"])} == {user}
+    assert client.delete_all(user_id=user)["deleted"] == 1
+    events = client.history(item["id"])  # deleted: the events still say whose it was
+    assert [e["event"] for e in events] == ["ADD", "DELETE"] and {e["user_id"] for e in events} == {user}
+    assert http.get(f"/v1/memories/{item['id']}/history/", params={"user_id": user}).status_code == 200
+    assert http.get(f"/v1/memories/{item['id']}/history/", params={"user_id": "@someone-else"}).status_code == 404
+    # the store keys of agent, run and app memories stay out of reach of user ids
+    r = http.post("/v3/memories/add/", json={"messages": "x", "user_id": "@agent:bot", "infer": False})
+    assert r.status_code == 400 and r.json()["error"]["code"], r.text
+    bot = uid("bot")
+    agent_only = add(http, "Agent-only fact.", agent_id=bot)
+    assert agent_only["user_id"] is None and agent_only["agent_id"] == bot
+    assert {h["user_id"] for h in client.history(agent_only["id"])} == {None}
+
+
 # ------------------------------------------------------------------------------ 4: infer=true checks the model's actions
 
 

@@ -48,6 +48,9 @@ MAX_USER_ID = 128  # the store's limit
 MAX_ENTITY_ID = MAX_USER_ID - len("@agent:")  # agent/run/app-only memories are stored under "@agent:<id>"
 ENTITY_TYPES = {"user": "user_id", "agent": "agent_id", "run": "run_id", "app": "app_id"}
 META_KEY = "_entities"
+#: Store-key prefixes of agent, run and app memories (``Entities.store_key``); every other key,
+#: ``@alice`` included, is a user id.
+RESERVED_PREFIXES = ("@agent:", "@run:", "@app:")
 #: Filter keys this server evaluates; anything else is refused rather than ignored, since an
 #: ignored filter would widen a search or a delete.
 _OPS = ("eq", "ne", "in", "nin")
@@ -79,11 +82,16 @@ class Entities:
         return {k: getattr(self, k) for k in ("agent_id", "run_id", "app_id") if getattr(self, k)}
 
 
+def user_of_key(key: str) -> str | None:
+    """The ``user_id`` of a store key: None for the key of an agent, run or app memory."""
+    return None if key.startswith(RESERVED_PREFIXES) else key
+
+
 def entities_of(item: Any) -> dict[str, str | None]:
     """The four entity ids of a stored fact (``user_id`` is None for agent/run/app-only ones)."""
     extra = (item.metadata or {}).get(META_KEY) or {}
-    user = None if item.user_id.startswith("@") else item.user_id
-    return {"user_id": user, "agent_id": extra.get("agent_id"), "run_id": extra.get("run_id"), "app_id": extra.get("app_id")}
+    return {"user_id": user_of_key(item.user_id), "agent_id": extra.get("agent_id"), "run_id": extra.get("run_id"),
+            "app_id": extra.get("app_id")}
 
 
 def memory_dict(item: Any, **more: Any) -> dict[str, Any]:
@@ -238,7 +246,7 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         limit = MAX_USER_ID if key == "user_id" else MAX_ENTITY_ID
         if not v.strip() or len(v) > limit or not v.isprintable():
             raise bad(f"{key} must be a non-empty string of at most {limit} printable characters", key)
-        if key == "user_id" and v.startswith(("@agent:", "@run:", "@app:")):
+        if key == "user_id" and v.startswith(RESERVED_PREFIXES):
             raise bad(f"user_id {v!r} is reserved for agent, run and app memories", key)
         return v
 
@@ -582,7 +590,7 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
             key = str(events[0].get("user_id"))
             if who.any() and key != who.store_key():
                 raise not_found(f"memory {memory_id!r} not found")
-            owner = {"user_id": None if key.startswith("@") else key, "agent_id": None, "run_id": None, "app_id": None}
+            owner = {"user_id": user_of_key(key), "agent_id": None, "run_id": None, "app_id": None}
             meta = {}
         return [{"id": e["id"], "memory_id": memory_id, "input": [], "old_memory": e["old_memory"],
                  "new_memory": e["new_memory"], "event": e["event"], **owner, "metadata": meta,
