@@ -161,3 +161,32 @@ def test_a_chat_with_a_handle_while_the_store_cannot_open_is_503(engine, tmp_pat
                                                   "messages": [{"role": "user", "content": f"Memory: {handle}. Code?"}]})
     assert r.status_code == 503 and error_of(r)["code"] == "memory_unavailable", r.text
     assert "secret" in error_of(r)["message"]
+
+
+# ------------------------------------------------------------------------------ non-finite numbers
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("field, value", [
+    ("temperature", "Infinity"), ("temperature", "NaN"), ("top_p", "NaN"), ("presence_penalty", "NaN"),
+    ("frequency_penalty", "-Infinity"), ("temperature", "1e309"), ("max_tokens", "1e309"), ("seed", "NaN"),
+    ("recompute", "Infinity"), ("logit_bias", '{"1": NaN}'),
+])
+def test_non_finite_numbers_are_400(client, endpoint, field, value):
+    """Python's JSON reads NaN, Infinity and 1e309; each is a 400 naming the field, never a 500."""
+    head = '"messages": [{"role": "user", "content": "hi"}]' if "chat" in endpoint else '"prompt": "hi"'
+    r = client.post(endpoint, content=f'{{"model": "tiny", {head}, "{field}": {value}}}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert error_of(r)["param"] == field or error_of(r)["param"].startswith(field + "."), r.text
+    if field not in ("max_tokens", "seed", "recompute"):  # integers: "a valid integer"
+        assert "finite" in error_of(r)["message"], r.text
+
+
+def test_non_finite_numbers_in_a_response_format_are_400(client):
+    schema = '{"type": "number", "maximum": NaN}'
+    body = ('{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "response_format": '
+            f'{{"type": "json_schema", "json_schema": {{"name": "x", "schema": {schema}}}}}}}')
+    r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and error_of(r)["code"] == "invalid_json_schema", r.text
+    assert "finite" in error_of(r)["message"]

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # Python's JSON reads NaN, Infinity and 1e309 (as infinity): never a valid number here.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class ContentPart(_Lenient):
