@@ -4,8 +4,8 @@ the in-process LangChain model takes too), and the answer's calls in OpenAI's sh
 
 The pydantic schemas (schemas.py) check the shapes; this module checks what they cannot: that
 ``tool_choice`` names a tool of the request, that a ``"tool"`` message answers a call made before
-it, that a call's ``arguments`` are a JSON object. Each refusal is a :class:`ToolRequestError`
-with the parameter it is about and an error code.
+it, that a call's ``arguments`` are a JSON object, that a tool's ``parameters`` are a JSON schema.
+Each refusal is a :class:`ToolRequestError` with the parameter it is about and an error code.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 
 from inferscale_apps.server.schemas import ChatCompletionRequest
 from inferscale_engine import tool_calls as tc
-from inferscale_engine.prompting import engine_role
+from inferscale_engine.errors import InvalidSchemaError
+from inferscale_engine.prompting import check_json_schema, engine_role
 
 
 class ToolRequestError(ValueError):
@@ -81,6 +82,13 @@ def tool_use(req: ChatCompletionRequest, messages: Sequence[dict[str, Any]], *, 
     """How the request's generation renders, constrains and reads tool calls (``structured``:
     its ``response_format``'s constraint; ``native``: the chat template renders tools)."""
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    for k, tool in enumerate(tools):
+        # Checked for every tool, as OpenAI does: a forced call's schema is made of them.
+        if "parameters" in tool["function"]:
+            try:
+                check_json_schema(tool["function"]["parameters"], f"tools[{k}].function.parameters")
+            except InvalidSchemaError as exc:
+                raise ToolRequestError(str(exc), f"tools.{k}.function.parameters", "invalid_json_schema") from None
     names = tc.tool_names(tools)
     duplicate = next((n for k, n in enumerate(names) if n in names[:k]), None)
     if duplicate is not None:
