@@ -19,7 +19,7 @@ the input), so the choice is by recency; ``InferScaleMemory`` recalls by relevan
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from langchain_core.chat_history import BaseChatMessageHistory
@@ -82,6 +82,21 @@ def last_turns(items: list[MemoryItem], count: int | None) -> list[MemoryItem]:
             turns.append(t)
     keep = set(turns[-count:]) if count > 0 else set()
     return [i for i in items if _turn_of(i) in keep]
+
+
+def checked_messages(messages: Any) -> list[BaseMessage]:
+    """``messages`` as a list, or ``TypeError`` when it is not a list of LangChain messages
+    (a plain string used to be skipped without a word, as an unsupported message is)."""
+    if isinstance(messages, (str, bytes, BaseMessage, Mapping)) or not isinstance(messages, Sequence):
+        raise TypeError(f"add_messages takes a list of LangChain messages, got {type(messages).__name__}")
+    for message in messages:
+        if not isinstance(message, BaseMessage):
+            raise TypeError(
+                f"InferScaleChatMessageHistory stores LangChain messages (HumanMessage, AIMessage, SystemMessage), "
+                f"got {type(message).__name__} {message!r:.60}: use add_user_message(text) / add_ai_message(text) "
+                "or wrap it, e.g. HumanMessage(content=text)"
+            )
+    return list(messages)
 
 
 def role_for(message: BaseMessage) -> str | None:
@@ -176,9 +191,11 @@ class InferScaleChatMessageHistory(OnEngine, BaseChatMessageHistory):
         return await asyncio.to_thread(lambda: self.messages)
 
     def add_messages(self, messages: Sequence[BaseMessage]) -> None:
-        """Store each message as a fact; a human message starts a new turn."""
+        """Store each message as a fact; a human message starts a new turn. Tool messages and
+        messages without text are not stored; anything but a message raises ``TypeError``
+        (before any is stored)."""
         turn: list[tuple[str, str]] = []
-        for message in messages:
+        for message in checked_messages(messages):
             role = role_for(message)
             if role is None:
                 continue

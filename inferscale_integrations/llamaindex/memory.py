@@ -43,6 +43,17 @@ SOURCE = "llamaindex"
 _ROLES = {"user": MessageRole.USER, "assistant": MessageRole.ASSISTANT, "system": MessageRole.SYSTEM}
 
 
+def checked_message(message: Any) -> ChatMessage:
+    """``message``, or ``TypeError`` when it is not a ``ChatMessage`` (a string or a dict used to
+    fail later, on a missing ``.role``)."""
+    if not isinstance(message, ChatMessage):
+        raise TypeError(
+            f"InferScale memory stores llama-index ChatMessages, got {type(message).__name__} {message!r:.60}: "
+            "wrap it, e.g. ChatMessage(role='user', content=text)"
+        )
+    return message
+
+
 def chat_message_for(item: MemoryItem, mode: str) -> ChatMessage:
     role = _ROLES.get(role_of(item), MessageRole.USER)
     return ChatMessage(role=role, content=content_of(item, mode), additional_kwargs={"fact_id": item.id})
@@ -116,7 +127,9 @@ class InferScaleMemory(_MemoryBase, BaseMemory):
         return [chat_message_for(i, self.mode) for i in items]
 
     def put(self, message: ChatMessage) -> None:
-        role = message.role
+        """Hold a user message until its answer; store the turn when the answer comes (tool
+        messages are not stored; anything but a ``ChatMessage`` raises ``TypeError``)."""
+        role = checked_message(message).role
         if role == MessageRole.USER:
             if any(m.role == MessageRole.USER for m in self._pending):
                 self._flush()  # an unanswered question: keep it as a turn of its own
@@ -129,7 +142,8 @@ class InferScaleMemory(_MemoryBase, BaseMemory):
         # tool/function messages are not conversation memory
 
     def set(self, messages: list[ChatMessage]) -> None:
-        """Replace the session's memory with ``messages``."""
+        """Replace the session's memory with ``messages`` (checked first: a bad one deletes nothing)."""
+        messages = [checked_message(m) for m in messages]
         self.reset()
         for m in messages:
             self.put(m)
@@ -202,7 +216,7 @@ class InferScaleMemoryBlock(_MemoryBase, BaseMemoryBlock[list[ChatMessage]]):
 
     def _put(self, messages: list[ChatMessage]) -> None:
         turn: list[tuple[str, str]] = []
-        for m in messages:
+        for m in [checked_message(m) for m in messages]:
             if m.role not in (MessageRole.USER, MessageRole.ASSISTANT) or not m.content:
                 continue
             if m.role == MessageRole.USER and turn:
