@@ -4,6 +4,9 @@
   as Ctrl-C does: each runs in a fresh process on a tiny model, adds a memory, gets SIGTERM, and
   must end soon with the store closed: lock released by the close (its file emptied), the WAL
   checkpointed into ``memory.sqlite3``, the memory there on reopen.
+* A store held by a process started with secrets on its command line (``--api-key s3cret``, a
+  database password) is refused without quoting them: by the CLI, and in the 503 body of a
+  server that could not open it.
 """
 
 from __future__ import annotations
@@ -122,3 +125,67 @@ def test_sigterm_closes_serve(tiny_llama, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert_closed_cleanly(store, item["id"], item["memory"], tmp_path)
+
+
+SECRET = "s3cret"
+#: A lock holder's command line as a user might type it (``python -c HOLDER`` followed by these).
+HOLDER_ARGV = ["serve", "--api-key", SECRET, f"--api-key={SECRET}", "--hf-token", SECRET, "--db-password",
+               SECRET, "--store", f"postgresql://bob:{SECRET}@db.example/memories", f"https://bob:{SECRET}@example.com",
+               SECRET]
+HOLDER = """
+import fcntl, os, sys
+from inferscale_engine.memory import MemoryStore
+
+path = os.environ["HOLD_STORE"]
+if os.environ["HOLDER_KIND"] == "current":
+    store = MemoryStore(None, path)
+else:  # an InferScale from before summaries: its lock file has the whole command line
+    os.makedirs(path, exist_ok=True)
+    fd = os.open(os.path.join(path, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.write(fd, f"{os.getpid()}\\n{' '.join(sys.argv)}\\n".encode())
+print("HOLDING", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama, tmp_path_factory):
+    """A real engine whose store another process holds (the server then answers 503 for memories)."""
+    from inferscale_engine import InferScaleEngine
+
+    eng = InferScaleEngine(model=tiny_llama, store_path=tmp_path_factory.mktemp("held") / "store",
+                           device="cpu", dtype="float32", max_model_len=512, recompute=0)
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("kind", ["current", "older InferScale"])
+def test_a_lock_holders_secrets_are_never_quoted(engine, kind, capsys):
+    from fastapi.testclient import TestClient
+
+    from inferscale_apps.cli import main
+    from inferscale_apps.server import create_app
+
+    store = engine.config.store_path
+    env = {**os.environ, "HOLD_STORE": str(store), "HOLDER_KIND": kind}
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, *HOLDER_ARGV], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        assert readline(holder, 120).strip() == "HOLDING"
+        if kind == "current":
+            assert SECRET not in (Path(store) / ".lock").read_text()
+
+        assert main(["memory", "list", "--user", "ann", "--store", str(store)]) == 1
+        refusal = " ".join(capsys.readouterr().err.split())
+        assert f"already open by process {holder.pid} (-c serve)" in refusal, refusal
+        assert SECRET not in refusal and "bob" not in refusal
+
+        with TestClient(create_app(engine, served_model_name="tiny")) as client:
+            r = client.get("/v1/memories/", params={"user_id": "ann"})
+        assert r.status_code == 503, r.text
+        assert f"already open by process {holder.pid}" in r.text, r.text
+        assert SECRET not in r.text and "bob" not in r.text
+    finally:
+        holder.stdin.close()  # type: ignore[union-attr]
+        holder.wait(60)

@@ -8,8 +8,10 @@ import fcntl
 import hashlib
 import hmac
 import os
+import re
 import secrets
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -167,8 +169,8 @@ def load_secret(path: Path) -> bytes:
 
 @dataclass(frozen=True)
 class LockHolder:
-    """Who holds a store's lock, as its lock file says: the process, and the URL of the HTTP API
-    it serves the store on (``inferscale serve`` records it), if any."""
+    """Who holds a store's lock, as its lock file says: the process (its :func:`process_summary`),
+    and the URL of the HTTP API it serves the store on (``inferscale serve`` records it), if any."""
 
     pid: int | None
     command: str = ""
@@ -180,8 +182,29 @@ class LockHolder:
         return f"by process {self.pid}" + (f" ({self.command})" if self.command else "")
 
 
+#: A command word (``serve``, ``memory``, ``rotate-secret``): letters and dashes, no digits, short.
+_COMMAND_WORD = re.compile(r"[a-z]+(?:-[a-z]+)*")
+
+
+def process_summary(argv: Sequence[str]) -> str:
+    """What a lock file tells of the process holding it: the program and up to two command words
+    after it (``inferscale serve``, ``inferscale memory add``), never an option or argument.
+
+    The summary is quoted to whoever the lock refuses, HTTP clients of a server that could not
+    open its store included, and the rest of a command line may hold an API key, a database
+    password or a memory's text."""
+    if not argv:
+        return ""
+    words = [Path(argv[0]).name]
+    for arg in argv[1:3]:
+        if len(arg) > 16 or not _COMMAND_WORD.fullmatch(arg):
+            break
+        words.append(arg)
+    return " ".join(words)
+
+
 def acquire_lock(path: Path) -> int:
-    """Hold the store's lock; the file names the holder (pid, command line) for whoever is refused."""
+    """Hold the store's lock; the file names the holder (pid, :func:`process_summary`) for whoever is refused."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -192,7 +215,7 @@ def acquire_lock(path: Path) -> int:
             raise InferScaleError(f"memory store {path.parent} is already open in this process; close it first") from None
         raise InferScaleError(locked_message(path.parent, holder)) from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n{' '.join(sys.argv)}\n".encode(errors="replace"), 0)
+    os.pwrite(fd, f"{os.getpid()}\n{process_summary(sys.argv)}\n".encode(errors="replace"), 0)
     return fd
 
 
@@ -207,9 +230,10 @@ def locked_message(folder: Path, holder: LockHolder) -> str:
 def record_url(fd: int, url: str) -> None:
     """Note in the held lock file the URL of the HTTP API that serves this store, so a command
     refused by the lock can use that API instead (``inferscale memory ... `` does)."""
-    pid, command = os.getpid(), " ".join(sys.argv)
+    from inferscale_engine.memory.pg import redact
+
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{pid}\n{command}\n{url}\n".encode(errors="replace"), 0)
+    os.pwrite(fd, f"{os.getpid()}\n{process_summary(sys.argv)}\n{redact(url)}\n".encode(errors="replace"), 0)
 
 
 def lock_holder(folder: Path) -> LockHolder | None:
@@ -237,7 +261,9 @@ def _read_holder(fd: int) -> LockHolder:
     if not lines[0].strip().isdigit():  # a lock file from before holders were recorded
         return LockHolder(None)
     url = lines[2].strip() if len(lines) > 2 and lines[2].strip() else None
-    return LockHolder(int(lines[0]), lines[1].strip() if len(lines) > 1 else "", url)
+    # A holder from before summaries recorded its whole command line: summarised here too.
+    command = process_summary(lines[1].split()) if len(lines) > 1 else ""
+    return LockHolder(int(lines[0]), command, url)
 
 
 def acquire_replica_folder(base: Path, explicit: bool) -> tuple[Path, int]:
