@@ -255,6 +255,53 @@ def test_infer_applies_the_valid_actions_and_answers_none_with_an_empty_result(s
     assert after["memory"] == "Lives in Rome"
 
 
+# ------------------------------------------------------------------------------ 5: pages and deep filters
+
+
+@pytest.mark.parametrize("raw", ["Infinity", "-Infinity", "NaN", "1e400", "-1", "0", "1.5", "1e3", "true", '"1.5"',
+                                 '"Infinity"', '"-1"', "99999999999999999999999", '"' + "9" * 5000 + '"'])
+@pytest.mark.parametrize("field", ["page", "page_size"])
+def test_bad_page_numbers_are_400(http, raw, field):
+    user = uid("pages")
+    add(http, "A fact to page through.", user_id=user)
+    other = "page_size" if field == "page" else "page"
+    # JSON as sent by a client that writes non-finite floats (Python's json does)
+    body = f'{{"filters": {{"user_id": "{user}"}}, "{field}": {raw}, "{other}": 1}}'
+    r = http.post("/v3/memories/", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", (raw, r.text)
+    assert r.json()["error"]["param"] == field
+    value = raw.strip('"')
+    r = http.get("/v1/memories/", params={"user_id": user, field: value, other: "1"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, (value, r.text)
+
+
+def test_good_page_numbers_still_work(http):
+    user = uid("pages")
+    for i in range(3):
+        add(http, f"Fact number {i}.", user_id=user)
+    r = http.post("/v3/memories/", json={"filters": {"user_id": user}}, params={"page": "2", "page_size": "2"})
+    assert r.status_code == 200 and r.json()["count"] == 3 and len(r.json()["results"]) == 1, r.text
+    r = http.post("/v3/memories/", json={"filters": {"user_id": user}, "page": 1, "page_size": 2})
+    assert r.status_code == 200 and len(r.json()["results"]) == 2, r.text
+
+
+@pytest.mark.parametrize("op", ["AND", "OR", "NOT"])
+def test_deeply_nested_filters_are_400(http, op):
+    user = uid("deep")
+    add(http, "Deep fact.", user_id=user)
+    filters: dict[str, Any] = {"user_id": user}
+    for _ in range(300):
+        filters = {op: [filters]}
+    for path, body in (("/v3/memories/", {"filters": filters}), ("/v3/memories/search/", {"query": "x", "filters": filters})):
+        r = http.post(path, json=body)
+        assert r.status_code == 400, (path, r.text[:300])
+        assert r.json()["error"]["code"] == "invalid_request" and "deep" in r.json()["error"]["message"]
+    filters = {"user_id": user}
+    for _ in range(30):  # deep, but within the limit
+        filters = {"AND": [filters]}
+    assert len(listed(http, filters)) == 1
+
+
 # ------------------------------------------------------------------------------ 7: X-User-Id is UTF-8
 
 

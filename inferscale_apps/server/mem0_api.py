@@ -32,6 +32,7 @@ parameter, or ``X-User-Id``) gets 404 for a memory that is not its own.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,11 @@ RESERVED_PREFIXES = ("@agent:", "@run:", "@app:")
 #: Filter keys this server evaluates; anything else is refused rather than ignored, since an
 #: ignored filter would widen a search or a delete.
 _OPS = ("eq", "ne", "in", "nin")
+#: Deepest AND / OR / NOT nesting accepted; checked before recursing, so a deeper filter is a 400,
+#: not a RecursionError (real filters nest two or three levels).
+MAX_FILTER_DEPTH = 32
+#: Largest page number accepted (a page past the last one is empty, never an error).
+MAX_PAGE = 2**31 - 1
 
 #: Mem0's metadata filter is an equality on each key; we keep it at that.
 _EXTRACTION_MAX_TOKENS = 512
@@ -139,10 +145,12 @@ class Selection:
     pinned: bool  # names an entity id by equality in every OR branch, so it cannot reach everyone
 
 
-def compile_filters(f: Any, error: Callable[[str], Exception]) -> Selection:
+def compile_filters(f: Any, error: Callable[[str], Exception], depth: int = 0) -> Selection:
     """Compile Mem0's filter object; ``error(message)`` makes the exception for a bad one."""
     if not isinstance(f, dict):
         raise error("filters must be an object")
+    if depth > MAX_FILTER_DEPTH:
+        raise error(f"filters are nested too deep (AND / OR / NOT at most {MAX_FILTER_DEPTH} levels)")
     preds: list[Pred] = []
     users: set[str] | None = None
     pinned = False
@@ -156,7 +164,7 @@ def compile_filters(f: Any, error: Callable[[str], Exception]) -> Selection:
         if key in ("AND", "OR", "NOT"):
             if not isinstance(value, list) or not value:
                 raise error(f"filters.{key} must be a non-empty list")
-            parts = [compile_filters(v, error) for v in value]
+            parts = [compile_filters(v, error, depth + 1) for v in value]
             ps = [p.pred for p in parts]
             if key == "AND":
                 preds.append(_every(ps))
@@ -485,17 +493,24 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         to memory now and its first request injects it (search does this for what it finds)."""
         return await _run(do_prefetch, await body_of(request))
 
+    def page_number(value: Any, name: str, default: int, most: int) -> int:
+        """A page or page size from the query (a string) or the body (JSON): an integer from 1 to
+        ``most``; ``Infinity``, ``NaN``, floats, booleans and numeric strings other than digits
+        are refused (``int()`` would overflow on some and round others)."""
+        if value is None or value == "":
+            return default
+        if isinstance(value, str) and re.fullmatch(r"[0-9]{1,10}", value):
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            raise bad(f"{name} must be an integer from 1 to {most}", name)
+        return value
+
     def do_list(src: dict[str, Any], page: Any, page_size: Any, base: str) -> dict[str, Any]:
         items = matching(selection(src, "listing memories"))
         if page is None and page_size is None:
             return {"count": len(items), "next": None, "previous": None, "results": [memory_dict(i) for i in items]}
-        try:
-            page = int(page or 1)
-            page_size = int(page_size or 100)
-        except (TypeError, ValueError):
-            raise bad("page and page_size must be integers", "page") from None
-        if page < 1 or not 1 <= page_size <= 1000:
-            raise bad("page must be >= 1 and page_size from 1 to 1000", "page")
+        page = page_number(page, "page", 1, MAX_PAGE)
+        page_size = page_number(page_size, "page_size", 100, 1000)
         pages = max(1, math.ceil(len(items) / page_size))
         chunk = items[(page - 1) * page_size : page * page_size]
         return {
