@@ -19,14 +19,16 @@ reply): a hit on an answer brings its question along, so the model sees who said
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import logging
 import sys
 import threading
 import uuid
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar, cast
 
 from inferscale_engine.prompting import EncodeStyle, encode_context
 
@@ -55,17 +57,42 @@ _WARNED_SHARED: set[str] = set()
 
 def check_arguments(cls: type, data: Any, fields: Iterable[str], *, user: bool = True) -> None:
     """Reject a misspelled argument with the closest known name, and warn, once per class, when
-    ``user_id`` is missing (a multi-user app that forgot it would mix its users' memories)."""
+    ``user_id`` is missing (a multi-user app that forgot it would mix its users' memories).
+
+    A class's ``_ARGUMENT_ALIASES`` maps names other classes use for one of its arguments to that
+    argument (``{"search_kwargs": "k"}``), so they and their misspellings name it too.
+    """
     if not isinstance(data, dict):
         return
     known = set(fields)
     unknown = sorted(k for k in data if k not in known)
     if unknown:
-        hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, known, n=1)) else repr(name)
-                 for name in unknown]
+        aliases: Mapping[str, str] = getattr(cls, "_ARGUMENT_ALIASES", {})
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, known | set(aliases), n=1)
+            hints.append(f"{name!r} (did you mean {aliases.get(close[0], close[0])!r}?)" if close else repr(name))
         raise ValueError(f"{cls.__name__} got unknown argument{'s' if len(unknown) > 1 else ''} {', '.join(hints)}")
     if user:
         warn_if_shared_user(cls, data.get("user_id"))
+
+
+_Init = TypeVar("_Init", bound=Callable[..., None])
+
+
+def checks_arguments(init: _Init) -> _Init:
+    """Decorate the ``__init__`` of a class that is not a pydantic model: a misspelled keyword
+    argument gets :func:`check_arguments`' error, naming the closest argument, instead of
+    Python's bare ``TypeError``."""
+    params = inspect.signature(init).parameters.values()
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+    @functools.wraps(init)
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        check_arguments(type(self), kwargs, names, user=False)
+        init(self, *args, **kwargs)
+
+    return cast(_Init, checked)
 
 
 def warn_if_shared_user(cls: type, user_id: str | None) -> None:

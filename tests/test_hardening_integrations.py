@@ -43,3 +43,32 @@ def test_llamaindex_memory_refuses_what_is_not_a_chat_message() -> None:
     block = InferScaleMemoryBlock(model="smollm2", user_id="alice")
     with pytest.raises(TypeError, match="stores llama-index ChatMessages, got str"):
         asyncio.run(block.aput(["My dog is Rex."]))  # type: ignore[list-item]
+
+
+def test_misspelled_arguments_of_every_class_name_the_closest_match() -> None:
+    """The retrievers (and the other classes with a plain ``__init__``) raised Python's bare
+    TypeError, or no suggestion for a name another framework uses (``search_kwargs``)."""
+    from langchain_core.retrievers import BaseRetriever as LangChainRetriever
+    from llama_index.core.base.base_retriever import BaseRetriever as LlamaIndexRetriever
+
+    from inferscale_integrations.langchain import InferScaleMemoryMiddleware
+    from inferscale_integrations.langchain import InferScaleRetriever as LangChainInferScaleRetriever
+    from inferscale_integrations.langgraph import InferScaleStore
+    from inferscale_integrations.llamaindex import InferScaleRetriever as LlamaIndexInferScaleRetriever
+
+    assert issubclass(LangChainInferScaleRetriever, LangChainRetriever)
+    assert issubclass(LlamaIndexInferScaleRetriever, LlamaIndexRetriever)
+    cases: list[tuple[Any, dict[str, Any], str, str]] = [
+        (LangChainInferScaleRetriever, {"user_id": "a", "kk": 5}, "kk", "k"),
+        (LangChainInferScaleRetriever, {"user_id": "a", "serch_kwargs": {"k": 5}}, "serch_kwargs", "k"),
+        (LangChainInferScaleRetriever, {"user_id": "a", "search_kwargs": {"k": 5}}, "search_kwargs", "k"),
+        (LlamaIndexInferScaleRetriever, {"user_id": "a", "kk": 5}, "kk", "similarity_top_k"),
+        (LlamaIndexInferScaleRetriever, {"user_id": "a", "similarity_topk": 5}, "similarity_topk", "similarity_top_k"),
+        (LlamaIndexInferScaleRetriever, {"user_id": "a", "serch_kwargs": {}}, "serch_kwargs", "similarity_top_k"),
+        (InferScaleChatMessageHistory, {"user_id": "a", "sesion_id": "s"}, "sesion_id", "session_id"),
+        (InferScaleMemoryMiddleware, {"user_id": "a", "recent_turn": 2}, "recent_turn", "recent_turns"),
+        (InferScaleStore, {"user_idx": -1}, "user_idx", "user_index"),
+    ]
+    for cls, kwargs, wrong, right in cases:
+        with pytest.raises(ValueError, match=rf"{cls.__name__} got unknown argument '{wrong}' \(did you mean '{right}'\?\)"):
+            cls(model="smollm2", **kwargs)

@@ -42,6 +42,7 @@ from inferscale_integrations._common import (
     _turn_of,
     all_items,
     check_mode,
+    checks_arguments,
     content_of,
     new_turn_id,
     role_of,
@@ -138,6 +139,7 @@ class InferScaleChatMessageHistory(OnEngine, BaseChatMessageHistory):
         ```
     """
 
+    @checks_arguments
     def __init__(
         self,
         user_id: str | None = None,

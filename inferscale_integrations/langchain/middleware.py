@@ -30,6 +30,7 @@ from inferscale_integrations._common import (
     OnEngine,
     RecallMode,
     check_mode,
+    checks_arguments,
     recall_for,
     save_messages,
     warn_if_shared_user,
@@ -72,6 +73,7 @@ class InferScaleMemoryMiddleware(OnEngine, AgentMiddleware):
             are in memory); False keeps them and adds the recalled turns before them.
     """
 
+    @checks_arguments
     def __init__(
         self,
         *,

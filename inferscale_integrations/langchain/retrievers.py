@@ -10,7 +10,7 @@ holds the fact text (so a prompt that renders metadata does not paste it back): 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, ClassVar
 
 from langchain_core.callbacks import (
     AsyncCallbackManagerForRetrieverRun,
@@ -42,6 +42,12 @@ class InferScaleRetriever(OnEngine, InferScaleModelBase, BaseRetriever):
         docs[0].metadata["score"]   # 0.71
         ```
     """
+
+    #: What other retrievers call ``k`` and ``min_score`` (``VectorStoreRetriever``'s
+    #: ``search_kwargs={"k": ...}``, LlamaIndex's ``similarity_top_k``), for the unknown-argument error.
+    _ARGUMENT_ALIASES: ClassVar[dict[str, str]] = {
+        "search_kwargs": "k", "top_k": "k", "similarity_top_k": "k", "score_threshold": "min_score",
+    }
 
     model: str | None = None
     """Model alias or local folder whose shared engine's store keeps the facts."""

@@ -64,6 +64,7 @@ from inferscale_integrations._common import (
     EngineRef,
     RecallMode,
     check_mode,
+    checks_arguments,
     expand_handles,
 )
 
@@ -173,6 +174,7 @@ class InferScaleStore(EngineConstructors, BaseStore):
 
     supports_ttl = False
 
+    @checks_arguments
     def __init__(
         self,
         *,

@@ -18,7 +18,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.callbacks import CallbackManager
@@ -31,6 +31,7 @@ from inferscale_integrations._common import (
     OnEngine,
     RecallMode,
     check_mode,
+    checks_arguments,
     content_of,
     item_metadata,
     search,
@@ -93,6 +94,12 @@ class InferScaleRetriever(OnEngine, EngineConstructors, BaseRetriever):
         ```
     """
 
+    #: What other retrievers call ``similarity_top_k``, for the unknown-argument error.
+    _ARGUMENT_ALIASES: ClassVar[dict[str, str]] = {
+        "k": "similarity_top_k", "top_k": "similarity_top_k", "search_kwargs": "similarity_top_k",
+    }
+
+    @checks_arguments
     def __init__(
         self,
         *,
