@@ -152,16 +152,30 @@ def test_no_import_cycles_counting_type_checking_imports() -> None:
     _check_acyclic(import_graph(type_checking=True), ALLOWED_TYPE_EDGES)
 
 
-def test_the_library_never_imports_the_applications() -> None:
-    """The CLI, chatbot, server and benchmarks sit on the library, never inside it: no import of
-    ``inferscale_apps`` anywhere in the library, at module level or inside a function."""
+def _importing(importers: str | tuple[str, ...], package: str) -> list[tuple[str, str]]:
+    """(module, import) for each import of ``package`` anywhere in a module whose name starts
+    with ``importers``, at module level or inside a function."""
     found = []
     for name, path in _modules().items():
-        if name.split(".")[0] not in LIBRARY:
+        if not name.startswith(importers):
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
-                found += [(name, a.name) for a in node.names if a.name.split(".")[0] == APPS]
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == APPS:
-                found.append((name, node.module))
+                found += [(name, a.name) for a in node.names if a.name.split(".")[0] == package]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == package:
+                found.append((name, node.module or ""))
+    return found
+
+
+def test_the_library_never_imports_the_applications() -> None:
+    """The CLI, chatbot, server and benchmarks sit on the library, never inside it: no import of
+    ``inferscale_apps`` anywhere in the library, at module level or inside a function."""
+    found = _importing(LIBRARY, APPS)
     assert not found, f"library modules importing applications: {found}"
+
+
+def test_the_server_never_imports_the_integrations() -> None:
+    """The HTTP server sits on the engine alone: what it shares with the integrations (tool
+    calling, prompting) lives in ``inferscale_engine``."""
+    found = _importing(f"{APPS}.server", "inferscale_integrations")
+    assert not found, f"server modules importing the integrations: {found}"
