@@ -302,6 +302,39 @@ def test_deeply_nested_filters_are_400(http, op):
     assert len(listed(http, filters)) == 1
 
 
+# ------------------------------------------------------------------------------ 6: pagination links keep the selection
+
+
+def test_next_and_previous_keep_the_entity_ids(http, client):
+    """``next`` used to be ``/v1/memories/?page=2&page_size=2``: following it lost ``user_id``."""
+    user, run = uid("pager"), uid("run")
+    ids = [add(http, f"Paged fact {i}.", user_id=user, run_id=run)["id"] for i in range(5)]
+    add(http, "Same user, other run.", user_id=user, run_id=uid("run"))
+    add(http, "Another user's fact.", user_id=uid("stranger"))
+    seen: list[str] = []
+    url: str | None = f"/v1/memories/?user_id={user}&run_id={run}&page=1&page_size=2"
+    pages = 0
+    while url:
+        r = http.get(url)
+        assert r.status_code == 200, (url, r.text)
+        body = r.json()
+        assert body["count"] == 5, body
+        seen += [m["id"] for m in body["results"]]
+        if pages:
+            back = http.get(body["previous"]).json()
+            assert back["count"] == 5 and len(back["results"]) == 2, body["previous"]
+        url, pages = body["next"], pages + 1
+    assert pages == 3 and sorted(seen) == sorted(ids)
+    # the mem0ai client's paginated list (POST, page in the query): the links keep that query
+    first = client.get_all(filters={"AND": [{"user_id": user}, {"run_id": run}]}, page=1, page_size=2)
+    assert first["count"] == 5 and len(first["results"]) == 2
+    assert "page=2" in first["next"] and "page_size=2" in first["next"], first["next"]
+    r = http.post("/v3/memories/?page=2&page_size=2&org_id=o1", json={"filters": {"user_id": user, "run_id": run}})
+    body = r.json()
+    for link in (body["next"], body["previous"]):
+        assert "org_id=o1" in link and "page_size=2" in link, link
+
+
 # ------------------------------------------------------------------------------ 7: X-User-Id is UTF-8
 
 

@@ -36,6 +36,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 from fastapi import FastAPI, Request
 
@@ -505,7 +506,13 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
             raise bad(f"{name} must be an integer from 1 to {most}", name)
         return value
 
-    def do_list(src: dict[str, Any], page: Any, page_size: Any, base: str) -> dict[str, Any]:
+    def page_links(request: Request) -> Callable[[int, int], str]:
+        """``next`` / ``previous`` of a listing: the request's path and query with another page, so
+        that following one keeps the entity ids given in the query (a POST's body is sent again)."""
+        kept = [(k, v) for k, v in request.query_params.multi_items() if k not in ("page", "page_size")]
+        return lambda page, size: f"{request.url.path}?{urlencode([*kept, ('page', page), ('page_size', size)])}"
+
+    def do_list(src: dict[str, Any], page: Any, page_size: Any, link: Callable[[int, int], str]) -> dict[str, Any]:
         items = matching(selection(src, "listing memories"))
         if page is None and page_size is None:
             return {"count": len(items), "next": None, "previous": None, "results": [memory_dict(i) for i in items]}
@@ -515,22 +522,22 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         chunk = items[(page - 1) * page_size : page * page_size]
         return {
             "count": len(items),
-            "next": f"{base}?page={page + 1}&page_size={page_size}" if page < pages else None,
-            "previous": f"{base}?page={page - 1}&page_size={page_size}" if page > 1 else None,
+            "next": link(page + 1, page_size) if page < pages else None,
+            "previous": link(page - 1, page_size) if page > 1 else None,
             "results": [memory_dict(i) for i in chunk],
         }
 
     @route("GET", "/v1/memories/")
     async def list_v1(request: Request) -> Any:
         q = dict(request.query_params)
-        return await _run(do_list, q, q.pop("page", None), q.pop("page_size", None), str(request.url.path))
+        return await _run(do_list, q, q.pop("page", None), q.pop("page_size", None), page_links(request))
 
     @route("POST", "/v2/memories/", "/v3/memories/")
     async def list_v2(request: Request) -> Any:
         body = await body_of(request)
         q = request.query_params
         page, size = q.get("page", body.pop("page", None)), q.get("page_size", body.pop("page_size", None))
-        return await _run(do_list, body, page, size, str(request.url.path))
+        return await _run(do_list, body, page, size, page_links(request))
 
     def do_delete_all(src: dict[str, Any]) -> dict[str, Any]:
         s = store()
