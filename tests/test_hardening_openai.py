@@ -190,3 +190,50 @@ def test_non_finite_numbers_in_a_response_format_are_400(client):
     r = client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400 and error_of(r)["code"] == "invalid_json_schema", r.text
     assert "finite" in error_of(r)["message"]
+
+
+# ------------------------------------------------------------------------------ codes and abandoned requests
+
+
+def test_every_4xx_has_a_code(client):
+    raw = '{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x \\ud800 y"}]}'
+    responses = [
+        client.post("/v1/completions", json={"model": "tiny", "prompt": ""}),
+        client.post("/v1/completions", json={"model": "tiny", "prompt": ["hi", ""]}),
+        client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"}),  # lone surrogate
+        client.post("/v1/completions", content=raw.replace('"messages": [{"role": "user", "content": "x \\ud800 y"}]',
+                                                           '"prompt": "x \\ud800 y"'), headers={"content-type": "application/json"}),
+    ]
+    for r in responses:
+        assert r.status_code == 400, r.text
+        assert isinstance(error_of(r)["code"], str) and error_of(r)["code"], r.text
+
+
+def _counts(metrics: str, prefix: str) -> dict[str, float]:
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines() if line.startswith(prefix)}
+
+
+def test_an_abandoned_request_is_a_499_not_a_500(engine):
+    """A client that hangs up mid-generation is counted as 499 (client closed request), with no
+    error: before, the request counter said 500 and the server logged a traceback."""
+    import time
+
+    import httpx
+
+    from inferscale_apps.bench.load import serve_app
+    from inferscale_apps.server import create_app
+
+    with serve_app(create_app(engine, served_model_name="tiny")) as url:
+        body = {"model": "tiny", "messages": MSGS, "max_tokens": 200, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):  # the tiny model takes seconds for 200 tokens
+            httpx.post(url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(60, read=0.2))
+        deadline = time.monotonic() + 30
+        while True:
+            metrics = httpx.get(url + "/metrics").text
+            requests = _counts(metrics, 'inferscale_requests_total{method="POST"')
+            if requests or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert requests == {'inferscale_requests_total{method="POST",route="/v1/chat/completions",status="499"}': 1.0}
+        assert _counts(metrics, "inferscale_errors_total{") == {}
+        assert _counts(metrics, "inferscale_generations_in_flight") == {"inferscale_generations_in_flight": 0.0}

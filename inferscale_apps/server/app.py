@@ -133,6 +133,8 @@ class APIError(Exception):
         # Client text quoted in a message may hold lone surrogates, which JSON cannot encode as UTF-8.
         message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
+        # Clients branch on ``code``: never null, also where a call site names none.
+        code = code or ("invalid_request" if status < 500 else "internal_error")
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict[str, Any]:
@@ -143,6 +145,10 @@ class APIError(Exception):
         if _is_mem0_path(path):  # the mem0ai clients show a failure's ``detail``; OpenAI clients read ``error``
             body["detail"] = self.message
         return JSONResponse(body, status_code=self.status)
+
+
+class _ClientGone(Exception):
+    """The client hung up before its answer: there is no one to answer (counted as 499)."""
 
 
 _OPENAI_PATHS = ("/v1/chat/", "/v1/completions", "/v1/models")
@@ -219,8 +225,8 @@ def api_error(exc: BaseException) -> APIError:
                             "invalid_json_schema" if schema else "invalid_request")
         if isinstance(exc, ImportError):  # e.g. the memory extra is not installed
             return APIError(503, f"memory store unavailable: {msg}", "server_error", None, "memory_unavailable")
-        if isinstance(exc, (ValueError, TypeError)):  # vLLM's SamplingParams checks, empty prompts...
-            return APIError(400, msg, "invalid_request_error")
+        if isinstance(exc, (ValueError, TypeError)):  # empty prompts, text that is not UTF-8...
+            return APIError(400, msg, "invalid_request_error", None, "invalid_request")
     logger.error("internal error", exc_info=(type(exc), exc, exc.__traceback__))
     return APIError(500, "internal server error (see the server log)", "server_error", None, "internal_error")
 
@@ -333,6 +339,11 @@ def create_app(
         metrics.errors.labels(err.code or err.type).inc()
         return err.response(request.url.path)
 
+    @app.exception_handler(_ClientGone)
+    async def _gone(request: Request, exc: _ClientGone) -> Response:
+        # Nobody reads it (the server drops it): the status is for the request counter, no error.
+        return Response(status_code=499)
+
     app.add_middleware(_BodyLimit, limit=max_body_bytes)
     app.add_middleware(_AuthAndCount, api_key=api_key, metrics=metrics)  # outermost: counts the 413s too
 
@@ -436,10 +447,11 @@ def create_app(
             while not task.done():
                 await asyncio.wait((task,), timeout=DISCONNECT_POLL_S)
                 if not task.done() and await request.is_disconnected():
-                    task.cancel()
                     logger.info("client went away: generation aborted")
-                    break
+                    raise _ClientGone  # the task is cancelled below
             result = await task
+        except _ClientGone:
+            raise
         except Exception as exc:
             raise api_error(exc) from exc
         finally:
@@ -479,7 +491,7 @@ def create_app(
             first = await agen.__anext__()  # resolution and layout errors become a proper status
         except StopAsyncIteration:
             metrics.in_flight.dec()
-            raise APIError(500, "generation produced no output", "server_error")
+            raise APIError(500, "generation produced no output", "server_error", None, "internal_error")
         except BaseException as exc:  # noqa: BLE001  (re-raised, mapped when an Exception)
             metrics.in_flight.dec()
             await agen.aclose()
@@ -589,10 +601,11 @@ def create_app(
         sampling = sampling_of(req)
         prompts = req.prompt if isinstance(req.prompt, list) else [req.prompt]
         if not prompts:
-            raise APIError(400, "prompt is empty", param="prompt")
+            raise APIError(400, "prompt is empty", param="prompt", code="invalid_request")
         for i, p in enumerate(prompts):
             if not p:
-                raise APIError(400, "prompt is empty" if len(prompts) == 1 else f"prompt[{i}] is empty", param="prompt")
+                raise APIError(400, "prompt is empty" if len(prompts) == 1 else f"prompt[{i}] is empty", param="prompt",
+                               code="invalid_request")
         user = user_of(req, request, any(HANDLE_PATTERN.search(p) for p in prompts))
         if len(prompts) == 1:
             segments, max_tokens = await prepare(prompts[0], user, req.max_tokens, "max_tokens")
@@ -730,7 +743,7 @@ class _AuthAndCount:
                                "authentication_error", None, "invalid_api_key")
                 await err.response(scope.get("path", ""))(scope, receive, send)
                 return
-        status = [500]
+        status: list[int | None] = [None]
 
         async def send_counting(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -739,9 +752,14 @@ class _AuthAndCount:
 
         try:
             await self.app(scope, receive, send_counting)
+        except Exception:
+            status[0] = status[0] or 500  # answered by the server's error handler, outside this middleware
+            raise
         finally:
+            # No answer and no error: the client left first (its body unsent, or the handler
+            # cancelled): nginx's 499, "client closed request", not a server error.
             route = scope.get("route")
-            self.metrics.requests.labels(method, getattr(route, "path", "unmatched"), str(status[0])).inc()
+            self.metrics.requests.labels(method, getattr(route, "path", "unmatched"), str(status[0] or 499)).inc()
 
 
 def _default_model_name(engine: Any) -> str:
