@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from inferscale_engine.memory.embedder import Embedder
 from inferscale_engine.memory.query_graph import BUCKETS, GraphedQueryEncoder
@@ -34,3 +35,23 @@ def test_only_mean_pooled_transformers_on_cuda_take_the_graphed_path(embedder):
     on_gpu = Embedder(model, device="cuda")
     assert on_gpu._graphable(model)
     assert not on_gpu._graphable(object())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the half-precision query graph runs on CUDA only")
+def test_half_precision_query_graph_finds_what_fp32_finds():
+    """On CUDA a query embeds in fp16 (half the replay time) on a copy of the encoder: the vector
+    and the ranking it gives over stored fp32 vectors are fp32's."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
+    model = BertModel(cfg).cuda().eval()
+    half, full = GraphedQueryEncoder(model), GraphedQueryEncoder(model, dtype=None)
+    assert half.model is not model and next(half.model.parameters()).dtype == torch.float16
+    assert full.model is model  # the facts' batched path keeps the model as it is
+    stored = torch.nn.functional.normalize(torch.randn(10_000, 384), dim=-1)
+    for n in (5, 24, 60):
+        ids = torch.randint(1000, 30000, (n,)).tolist()
+        a, b = half(ids), full(ids)
+        assert float(a @ b) > 0.9999
+        assert set(torch.topk(stored @ a, 10).indices.tolist()) == set(torch.topk(stored @ b, 10).indices.tolist())

@@ -1,0 +1,49 @@
+"""One query's retrieval on the GPU, by encoder precision (diagnostic): the MiniLM-shaped encoder as
+the store's CUDA graph in fp32, with TF32 matmuls, and in fp16/bf16, each against fp32's vector
+(cosine) and the exact top-50 it finds over 10k stored vectors.
+
+usage: python scripts/h200_retrieval_variants.py
+"""
+
+import time
+
+import torch
+from transformers import BertConfig, BertModel
+
+from inferscale_apps.bench.common import median
+from inferscale_engine.memory.index import ExactIndex
+from inferscale_engine.memory.query_graph import GraphedQueryEncoder
+
+
+def timed(fn, reps=100):
+    out = []
+    for _ in range(reps + 10):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        out.append(1e3 * (time.perf_counter() - t))
+    return median(out[10:])
+
+
+torch.manual_seed(0)
+cfg = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
+base = BertModel(cfg).eval()
+index = ExactIndex(384, device="cuda")
+vecs = torch.nn.functional.normalize(torch.randn(10_000, 384), dim=-1).numpy()
+index.add(list(range(10_000)), vecs)
+ids = torch.randint(1000, 30000, (24,)).tolist()
+ref = None
+for name in ("fp32", "tf32", "fp16", "bf16"):
+    torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(name, torch.float32)
+    enc = GraphedQueryEncoder(BertModel(cfg).eval().to("cuda", dtype).requires_grad_(False))
+    enc.model.load_state_dict({k: v.to(dtype) for k, v in base.state_dict().items()})
+    enc._graphs.clear()
+    vec = enc(ids)
+    top = [s for s, _ in index.search(vec.numpy(), 50)]
+    if ref is None:
+        ref = (vec, set(top))
+    cos = float(torch.dot(vec.float(), ref[0].float()))
+    print(f"{name}: encode {timed(lambda: enc(ids)):.3f} ms, search {timed(lambda: index.search(vec.numpy(), 50)):.3f} ms, "
+          f"whole {timed(lambda: index.search(enc(ids).numpy(), 50)):.3f} ms; cosine to fp32 {cos:.6f}, "
+          f"top-50 overlap {len(ref[1] & set(top))}/50", flush=True)
