@@ -237,3 +237,29 @@ def test_an_abandoned_request_is_a_499_not_a_500(engine):
         assert requests == {'inferscale_requests_total{method="POST",route="/v1/chat/completions",status="499"}': 1.0}
         assert _counts(metrics, "inferscale_errors_total{") == {}
         assert _counts(metrics, "inferscale_generations_in_flight") == {"inferscale_generations_in_flight": 0.0}
+
+
+# ------------------------------------------------------------------------------ misspelled fields
+
+
+@pytest.mark.parametrize("field, meant", [
+    ("memory_K", "memory_k"), ("Memory_k", "memory_k"), ("memoryk", "memory_k"), ("recompte", "recompute"),
+    ("Recompute", "recompute"), ("temprature", "temperature"), ("max_token", "max_tokens"), ("top-p", "top_p"),
+])
+def test_a_misspelled_field_is_400_naming_the_field_meant(client, field, meant):
+    for endpoint, head in (("/v1/chat/completions", {"messages": MSGS}), ("/v1/completions", {"prompt": "hi"})):
+        if meant == "memory_k" and "chat" not in endpoint:
+            continue
+        r = client.post(endpoint, json={"model": "tiny", "max_tokens": 2, **head, field: 1})
+        assert r.status_code == 400, r.text
+        assert error_of(r)["code"] == "unknown_parameter" and error_of(r)["param"] == field, r.text
+        assert f"did you mean '{meant}'?" in error_of(r)["message"]
+
+
+def test_other_unknown_fields_stay_tolerated(client):
+    """What OpenAI's and vLLM's clients send beside our fields (some a letter from ours)."""
+    extras = {"top_k": 5, "min_tokens": 1, "min_p": 0.1, "ignore_eos": False, "metadata": {"a": "b"}, "store": False,
+              "service_tier": "auto", "repetition_penalty": 1.0, "chat_template_kwargs": {}, "x-trace": "1"}
+    assert chat(client, **extras).status_code == 200
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, **extras})
+    assert r.status_code == 200, r.text

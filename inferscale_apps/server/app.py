@@ -41,6 +41,7 @@ from inferscale_apps.server.metrics import CONTENT_TYPE_LATEST, Metrics
 from inferscale_apps.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    misspelled,
     unsupported,
 )
 from inferscale_apps.server.tools import ToolRequestError, chat_messages, openai_tool_calls, tool_use
@@ -364,6 +365,11 @@ def create_app(
     # ------------------------------------------------------------------ generation
 
     def sampling_of(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+        typo = misspelled(req)
+        if typo:
+            raise APIError(400, f"unknown parameter {typo[0]!r}: did you mean {typo[1]!r}? (other unknown parameters are "
+                                "ignored; this one is refused as it is most likely a misspelling)",
+                           param=typo[0], code="unknown_parameter")
         bad = unsupported(req)
         if bad:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")

@@ -2,13 +2,16 @@
 
 Own pydantic models rather than vLLM's protocol classes: we accept only what the engine can
 honour, and every field we do not know is tolerated (clients such as LangChain send extras),
-while fields we know but cannot honour (``n>1``, ``logprobs``, the legacy ``functions``...) are
-refused with a 400 by :func:`unsupported`. Tools are checked for shape here and for meaning
+unless it looks like a misspelling of one we know (:func:`misspelled`), while fields we know but
+cannot honour (``n>1``, ``logprobs``, the legacy ``functions``...) are refused with a 400 by
+:func:`unsupported`. Tools are checked for shape here and for meaning
 (a ``tool_choice`` of a tool the request has...) in tools.py.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
@@ -132,6 +135,36 @@ class CompletionRequest(_SamplingRequest):
     logprobs: StrictInt | None = None
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
+
+
+#: How close an unknown field's name must be to a known one to be taken for a typo of it. Above
+#: what the extras of OpenAI's and vLLM's APIs come to (``top_k`` and ``min_tokens`` are 0.8 from
+#: ``top_p`` and ``max_tokens``); ``recompte`` is 0.94 from ``recompute``.
+_TYPO_CUTOFF = 0.85
+
+
+def _fold(name: str) -> str:
+    return name.lower().replace("_", "").replace("-", "")
+
+
+@functools.cache
+def _folded_fields(cls: type[BaseModel]) -> dict[str, str]:
+    return {_fold(name): name for name in cls.model_fields}
+
+
+def misspelled(req: BaseModel) -> tuple[str, str] | None:
+    """(field, the known field it stands for) for the first unknown field of ``req`` that looks
+    like a misspelling of a known one (the same name but for case, ``_`` and ``-``, or a close
+    match): ``memory_K`` would otherwise turn memory recall off without a word. Other unknown
+    fields stay tolerated."""
+    if not req.model_extra:
+        return None
+    folded = _folded_fields(type(req))
+    for name in req.model_extra:
+        known = folded.get(_fold(name)) or next(iter(difflib.get_close_matches(name, type(req).model_fields, 1, _TYPO_CUTOFF)), None)
+        if known is not None:
+            return name, known
+    return None
 
 
 def unsupported(req: ChatCompletionRequest | CompletionRequest) -> tuple[str, str] | None:
