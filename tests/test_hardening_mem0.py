@@ -351,3 +351,46 @@ def test_x_user_id_is_decoded_as_utf8(http):
         r = http.get(f"/v1/memories/{item['id']}/", headers={"X-User-Id": raw})
         assert r.status_code == 400, (raw, r.text)
         assert r.json()["error"]["code"] == "invalid_header" and r.json()["error"]["param"] == "X-User-Id", r.text
+
+
+# ------------------------------------------------------------------------------ 8: every 4xx has a code
+
+
+def test_every_memory_4xx_has_a_code(http):
+    user = uid("codes")
+    item = add(http, "A fact with an id.", user_id=user)
+    mid = item["id"]
+    surrogate = '{"query": "\\ud800", "filters": {"user_id": "' + user + '"}}'
+    cases: list[tuple[str, str, dict[str, Any]]] = [
+        ("POST", "/v3/memories/search/", {"content": surrogate, "headers": {"Content-Type": "application/json"}}),
+        ("POST", "/v1/memories/search/", {"content": surrogate, "headers": {"Content-Type": "application/json"}}),
+        ("POST", "/v3/memories/add/", {"content": b"{not json", "headers": {"Content-Type": "application/json"}}),
+        ("POST", "/v3/memories/add/", {"json": {"messages": "x"}}),
+        ("POST", "/v3/memories/add/", {"json": {"messages": "x", "user_id": user, "infer": "yes"}}),
+        ("POST", "/v3/memories/add/", {"json": {"messages": [], "user_id": user}}),
+        ("POST", "/v3/memories/add/", {"json": {"messages": "x" * 200_000, "user_id": user}}),
+        ("POST", "/v3/memories/", {"json": {"filters": {"user_id": user, "created_at": "x"}}}),
+        ("POST", "/v3/memories/", {"json": {"filters": {"user_id": {"gt": "a"}}}}),
+        ("POST", "/v3/memories/search/", {"json": {"query": "", "user_id": user}}),
+        ("POST", "/v3/memories/search/", {"json": {"query": "x", "user_id": user, "top_k": 0}}),
+        ("POST", "/v1/memories/prefetch/", {"json": {}}),
+        ("GET", "/v1/memories/", {"params": {"user_id": "x" * 500}}),
+        ("DELETE", "/v1/memories/", {}),
+        ("GET", "/v1/memories/nope/", {}),
+        ("GET", f"/v1/memories/{mid}/", {"params": {"user_id": "someone-else"}}),
+        ("PUT", f"/v1/memories/{mid}/", {"json": {}}),
+        ("PUT", f"/v1/memories/{mid}/", {"json": {"text": "y" * 200_000}}),
+        ("PUT", f"/v1/memories/{mid}/", {"content": '{"text": "\\ud800"}', "headers": {"Content-Type": "application/json"}}),
+        ("DELETE", "/v1/memories/nope/", {}),
+        ("GET", "/v1/memories/nope/history/", {}),
+        ("DELETE", "/v2/entities/planet/mars/", {}),
+        ("DELETE", f"/v2/entities/user/{uid('nobody')}/", {}),
+        ("PATCH", "/v1/memories/", {}),
+    ]
+    for method, path, kw in cases:
+        r = http.request(method, path, **kw)
+        assert 400 <= r.status_code < 500, (method, path, r.status_code, r.text[:300])
+        err = r.json()["error"]
+        assert isinstance(err["code"], str) and err["code"], (method, path, err)
+    r = http.post("/v3/memories/search/", content=surrogate, headers={"Content-Type": "application/json"})
+    assert r.json()["error"]["param"] == "query", r.text

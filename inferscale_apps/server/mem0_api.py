@@ -451,7 +451,10 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         query = body.get("query")
         if not isinstance(query, str) or not query.strip():
             raise bad("query must be a non-empty string", "query")
-        call(check_utf8, query, "query")  # also when no user in scope has facts to search
+        try:
+            check_utf8(query, "query")  # also when no user in scope has facts to search
+        except ValueError as exc:
+            raise bad(str(exc), "query") from None
         top_k = body.get("top_k", body.get("limit", 5 if legacy else 10))
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 1000:
             raise bad("top_k must be an integer from 1 to 1000", "top_k")
