@@ -512,10 +512,12 @@ class InferScaleEngine:
                 spans = [source.resolve(h, user_id) for h in handles]  # type: ignore[attr-defined]
             if self.fact_source is not None:
                 # A store checks its KV when encoded and when read from disk; a source of the
-                # caller's own is checked here: non-finite KV outlives its request in vLLM's cache.
+                # caller's own is checked here: non-finite KV outlives its request in vLLM's cache,
+                # and a span of another model's shape would be written out of bounds.
                 # A held span has none: it was checked when it was staged.
                 for span in spans:
                     if isinstance(span, Span) and span.kv is not None:
+                        self.exchange.check(span.kv)
                         check_finite(span.kv.k, span.kv.v, f"KV of {span.key}")
         else:
             spans = []

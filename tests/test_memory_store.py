@@ -21,6 +21,7 @@ from probes import fact_row, logged, mint_handle
 
 from inferscale_engine.encoder import EncodeWindow
 from inferscale_engine.errors import (
+    ConnectorError,
     ContextOverflowError,
     EngineClosedError,
     FactNotFoundError,
@@ -312,6 +313,18 @@ def test_injection_equals_prompt_when_context_matches(make_store, engine):
     noisy = engine.generate(prompt, user_id="u", max_tokens=16, first_logprobs=5)
     diff = [abs(noisy.first_logprobs[t] - plain.first_logprobs[t]) for t in set(noisy.first_logprobs) & set(plain.first_logprobs)]
     assert noisy.token_ids != plain.token_ids or not diff or max(diff) > 1e-2
+
+    # A source of the caller's own with KV of another model's shape is refused before staging
+    # (the in-process exchange takes spans by reference, unchecked: the engine checks them).
+    class OtherModel:
+        def resolve(self, handle, user_id):
+            span = store.resolve(handle, user_id)
+            k, v = span.kv.k[:1], span.kv.v[:1]  # one layer
+            return Span(span.key + ":one-layer", span.token_ids, FactKV(k, v, span.kv.position), span.text)
+
+    engine.fact_source = OtherModel()
+    with pytest.raises(ConnectorError, match="does not fit the served model"):
+        engine.generate(prompt, user_id="u", max_tokens=4)
 
     # Through engine.memory (the engine's own store) with the default window context.
     engine.fact_source = None

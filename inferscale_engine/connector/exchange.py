@@ -390,11 +390,13 @@ class KVExchange:
         A key names one span's KV for good (as :class:`~inferscale_engine.types.Span` keys do):
         a key still staged or retained is not copied again, and its ``kv`` may be ``None`` (see
         :meth:`holds`); :class:`NotHeldError` when such a key is no longer held (nothing staged)."""
+        if self.local:
+            # By reference: nothing is copied, and each span's shape was checked where it
+            # entered the engine (encoded for this model, or :meth:`check` on a caller's own).
+            return self._stage_local(spans)
         for _, kv in spans:  # all refused before any is counted
             if kv is not None:
-                self._check(kv)
-        if self.local:
-            return self._stage_local(spans)
+                self.check(kv)
         out: dict[str, Location] = {}
         copies = []
         # Copies are queued under the lock, and every plan's event recorded after them: a
@@ -428,21 +430,22 @@ class KVExchange:
         return SharedKV(self.geometry, out, segments, ready)
 
     def _stage_local(self, spans: list[tuple[str, FactKV | None]]) -> SharedKV:
+        # On every injected request's path, once per span: no more than a lookup or an insert.
         out: dict[str, Location] = {}
+        staged_by_key, table, name, slots = self._staged, self._table, self._table_name, self._slots
         with self._lock:
-            gone = [key for key, kv in spans if kv is None and key not in self._staged]
+            gone = [key for key, kv in spans if kv is None and key not in staged_by_key]
             if gone:  # holds() said no: only a caller of stage() of its own gets here
                 raise NotHeldError(gone)
             for key, kv in spans:
-                staged = self._staged.get(key)
+                staged = staged_by_key.get(key)
                 if staged is None:
-                    assert kv is not None
-                    slot = next(self._slots)
-                    self._table[slot] = kv
-                    staged = self._staged[key] = _Staged(Location(self._table_name, slot, kv.position, kv.num_tokens), 0, 0)
+                    slot = next(slots)
+                    table[slot] = kv
+                    staged = staged_by_key[key] = _Staged(Location(name, slot, kv.position, kv.num_tokens), 0, 0)  # type: ignore[union-attr]
                 staged.refs += 1
                 out[key] = staged.location
-        return SharedKV(self.geometry, out, {self._table_name: {"name": self._table_name, "local": True}})
+        return SharedKV(self.geometry, out, {name: {"name": name, "local": True}})
 
     def _copy_in(self, copies: list[tuple[Location, FactKV]]) -> tuple[str, int] | None:
         """Copy spans into their rooms (lock held); on CUDA, the ring event (name, slot) for the
@@ -478,7 +481,8 @@ class KVExchange:
         self._last_copy = self._ring.events[slot]
         return name, slot
 
-    def _check(self, kv: FactKV) -> None:
+    def check(self, kv: FactKV) -> None:
+        """:class:`ConnectorError` when ``kv``'s layers, KV heads or head size are not the served model's."""
         layers, _, heads, dim = kv.k.shape
         g = self.geometry
         if (layers, heads, dim) != (g.layers, g.heads, g.head_dim):
