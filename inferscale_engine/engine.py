@@ -83,6 +83,8 @@ class _Prepared:
     started: float  # perf_counter() when preparation began: TTFT counts the layout and plan too
     memories_as_text: int = 0
     memory_mix: MemoryMix | None = None
+    memories_injected: int = 0
+    memories_recomputed: int = 0
     # Run once the first token is out: the engine's hand-off of planner.plan's promotions of
     # prefilled cold memories.
     after_first_token: Callable[[], None] | None = None
@@ -638,8 +640,13 @@ class InferScaleEngine:
             self._unstage(staged)
             raise
         as_text = sum(isinstance(s, TextFact) for s in segments)
+        if mix is not None:
+            injected, recomputed = mix.injected + mix.from_disk, mix.recomputed
+        else:  # the prompt mode prefills every memory
+            injected, recomputed = 0, sum(isinstance(s, (Span, TextFact)) for s in segments)
         after = functools.partial(self._promote_later, promote) if promote is not None else None
-        return _Prepared(prompt, plan, staged, started, as_text, mix, after), params
+        return _Prepared(prompt, plan, staged, started, as_text, mix, after_first_token=after,
+                         memories_injected=injected, memories_recomputed=recomputed), params
 
     def _promote_later(self, promote: Callable[[], None]) -> None:
         try:
@@ -717,6 +724,8 @@ class _Accumulator:
                 completion_tokens=len(completion.token_ids),
                 injected_tokens=injected_tokens(out.kv_transfer_params),
                 cached_tokens=int(out.num_cached_tokens or 0),
+                memories_injected=self.prepared.memories_injected,
+                memories_recomputed=self.prepared.memories_recomputed,
                 memories_as_text=self.prepared.memories_as_text,
                 memory_mix=self.prepared.memory_mix,
             ),

@@ -261,6 +261,8 @@ def total_usage(usages: Iterable[Usage]) -> Usage:
         completion_tokens=sum(u.completion_tokens for u in usages),
         injected_tokens=sum(u.injected_tokens for u in usages),
         cached_tokens=sum(u.cached_tokens for u in usages),
+        memories_injected=sum(u.memories_injected for u in usages),
+        memories_recomputed=sum(u.memories_recomputed for u in usages),
         memories_as_text=sum(u.memories_as_text for u in usages),
     )
 
@@ -273,6 +275,10 @@ def openai_usage(usage: Usage) -> dict[str, Any]:
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
         "injected_tokens": usage.injected_tokens,
+        # How many memories were injected, and how many prefilled (recomputed) as text: with the
+        # default quality knob a request of up to 4 memories injects none (injected_tokens 0).
+        "memories_injected": usage.memories_injected,
+        "memories_recomputed": usage.memories_recomputed,
         "memories_as_text": usage.memories_as_text,
         # Where each memory's KV came from: the cost model's choice (docs/engine.md).
         "memory_mix": dataclasses.asdict(usage.memory_mix) if usage.memory_mix is not None else None,

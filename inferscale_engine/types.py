@@ -127,7 +127,9 @@ class Usage:
     completion_tokens: int
     injected_tokens: int  # prompt tokens whose KV was injected instead of prefilled
     cached_tokens: int  # prompt tokens vLLM's prefix cache already held
-    memories_as_text: int = 0  # memories prefilled as text: their KV was not encoded yet, or was cold
+    memories_injected: int = 0  # memories whose KV was injected (from a memory tier or disk)
+    memories_recomputed: int = 0  # memories prefilled as text (the quality knob's last ones among them)
+    memories_as_text: int = 0  # of those, the ones prefilled for want of KV at hand: not encoded yet, cold or cheaper to prefill
     memory_mix: MemoryMix | None = None  # per memory: injected, read from disk, or recomputed
 
     @property

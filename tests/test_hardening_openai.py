@@ -263,3 +263,38 @@ def test_other_unknown_fields_stay_tolerated(client):
     assert chat(client, **extras).status_code == 200
     r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2, **extras})
     assert r.status_code == 200, r.text
+
+
+# ------------------------------------------------------------------------------ usage: memories injected and recomputed
+
+
+@pytest.fixture(scope="module")
+def two_memories(engine):
+    user = uid("usage")
+    items = engine.memory.add_texts(["My dog is called Rex.", "My cat is called Tom."], user_id=user)
+    engine.memory.wait_for_encoding(60)
+    return user, items
+
+
+def test_usage_says_how_many_memories_were_injected_and_recomputed(client, engine, two_memories):
+    """With the default quality knob (the last 4 memories prefilled as text) two memories give
+    injected_tokens 0, which the docs' example read as "the memories' tokens": usage now says
+    how many memories were injected and how many recomputed."""
+    user, _ = two_memories
+    ask = [{"role": "user", "content": "What are my pets called?"}]
+    counts = {}
+    for recompute in (None, 1, 0):
+        extra = {} if recompute is None else {"recompute": recompute}
+        r = chat(client, messages=ask, user=user, memory_k=2, **extra)
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        counts[recompute] = (usage["memories_injected"], usage["memories_recomputed"], usage["injected_tokens"] > 0)
+    assert counts == {None: (0, 2, False), 1: (1, 1, True), 0: (2, 0, True)}
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": ask, "user": user, "memory_k": 2,
+                                                  "max_tokens": 2, "recompute": 0, "stream": True,
+                                                  "stream_options": {"include_usage": True}})
+    usage = [c for c in r.text.split("data: ") if '"usage": {' in c][-1]
+    assert '"memories_injected": 2' in usage and '"memories_recomputed": 0' in usage
+    handles = "\n".join(i.handle for i in two_memories[1])
+    plain = engine.generate(f"Memory:\n{handles}\nQ: pets? A:", user_id=user, max_tokens=2, mode="prompt")
+    assert (plain.usage.memories_injected, plain.usage.memories_recomputed) == (0, 2)
