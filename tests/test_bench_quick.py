@@ -93,6 +93,21 @@ def test_ttft_quick(tmp_path, tiny_llama):
     assert _is_png(plot)
 
 
+def test_ttft_gate_names_each_broken_bound():
+    """The CI performance gate's verdict (scripts/perf_gate.py runs the benchmark itself)."""
+    from inferscale_apps.bench.ttft import gate, summarize
+
+    rows = [{"mode": m, "k": k, "ttft_ms_p50": t, "engine_ms_p50": t}
+            for k, (p, i, f) in {5: (20.0, 10.0, 9.9), 50: (60.0, 13.0, 10.0)}.items()
+            for m, t in (("prompt", p), ("inject", i), ("floor", f))]
+    summary = summarize(rows)
+    assert [round(s["inject_minus_floor_ms"], 6) for s in summary] == [0.1, 3.0]
+    assert gate(summary, rows, max_inject_over_floor=1.5, max_growth=1.5) == []
+    broken = gate(summary, rows, max_inject_over_floor=1.2, max_growth=1.2)
+    assert broken == ["k=50: inject ÷ floor 1.300 > 1.2", "TTFT(k=50) ÷ TTFT(k=5) 1.300 > 1.2"]
+    assert gate(summary, rows, max_inject_over_floor=None, max_growth=None) == []
+
+
 def test_engine_option_parsing():
     import argparse
 

@@ -43,6 +43,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--no-retrieval", action="store_true", help="leave retrieval time out of TTFT")
     p.add_argument("--recompute", type=_ints, default=[],
                    help="also time KV injection with its last R facts prefilled as text, per R (default: none)")
+    p.add_argument("--max-inject-over-floor", type=float, default=None, metavar="RATIO",
+                   help="exit 1 when KV injection's engine TTFT exceeds RATIO × the prefix-cache floor at any k "
+                        "(the performance gate CI runs)")
+    p.add_argument("--max-growth", type=float, default=None, metavar="RATIO",
+                   help="exit 1 when KV injection's engine TTFT at the largest k exceeds RATIO × the smallest k's")
     p.add_argument("--serve-pool-first", action="store_true",
                    help="inject every fact of the pool once before timing, as a warm server has (multiprocess: "
                         "they are then staged for vLLM's workers)")
@@ -108,7 +113,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark ``args.bench`` with the options :func:`build_parser` parsed."""
+    """Run the benchmark ``args.bench`` with the options :func:`build_parser` parsed; 1 when a
+    bound it was given (``ttft --max-inject-over-floor`` / ``--max-growth``) was broken."""
+    broken: list[str] = []
     if args.plot:  # before the run, not after it: a benchmark can take an hour
         try:
             import matplotlib  # noqa: F401
@@ -124,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         common.print_table(rows, ["mode", "arch", "dtype", "greedy_match", "max_logit_diff", "first_divergence"])
         title = f"KV injection vs prompt injection — {rows[0]['arch']}, {rows[0]['dtype']}"
     elif args.bench == "ttft":
-        from inferscale_apps.bench.ttft import run_ttft, summarize
+        from inferscale_apps.bench.ttft import gate, run_ttft, summarize
 
         with engine_from(args) as engine:
             retriever = None if args.no_retrieval else common.SyntheticRetriever(engine.config.device, k=max(args.ks))
@@ -134,9 +141,11 @@ def run(args: argparse.Namespace) -> int:
         common.print_table(rows, ["mode", "k", "prompt_tokens", "ttft_ms_p50", "ttft_ms_p95", "retrieval_ms_p50", "engine_ms_p50"])
         knob = [c for r in sorted(set(args.recompute)) if r > 0
                 for c in (f"inject-r{r}_over_inject", f"prompt_over_inject-r{r}")]
-        common.print_table(summarize(rows), ["k", "prompt_over_inject", "engine_prompt_over_inject", "inject_over_floor",
-                                             *knob])
+        summary = summarize(rows)
+        common.print_table(summary, ["k", "prompt_over_inject", "engine_prompt_over_inject", "inject_over_floor",
+                                     "inject_minus_floor_ms", *knob])
         title = f"TTFT vs k — {_hardware(env)}, {args.model}"
+        broken = gate(summary, rows, max_inject_over_floor=args.max_inject_over_floor, max_growth=args.max_growth)
     elif args.bench == "throughput":
         from inferscale_apps.bench.throughput import run_throughput
 
@@ -190,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
         from inferscale_apps.bench.plots import plot
 
         plot(args.bench, rows, args.plot, title=title)
+    if broken:
+        print("performance gate failed:\n  " + "\n  ".join(broken))
+        return 1
     return 0
 
 

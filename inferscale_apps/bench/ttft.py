@@ -118,11 +118,30 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "prompt_over_inject": total[("prompt", k)] / total[("inject", k)],
                 "engine_prompt_over_inject": engine[("prompt", k)] / engine[("inject", k)],
                 "inject_over_floor": engine[("inject", k)] / engine[("floor", k)],
+                # What injection's own host and device work adds to a request the prefix cache
+                # would otherwise serve: the figure the CI gate bounds.
+                "inject_minus_floor_ms": engine[("inject", k)] - engine[("floor", k)],
                 **{f"{m}_over_inject": total[(m, k)] / total[("inject", k)]
                    for m, kk in total if kk == k and m.startswith("inject-r")},
                 **{f"prompt_over_{m}": total[("prompt", k)] / total[(m, k)]
                    for m, kk in total if kk == k and m.startswith("inject-r")},
             })
     return out
+
+
+def gate(summary: list[dict[str, Any]], rows: list[dict[str, Any]], *, max_inject_over_floor: float | None,
+         max_growth: float | None) -> list[str]:
+    """The bounds a run breaks: inject ÷ floor at any k, and the injected TTFT's growth from the
+    smallest to the largest k (engine alone, so retrieval's noise stays out). Empty: all kept."""
+    broken = []
+    if max_inject_over_floor is not None:
+        broken += [f"k={s['k']}: inject ÷ floor {s['inject_over_floor']:.3f} > {max_inject_over_floor}"
+                   for s in summary if s["inject_over_floor"] > max_inject_over_floor]
+    inject = {r["k"]: r["engine_ms_p50"] for r in rows if r["mode"] == "inject"}
+    if max_growth is not None and len(inject) > 1:
+        lo, hi = min(inject), max(inject)
+        if inject[hi] / inject[lo] > max_growth:
+            broken.append(f"TTFT(k={hi}) ÷ TTFT(k={lo}) {inject[hi] / inject[lo]:.3f} > {max_growth}")
+    return broken
 
 
