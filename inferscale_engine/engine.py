@@ -432,7 +432,7 @@ class InferScaleEngine:
         memories last. At least as many as the prompt holds gives prompt injection's output.
         Extra keyword arguments go to vLLM's ``SamplingParams``; ``tools`` as :meth:`render` takes them.
         """
-        segments = self.resolve(prompt_or_messages, user_id=user_id, tools=tools)
+        segments = self.resolve(prompt_or_messages, user_id=user_id, tools=tools, max_tokens=max_tokens)
         return self.generate_segments(
             segments, user_id=user_id, max_tokens=max_tokens, temperature=temperature, mode=mode,
             recompute=recompute, **sampling
@@ -443,7 +443,7 @@ class InferScaleEngine:
         tools: Sequence[dict[str, Any]] | None = None, **kwargs: Any,
     ) -> Iterator[StreamDelta]:
         """Like :meth:`generate`, yielding text as it is produced."""
-        segments = self.resolve(prompt_or_messages, user_id=user_id, tools=tools)
+        segments = self.resolve(prompt_or_messages, user_id=user_id, tools=tools, max_tokens=kwargs.get("max_tokens"))
         prepared, params = self._prepare(segments, user_id, **kwargs)
         yield from self._stream(prepared, params)
 
@@ -461,7 +461,8 @@ class InferScaleEngine:
         import asyncio
 
         # Handle resolution may wait on the store or encode a new head: keep it off the event loop.
-        segments = await asyncio.to_thread(self.resolve, prompt_or_messages, user_id=user_id, tools=tools)
+        segments = await asyncio.to_thread(self.resolve, prompt_or_messages, user_id=user_id, tools=tools,
+                                           max_tokens=kwargs.get("max_tokens"))
         async for delta in self.astream_segments(segments, user_id=user_id, **kwargs):
             yield delta
 
@@ -489,17 +490,29 @@ class InferScaleEngine:
         return result
 
     def resolve(
-        self, prompt_or_messages: str | Messages, *, user_id: str, tools: Sequence[dict[str, Any]] | None = None
+        self, prompt_or_messages: str | Messages, *, user_id: str, tools: Sequence[dict[str, Any]] | None = None,
+        max_tokens: int | None = None,
     ) -> list[Segment]:
         """Render, find handles, and turn them into spans: ``[ids, span, ids, span, ..., ids]``.
 
         A multiprocess engine's spans of memories its exchange holds come without KV (held
         spans, see :class:`~inferscale_engine.types.Span`); :meth:`generate_segments` reads
-        their KV only if the exchange gave it up meanwhile."""
+        their KV only if the exchange gave it up meanwhile. ``max_tokens``: a prompt that cannot
+        fit the context with that many tokens after it is refused (:class:`ContextOverflowError`)
+        before any memory's KV is read or encoded, from the token counts the source knows (a
+        source with ``token_counts``; the memory store has it)."""
         text, is_chat = self.render(prompt_or_messages, tools=tools)
         pieces, handles = split_on_handles(text)
+        # Handles side by side leave empty pieces: no tokenizer call for them (~25 µs each).
+        ids = [self.tokenize(pieces[0], add_special_tokens=not is_chat), *(self.tokenize(p) if p else [] for p in pieces[1:])]
         if handles:
             source = self.fact_source or self.memory
+            counts = getattr(source, "token_counts", None)
+            if max_tokens is not None and counts is not None:
+                # A request over the context would otherwise be refused only after its memories
+                # were read, and encoded in this thread where the encode queue had not got to them.
+                from_memory = sum(counts(handles, user_id))
+                _check_context(sum(map(len, ids)) + from_memory, from_memory, max_tokens, self.max_model_len)
             many = getattr(source, "resolve_many", None)
             if many is not None:
                 options: dict[str, Any] = {}
@@ -523,10 +536,9 @@ class InferScaleEngine:
                         check_finite(span.kv.k, span.kv.v, f"KV of {span.key}")
         else:
             spans = []
-        segments: list[Segment] = [self.tokenize(pieces[0], add_special_tokens=not is_chat)]
-        for span, piece in zip(spans, pieces[1:]):
-            # Handles side by side leave empty pieces: no tokenizer call for them (~25 µs each).
-            segments.extend([span, self.tokenize(piece) if piece else []])
+        segments: list[Segment] = [ids[0]]
+        for span, piece_ids in zip(spans, ids[1:]):
+            segments.extend([span, piece_ids])
         return segments
 
     def generate_segments(self, segments: Sequence[Segment], *, user_id: str = "default", **kwargs: Any) -> GenerationResult:
@@ -588,10 +600,7 @@ class InferScaleEngine:
         if not n:
             raise ValueError("empty prompt")
         if n + max_tokens > self.max_model_len:
-            raise ContextOverflowError(
-                f"prompt of {n} tokens ({sum(len(s.token_ids) for s in segments if isinstance(s, Span))} from memory) "
-                f"plus max_tokens={max_tokens} exceeds the model's context of {self.max_model_len}"
-            )
+            _check_context(n, sum(len(s.token_ids) for s in segments if isinstance(s, Span)), max_tokens, self.max_model_len)
         mix = promote = None
         if mode == "inject":
             # Cold memories: wait for their reads or prefill them, whichever the cost model expects
@@ -742,6 +751,13 @@ def _logged(fn: Callable[[], None], what: str) -> None:
         fn()
     except Exception:  # a background task's failure must be seen, not lost in its future
         logger.exception("%s failed", what)
+
+
+def _check_context(n: int, from_memory: int, max_tokens: int, max_model_len: int) -> None:
+    """:class:`ContextOverflowError` unless a prompt of ``n`` tokens leaves ``max_tokens`` in the context."""
+    if n + max_tokens > max_model_len:
+        raise ContextOverflowError(f"prompt of {n} tokens ({from_memory} from memory) plus max_tokens={max_tokens} "
+                                   f"exceeds the model's context of {max_model_len}")
 
 
 def _check_seed(seed: Any) -> None:

@@ -107,7 +107,9 @@ class FactSource(Protocol):
     ``defers_cold = True``: ``resolve_many(..., defer_cold=True)`` returns :class:`ColdFact` for
     memories whose KV is only on disk; ``skips_held = True``: ``resolve_many(..., held=pred)``
     returns a held :class:`Span` (no KV, see there) for each fact whose span key ``pred`` says
-    the engine holds, and reads no KV for it."""
+    the engine holds, and reads no KV for it. And a method: ``token_counts(handles, user_id)``,
+    each handle's token count without reading or encoding any KV (the engine refuses a prompt
+    that cannot fit the context before it resolves it)."""
 
     def resolve_many(self, handles: Sequence[Handle], user_id: str) -> Sequence[Span | TextFact]: ...
 

@@ -12,6 +12,8 @@ import uuid
 
 import pytest
 
+from inferscale_engine.errors import ContextOverflowError
+
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 CTX = 256
@@ -298,3 +300,36 @@ def test_usage_says_how_many_memories_were_injected_and_recomputed(client, engin
     handles = "\n".join(i.handle for i in two_memories[1])
     plain = engine.generate(f"Memory:\n{handles}\nQ: pets? A:", user_id=user, max_tokens=2, mode="prompt")
     assert (plain.usage.memories_injected, plain.usage.memories_recomputed) == (0, 2)
+
+
+# ------------------------------------------------------------------------------ over-long memory_k
+
+
+def test_a_memory_k_request_over_the_context_is_refused_before_any_encoding(client, engine):
+    """The recalled memories are not encoded yet (the encode queue is held): a request they push
+    past the context is refused from the token counts the store knows, and none of them is
+    encoded for it (before: the request thread encoded every one, minutes at k=64, then refused)."""
+    import time
+
+    store = engine.memory
+    user = uid("long")
+    facts = [f"Fact {i}: my friend number {i} lives in the city of river bends and likes the colour of old green "
+             f"copper roofs, tall pine forests and quiet long evenings by the harbour number {i}." for i in range(8)]
+    with store.encoding_paused():
+        items = store.add_texts(facts, user_id=user)
+        assert not any(store.get(i.id).encoded for i in items)
+        t0 = time.perf_counter()
+        r = chat(client, user=user, memory_k=8, messages=[{"role": "user", "content": "Where do my friends live?"}])
+        took = time.perf_counter() - t0
+        assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded", r.text
+        assert error_of(r)["message"].startswith(f"This model's maximum context length is {CTX} tokens.")
+        assert not any(store.get(i.id).encoded for i in items)  # the refusal encoded nothing
+        handles = "\n".join(i.handle for i in items)
+        with pytest.raises(ContextOverflowError):  # the library path too
+            engine.generate(f"Memory:\n{handles}\nQ: where? A:", user_id=user, max_tokens=2)
+        assert not any(store.get(i.id).encoded for i in items)
+    assert took < 10, took
+    store.wait_for_encoding(120)
+    # Once encoded, the same request is refused the same way.
+    r = chat(client, user=user, memory_k=8, messages=[{"role": "user", "content": "Where do my friends live?"}])
+    assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded", r.text

@@ -410,7 +410,13 @@ def create_app(
             raise too_long(f"However, you requested {requested} tokens in the completion ({param}), which leaves no "
                            "room for the messages. Please reduce the length of the completion.", param)
         try:
-            segments = await asyncio.to_thread(engine.resolve, prompt, user_id=user, tools=tools)
+            # With max_tokens (at least 1 to come), a prompt over the context is refused from the
+            # memories' token counts, before any of them is read or encoded (that took minutes).
+            segments = await asyncio.to_thread(engine.resolve, prompt, user_id=user, tools=tools,
+                                               max_tokens=requested or 1)
+        except ContextOverflowError as exc:
+            raise too_long(f"However, the {exc}. Please reduce the length of the messages or completion.",
+                           "messages" if requested is None else param) from None
         except Exception as exc:
             raise api_error(exc) from exc
         n = sum(len(s.token_ids) if hasattr(s, "token_ids") else len(s) for s in segments)

@@ -456,6 +456,20 @@ class MemoryStore:
     #: ``resolve_many(..., held=...)`` works (a multiprocess engine's exchange holds spans).
     skips_held = True
 
+    def token_counts(self, handles: Sequence[Handle | str], user_id: str) -> list[int]:
+        """How many tokens each handle's fact puts into a prompt, from what the store knows: no
+        KV read or encoded, so the engine refuses a prompt that cannot fit before
+        :meth:`resolve_many` would encode its unencoded facts. Handles are checked as there
+        (:class:`ForgedHandleError`...); a fact this process does not know (yet) counts 0, for
+        :meth:`resolve_many` to judge."""
+        self._check_open()
+        user_id = check_user(user_id)
+        fact_ids = [self._codec.verify(h, user_id) for h in handles]
+        with self._lock:
+            facts = [self._facts.get(i) for i in fact_ids]
+            return [len(f.token_ids or ()) if f is not None and f.user_id == user_id else 0 for f in facts]
+
+
     def resolve_many(self, handles: Sequence[Handle | str], user_id: str, *,
                      defer_cold: bool = False, held: Callable[[str], bool] | None = None) -> list[Span | TextFact]:
         """:meth:`resolve` for every handle of one request, reading their KV in one batch.
