@@ -61,7 +61,7 @@ def patch():
     if hasattr(Worker, "sample_tokens"):
         timed(Worker, "sample_tokens", "worker.sample")
     if torch.cuda.is_available():
-        from inferscale_engine import rope_triton
+        from inferscale_engine.connector import rope_triton
 
         timed(rope_triton, "inject_rows", "inject_rows")
         timed(rope_triton._inject_rows, "run", "triton.run")

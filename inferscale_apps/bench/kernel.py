@@ -26,7 +26,7 @@ def _table(rotary_dim: int, max_pos: int, theta: float, device: str) -> RopeTabl
 
 
 def run(k: int, fact_tokens: int, layers: int, heads: int, dim: int, block_size: int, repeats: int) -> dict:
-    from inferscale_engine.rope_triton import cache_pointers, inject_rows
+    from inferscale_engine.connector.rope_triton import cache_pointers, inject_rows
 
     dev, dtype = torch.device("cuda"), torch.bfloat16
     n = k * fact_tokens

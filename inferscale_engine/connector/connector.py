@@ -374,7 +374,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         """Whether the Triton writer knows this cache layout (per-layer rope or an unknown layout
         go the torch way)."""
         if self._fused_views is None:
-            from inferscale_engine.rope_triton import cache_pointers
+            from inferscale_engine.connector.rope_triton import cache_pointers
 
             views = self._paged_views(forward_context)
             ropes = self._ropes
@@ -390,7 +390,7 @@ class InferScaleConnector(KVConnectorBase_V1):
     def _inject_fused(self, spans: SpanColumns, slots: np.ndarray, device: torch.device) -> None:
         """Rotate and write every layer's rows in one Triton launch, queued ahead of the forward
         pass on its stream."""
-        from inferscale_engine.rope_triton import inject_rows
+        from inferscale_engine.connector.rope_triton import inject_rows
 
         assert isinstance(self._fused_views, tuple)
         key_ptrs, value_ptrs, view = self._fused_views

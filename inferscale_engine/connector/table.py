@@ -1,7 +1,7 @@
 """The per-step injection table: which stored rows go to which cache slots, and where they lie.
 
 Built on the host once per engine step, moved to the device in one copy, read by the fused
-Triton writer (:mod:`inferscale_engine.rope_triton`). Spans are addressed where they lie in
+Triton writer (:mod:`inferscale_engine.connector.rope_triton`). Spans are addressed where they lie in
 device memory (strided views included), never gathered into one buffer first.
 """
 
