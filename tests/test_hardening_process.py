@@ -84,8 +84,8 @@ def test_sigterm_closes_chat(tiny_llama, tmp_path):
     proc, log = start_cli(tmp_path, "chat", "chat", "--model", tiny_llama, "--store", str(store),
                           "--max-model-len", "512", "--user", "ann")
     try:
-        proc.stdin.write("/remember My dog is called Rex.\n")  # type: ignore[union-attr]
-        proc.stdin.flush()  # type: ignore[union-attr]
+        proc.stdin.write("/remember My dog is called Rex.\n")
+        proc.stdin.flush()
         line = readline(proc, 300)
         added = re.match(r"remembered ([0-9a-f]{16}): (.*)$", line.strip())
         assert added, (line, log.read_text()[-3000:])
@@ -146,6 +146,8 @@ else:  # an InferScale from before summaries: its lock file has the whole comman
     os.write(fd, f"{os.getpid()}\\n{' '.join(sys.argv)}\\n".encode())
 print("HOLDING", flush=True)
 sys.stdin.read()
+if os.environ["HOLDER_KIND"] == "current":
+    store.close()
 """
 
 
@@ -161,7 +163,7 @@ def engine(tiny_llama, tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["current", "older InferScale"])
-def test_a_lock_holders_secrets_are_never_quoted(engine, kind, capsys):
+def test_a_lock_holders_secrets_are_never_quoted(engine, kind, capsys, tmp_path):
     from fastapi.testclient import TestClient
 
     from inferscale_apps.cli import main
@@ -169,10 +171,12 @@ def test_a_lock_holders_secrets_are_never_quoted(engine, kind, capsys):
 
     store = engine.config.store_path
     env = {**os.environ, "HOLD_STORE": str(store), "HOLDER_KIND": kind}
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, *HOLDER_ARGV], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    log = tmp_path / "holder.log"
+    with log.open("w") as err:
+        holder = subprocess.Popen([sys.executable, "-c", HOLDER, *HOLDER_ARGV], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=REPO)
     try:
-        assert readline(holder, 120).strip() == "HOLDING"
+        assert readline(holder, 120).strip() == "HOLDING", log.read_text()[-3000:]
         if kind == "current":
             assert SECRET not in (Path(store) / ".lock").read_text()
 
@@ -187,5 +191,8 @@ def test_a_lock_holders_secrets_are_never_quoted(engine, kind, capsys):
         assert f"already open by process {holder.pid}" in r.text, r.text
         assert SECRET not in r.text and "bob" not in r.text
     finally:
-        holder.stdin.close()  # type: ignore[union-attr]
-        holder.wait(60)
+        holder.stdin.close()
+        try:
+            holder.wait(60)
+        finally:
+            holder.kill()  # no-op once it exited; else the next test would find the store held
