@@ -267,7 +267,7 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         try:
             header = user_id_header(request)
         except HeaderEncodingError as exc:
-            raise bad(str(exc), "X-User-Id", "invalid_header") from None
+            raise bad(str(exc), exc.header, "invalid_header") from None
         if header and not e.user_id:
             e = Entities(header, e.agent_id, e.run_id, e.app_id)
         return e
