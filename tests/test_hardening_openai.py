@@ -333,3 +333,51 @@ def test_a_memory_k_request_over_the_context_is_refused_before_any_encoding(clie
     # Once encoded, the same request is refused the same way.
     r = chat(client, user=user, memory_k=8, messages=[{"role": "user", "content": "Where do my friends live?"}])
     assert r.status_code == 400 and error_of(r)["code"] == "context_length_exceeded", r.text
+
+
+# ------------------------------------------------------------------------------ whose memories
+
+
+def test_reserved_user_ids_are_refused_and_agent_memories_stay_unserved(client):
+    """Agent-only memories are stored under "@agent:<id>": a chat naming that as its user (in
+    any of the three places) must not recall them."""
+    agent = uid("bot")
+    r = client.post("/v1/memories/", json={"messages": "The launch code is 7781.", "agent_id": agent, "infer": False})
+    assert r.status_code == 200, r.text
+    ask = [{"role": "user", "content": "What is the launch code?"}]
+    for key in ("@agent:", "@run:", "@app:"):
+        for where in ("user", "safety_identifier", "X-User-Id"):
+            headers = {"X-User-Id": key + agent} if where == "X-User-Id" else {}
+            body = {} if where == "X-User-Id" else {where: key + agent}
+            r = client.post("/v1/chat/completions", headers=headers,
+                            json={"model": "tiny", "messages": ask, "max_tokens": 2, "memory_k": 3, **body})
+            assert r.status_code == 400, (key, where, r.text)
+            assert error_of(r)["code"] == "reserved_user" and error_of(r)["param"] == where, r.text
+    # A user whose id merely starts with "@" is a user.
+    assert chat(client, user="@alice").status_code == 200
+
+
+def test_x_user_id_is_read_as_utf8(engine):
+    """A UTF-8 X-User-Id is the user of that name (as the memory routes read it), not its
+    Latin-1 mojibake; a header that is not UTF-8 is a 400. Through a real server: the test
+    client re-encodes header values."""
+    import httpx
+
+    from inferscale_apps.bench.load import serve_app
+    from inferscale_apps.server import create_app
+
+    user = "jürgen-" + uuid.uuid4().hex[:6]
+    handle = engine.memory.add("My bike is red.", user_id=user)[0].handle
+    engine.memory.wait_for_encoding(60)
+    msgs = [{"role": "user", "content": f"Memory: {handle}. Bike colour?"}]
+    with serve_app(create_app(engine, served_model_name="tiny")) as url, httpx.Client(base_url=url, timeout=60) as http:
+        r = http.post("/v1/chat/completions", headers={"X-User-Id": user.encode()},
+                      json={"model": "tiny", "messages": msgs, "max_tokens": 2})
+        assert r.status_code == 200, r.text  # the handle is this user's: no 403
+        r = http.post("/v1/chat/completions", headers={"X-User-Id": user.encode()},
+                      json={"model": "tiny", "messages": msgs, "max_tokens": 2, "user": user})
+        assert r.status_code == 200, r.text  # the same user, not a conflict
+        r = http.post("/v1/chat/completions", headers={"X-User-Id": b"j\xfcrgen"},
+                      json={"model": "tiny", "messages": MSGS, "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        assert error_of(r)["code"] == "invalid_header" and error_of(r)["param"] == "X-User-Id", r.text

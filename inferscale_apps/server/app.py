@@ -37,6 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferscale_apps.server import mem0_api
+from inferscale_apps.server.headers import HeaderEncodingError, user_id_header
 from inferscale_apps.server.metrics import CONTENT_TYPE_LATEST, Metrics
 from inferscale_apps.server.schemas import (
     ChatCompletionRequest,
@@ -435,15 +436,26 @@ def create_app(
         """The user whose memories a request may use: ``user``, ``safety_identifier`` or ``X-User-Id``.
 
         A request that uses memories (handles, ``memory_k``) without naming its user is refused:
-        serving it as some default user would silently read or miss the wrong user's facts.
+        serving it as some default user would silently read or miss the wrong user's facts. So is
+        one naming a store key of agent, run or app memories (``@agent:<id>``...): chats are a
+        user's, and such a "user" would recall memories that belong to no user.
         """
+        try:
+            header = user_id_header(request)  # UTF-8, as the memory routes read it: the same user
+        except HeaderEncodingError as exc:
+            raise APIError(400, str(exc), param="X-User-Id", code="invalid_header") from None
         given = {k: v for k, v in (("user", req.user), ("safety_identifier", req.safety_identifier),
-                                   ("X-User-Id", request.headers.get("x-user-id"))) if v}
+                                   ("X-User-Id", header)) if v}
         if len(set(given.values())) > 1:
             raise APIError(400, "the request names different users: " + ", ".join(f"{k}={v!r}" for k, v in given.items()),
                            param="user", code="conflicting_user")
         if given:
-            return next(iter(given.values()))
+            name, user = next(iter(given.items()))
+            if user.startswith(mem0_api.RESERVED_PREFIXES):
+                raise APIError(400, f"{name} {user!r} is reserved: ids starting with "
+                                    f"{', '.join(map(repr, mem0_api.RESERVED_PREFIXES))} hold agent, run and app memories, "
+                                    "not a user's", param=name, code="reserved_user")
+            return user
         if uses_memory:
             raise APIError(400, "this request uses memories (a memory handle or memory_k) but names no user: send "
                                 "'user' (or 'safety_identifier') in the body, or an X-User-Id header",
