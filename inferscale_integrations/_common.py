@@ -51,8 +51,32 @@ SOURCE_KEY = "source"  # "langchain" | "llamaindex"
 
 #: The user of a class built without ``user_id``.
 DEFAULT_USER = "default"
+#: Prefixes of the user ids under which the Mem0 server keeps memories of an agent, a run or an
+#: app alone (``@agent:<id>``): a class given one would read and write those.
+RESERVED_USER_PREFIXES = ("@agent:", "@run:", "@app:")
 
 _WARNED_SHARED: set[str] = set()
+
+
+def check_user_id(user_id: Any) -> str:
+    """``user_id``, or ``ValueError`` unless the memory store takes it (its own rule: a non-empty,
+    printable string of bounded length) and it is no reserved id (:data:`RESERVED_USER_PREFIXES`)."""
+    from inferscale_engine.memory.validation import check_user
+
+    user_id = check_user(user_id)
+    if user_id.startswith(RESERVED_USER_PREFIXES):
+        raise ValueError(f"user_id {user_id!r:.80} is reserved: ids starting with "
+                         f"{', '.join(RESERVED_USER_PREFIXES)} hold agent, run and app memories of the server")
+    return user_id
+
+
+def user_of(cls: type, user_id: Any) -> str:
+    """The user of a class given ``user_id``: checked (:func:`check_user_id`), or the shared
+    user, with a warning, when it is None."""
+    if user_id is None:
+        warn_if_shared_user(cls, None)
+        return DEFAULT_USER
+    return check_user_id(user_id)
 
 
 def check_arguments(cls: type, data: Any, fields: Iterable[str], *, user: bool = True) -> None:

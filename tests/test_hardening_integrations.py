@@ -72,3 +72,62 @@ def test_misspelled_arguments_of_every_class_name_the_closest_match() -> None:
     for cls, kwargs, wrong, right in cases:
         with pytest.raises(ValueError, match=rf"{cls.__name__} got unknown argument '{wrong}' \(did you mean '{right}'\?\)"):
             cls(model="smollm2", **kwargs)
+
+
+BAD_USER_IDS: list[tuple[Any, str]] = [
+    ("", r"user_id must be a non-empty string"),
+    ("   ", r"user_id must be a non-empty string"),
+    (5, r"user_id must be a non-empty string"),
+    ("@agent:helper", r"user_id '@agent:helper' is reserved"),
+    ("@run:r1", r"user_id '@run:r1' is reserved"),
+    ("@app:shop", r"user_id '@app:shop' is reserved"),
+]
+
+
+def test_empty_non_string_and_reserved_user_ids_are_refused_by_every_class() -> None:
+    """``ChatInferScale(user_id="")`` was accepted (and an empty user is no user at all); the
+    server's keys for agent-, run- and app-only memories (``@agent:<id>``) would reach those."""
+    from inferscale_integrations.langchain import (
+        ChatInferScale,
+        HandleExpander,
+        InferScaleMemoryMiddleware,
+        InferScaleRetriever,
+    )
+    from inferscale_integrations.langchain import InferScaleLLM as LangChainLLM
+    from inferscale_integrations.langchain import InferScaleMemory as LangChainMemory
+    from inferscale_integrations.langgraph import InferScaleStore
+    from inferscale_integrations.llamaindex import InferScaleLLM as LlamaIndexLLM
+    from inferscale_integrations.llamaindex import InferScaleRetriever as LlamaIndexRetriever
+    from inferscale_integrations.llamaindex import InferScaleVectorStore
+
+    store = InferScaleStore(model="smollm2", user_index=0)
+    builders: list[Any] = [
+        lambda u: ChatInferScale(model="smollm2", user_id=u),
+        lambda u: LangChainLLM(model="smollm2", user_id=u),
+        lambda u: LangChainMemory(model="smollm2", user_id=u),
+        lambda u: InferScaleRetriever(model="smollm2", user_id=u),
+        lambda u: InferScaleChatMessageHistory(u, "chat-1", model="smollm2"),
+        lambda u: InferScaleMemoryMiddleware(model="smollm2", user_id=u),
+        lambda u: HandleExpander(model="smollm2", user_id=u),
+        lambda u: LlamaIndexLLM(model="smollm2", user_id=u),
+        lambda u: InferScaleMemory(model="smollm2", user_id=u),
+        lambda u: InferScaleMemoryBlock(model="smollm2", user_id=u),
+        lambda u: LlamaIndexRetriever(model="smollm2", user_id=u),
+        lambda u: InferScaleVectorStore(model="smollm2", user_id=u),
+        # Per call, where a class takes one: the same rule.
+        lambda u: InferScaleRetriever(model="smollm2", user_id="alice").invoke("dog", user_id=u),
+        lambda u: ChatInferScale(model="smollm2", user_id="alice").invoke("Hi", user_id=u),
+        # (context_window given: LlamaIndex's callbacks read the LLM's metadata, which asks the
+        # engine for its context length otherwise, and no engine is built in this module.)
+        lambda u: LlamaIndexLLM(model="smollm2", user_id="alice", context_window=2048).complete("Hi", user_id=u),
+    ]
+    for bad, message in BAD_USER_IDS:
+        for build in builders:
+            with pytest.raises(ValueError, match=message):
+                build(bad)
+    # LangGraph's store takes its users from the namespaces (LangGraph itself refuses labels that
+    # are empty or not strings).
+    for bad, message in BAD_USER_IDS[1:2] + BAD_USER_IDS[3:]:
+        for call in (lambda u: store.get((u, "memories"), "dog"), lambda u: store.search((u, "memories"), query="dog")):
+            with pytest.raises(ValueError, match=message):
+                call(bad)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from inferscale_integrations._common import EngineRef, check_arguments, pydantic_fields
+from inferscale_integrations._common import EngineRef, check_arguments, check_user_id, pydantic_fields
 
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
@@ -38,6 +38,11 @@ class InferScaleModelBase(BaseModel):
     def _check_arguments(cls, data: Any) -> Any:
         check_arguments(cls, data, pydantic_fields(cls))
         return data
+
+    @field_validator("user_id", mode="before")
+    @classmethod
+    def _check_user(cls, value: Any) -> str:
+        return check_user_id(value)
 
     def __init__(self, *, engine: InferScaleEngine | None = None, **kwargs: Any) -> None:
         """``engine``: an ``InferScaleEngine`` to use instead of the shared engine of ``model``."""

@@ -32,7 +32,6 @@ from langchain_core.messages import (
 )
 
 from inferscale_integrations._common import (
-    DEFAULT_USER,
     SESSION_KEY,
     TURN_KEY,
     EncodeStyle,
@@ -47,7 +46,7 @@ from inferscale_integrations._common import (
     new_turn_id,
     role_of,
     save_messages,
-    warn_if_shared_user,
+    user_of,
 )
 from inferscale_integrations.langchain._messages import message_role
 
@@ -154,8 +153,7 @@ class InferScaleChatMessageHistory(OnEngine, BaseChatMessageHistory):
         encode_style: EncodeStyle = "chat",
         prefixes: tuple[str, str] = ("Human", "AI"),
     ) -> None:
-        warn_if_shared_user(type(self), user_id)
-        self.user_id = user_id if user_id is not None else DEFAULT_USER
+        self.user_id = user_of(type(self), user_id)
         self.encode_style: EncodeStyle = encode_style
         self.prefixes = prefixes
         self.session_id = session_id

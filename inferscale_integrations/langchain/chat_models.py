@@ -38,6 +38,7 @@ from pydantic import BaseModel, Field, SecretStr
 
 from inferscale_engine import tool_calls as tc
 from inferscale_engine.prompting import structured_options
+from inferscale_integrations._common import check_user_id
 from inferscale_integrations.langchain._base import InferScaleModelBase
 from inferscale_integrations.langchain._messages import langchain_call_chunks, openai_message
 
@@ -157,8 +158,8 @@ class ChatInferScale(InferScaleModelBase, BaseChatModel):
         tool_choice = kwargs.pop("tool_choice", None)
         parallel = kwargs.pop("parallel_tool_calls", None) is not False
         structured = structured_options(kwargs.pop("response_format", None))
+        sampling = sampling_options(self, stop, kwargs)  # first: a bad per-call user_id builds no engine
         engine = self.get_engine(model)
-        sampling = sampling_options(self, stop, kwargs)
         native = tc.template_renders_tools(engine.tokenizer)
         use = tc.use_tools([openai_message(m) for m in messages], tools, tool_choice, parallel=parallel,
                            structured=structured, native=native)
@@ -387,6 +388,8 @@ def sampling_options(model: Any, stop: list[str] | None, kwargs: dict[str, Any])
         sampling["seed"] = model.seed
     sampling.update(model.model_kwargs)
     sampling.update(kwargs)
+    if "user_id" in kwargs:  # per call: the rule the model's own user_id was held to
+        sampling["user_id"] = check_user_id(kwargs["user_id"])
     stops = stop if stop is not None else sampling.pop("stop", None) or model.stop
     sampling.pop("stop", None)
     if stops:

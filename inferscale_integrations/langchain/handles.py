@@ -21,11 +21,12 @@ from langchain_core.messages import BaseMessage
 from langchain_core.prompt_values import ChatPromptValue, PromptValue, StringPromptValue
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from langchain_core.tracers.context import register_configure_hook
-from pydantic import ConfigDict, PrivateAttr, model_validator
+from pydantic import ConfigDict, PrivateAttr, field_validator, model_validator
 
 from inferscale_integrations._common import (
     EngineRef,
     check_arguments,
+    check_user_id,
     expand_handles,
     pydantic_fields,
     warn_foreign_handles,
@@ -48,6 +49,11 @@ class HandleExpander(RunnableSerializable[Any, Any]):
     def _check_arguments(cls, data: Any) -> Any:
         check_arguments(cls, data, pydantic_fields(cls), user=False)
         return data
+
+    @field_validator("user_id", mode="before")
+    @classmethod
+    def _check_user(cls, value: Any) -> str:
+        return check_user_id(value)
 
     _engine: EngineRef = PrivateAttr()
 

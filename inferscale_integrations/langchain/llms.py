@@ -82,8 +82,9 @@ class InferScaleLLM(InferScaleModelBase, LLM):
 
     def _request(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
         kwargs = dict(kwargs)
-        engine = self.get_engine(kwargs.pop("model", None))
-        sampling = sampling_options(self, stop, kwargs)
+        model = kwargs.pop("model", None)
+        sampling = sampling_options(self, stop, kwargs)  # first: a bad per-call user_id builds no engine
+        engine = self.get_engine(model)
         payload: Any = [{"role": "user", "content": prompt}] if self.chat_template else prompt
         return engine, payload, sampling
 

@@ -25,7 +25,6 @@ from langchain.agents.middleware import (
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 
 from inferscale_integrations._common import (
-    DEFAULT_USER,
     EngineRef,
     OnEngine,
     RecallMode,
@@ -33,7 +32,7 @@ from inferscale_integrations._common import (
     checks_arguments,
     recall_for,
     save_messages,
-    warn_if_shared_user,
+    user_of,
 )
 from inferscale_integrations.langchain.chat_history import message_for
 
@@ -88,8 +87,7 @@ class InferScaleMemoryMiddleware(OnEngine, AgentMiddleware):
         engine_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        warn_if_shared_user(type(self), user_id)
-        self.user_id = user_id if user_id is not None else DEFAULT_USER
+        self.user_id = user_of(type(self), user_id)
         self.session_id = session_id
         self.mode = check_mode(mode)
         self.k = k

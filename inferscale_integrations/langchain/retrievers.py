@@ -24,6 +24,7 @@ from inferscale_integrations._common import (
     OnEngine,
     RecallMode,
     check_mode,
+    check_user_id,
     content_of,
     item_metadata,
     search,
@@ -70,7 +71,7 @@ class InferScaleRetriever(OnEngine, InferScaleModelBase, BaseRetriever):
         mode: str | None = None,
         **kwargs: Any,
     ) -> list[Document]:
-        user = user_id or self.user_id
+        user = self.user_id if user_id is None else check_user_id(user_id)
         mode = check_mode(mode or self.mode)
         hits = search(self.store, user_id=user, query=query, k=self.k if k is None else k, min_score=self.min_score)
         return [

@@ -64,6 +64,7 @@ from inferscale_integrations._common import (
     EngineRef,
     RecallMode,
     check_mode,
+    check_user_id,
     checks_arguments,
     expand_handles,
 )
@@ -239,18 +240,23 @@ class InferScaleStore(EngineConstructors, BaseStore):
 
     def _user(self, namespace: Namespace) -> str:
         try:
-            return namespace[self.user_index]
+            label = namespace[self.user_index]
         except IndexError:
             need = self.user_index + 1 if self.user_index >= 0 else -self.user_index
             raise InvalidNamespaceError(
                 f"namespace {namespace!r} has no label at user_index={self.user_index}, the user the item "
                 f"belongs to: this store needs namespaces of at least {need} labels"
             ) from None
+        try:
+            return check_user_id(label)
+        except ValueError as exc:
+            raise InvalidNamespaceError(f"namespace {namespace!r:.120}: its label at user_index={self.user_index} "
+                                        f"is the user the item belongs to, and {exc}") from None
 
     def _users_under(self, prefix: Namespace) -> list[str]:
         """The users whose items may lie under ``prefix``."""
         if 0 <= self.user_index < len(prefix):
-            return [prefix[self.user_index]]
+            return [self._user(prefix)]
         return self.memory_store.user_ids()
 
     def _index(self, user: str) -> dict[tuple[Namespace, str], str]:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr, model_validator
+from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from inferscale_integrations._common import (
     EngineConstructors,
     EngineRef,
     check_arguments,
+    check_user_id,
     model_name_of,
     pydantic_fields,
 )
@@ -47,6 +48,11 @@ class InferScaleComponent(EngineConstructors, BaseModel):
     def _check_arguments(cls, data: Any) -> Any:
         check_arguments(cls, data, pydantic_fields(cls), user=cls._WARN_NO_USER)
         return data
+
+    @field_validator("user_id", mode="before", check_fields=False)  # the classes that have one
+    @classmethod
+    def _check_user(cls, value: Any) -> str | None:
+        return None if value is None else check_user_id(value)
 
     def __init__(self, *, engine: InferScaleEngine | None = None, model: str | None = None, **kwargs: Any) -> None:
         """``engine``: an ``InferScaleEngine`` to use instead of the shared engine of ``model``."""

@@ -35,7 +35,7 @@ from llama_index.core.llms.custom import CustomLLM
 from inferscale_engine.errors import ForgedHandleError, InferScaleError, MissingUserError
 from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_engine.prompting import engine_role, usage_dict
-from inferscale_integrations._common import DEFAULT_USER, warn_foreign_handles
+from inferscale_integrations._common import DEFAULT_USER, check_user_id, warn_foreign_handles
 from inferscale_integrations.llamaindex._base import InferScaleComponent
 from inferscale_integrations.llamaindex.retrievers import issued_to
 
@@ -141,7 +141,7 @@ class InferScaleLLM(InferScaleComponent, CustomLLM):
         """Whose handles the request may resolve: ``user_id`` (per call, else the LLM's), checked
         against the users an InferScale retriever or memory recalled the prompt's handles for;
         with none set, the one user they were recalled for."""
-        user = user_id if user_id is not None else self.user_id
+        user = self.user_id if user_id is None else check_user_id(user_id)
         texts = [payload] if isinstance(payload, str) else [m["content"] for m in payload]
         handles = [m.group(0) for t in texts for m in HANDLE_PATTERN.finditer(t)]
         if not handles:

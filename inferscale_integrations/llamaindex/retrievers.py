@@ -25,7 +25,6 @@ from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from inferscale_integrations._common import (
-    DEFAULT_USER,
     EngineConstructors,
     EngineRef,
     OnEngine,
@@ -35,7 +34,7 @@ from inferscale_integrations._common import (
     content_of,
     item_metadata,
     search,
-    warn_if_shared_user,
+    user_of,
 )
 
 if TYPE_CHECKING:
@@ -114,8 +113,7 @@ class InferScaleRetriever(OnEngine, EngineConstructors, BaseRetriever):
         verbose: bool = False,
     ) -> None:
         super().__init__(callback_manager=callback_manager, verbose=verbose)
-        warn_if_shared_user(type(self), user_id)
-        self.user_id = user_id if user_id is not None else DEFAULT_USER
+        self.user_id = user_of(type(self), user_id)
         self.similarity_top_k = similarity_top_k
         self.mode = check_mode(mode)
         self.min_score = min_score
