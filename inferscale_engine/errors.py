@@ -82,7 +82,19 @@ class SecretError(InferScaleError):
 class StoreDamagedError(InferScaleError):
     """A store folder's database is missing, empty or not a SQLite database while the rest of the
     store (handle secret, KV files, write-ahead log) is there: opened, it would start over empty
-    and remove every KV file as belonging to no memory, so it is refused."""
+    and remove every KV file as belonging to no memory, so it is refused. The message says what is
+    wrong and the two ways out."""
+
+    def __init__(self, folder: object, problem: str, db_file: str = "memory.sqlite3") -> None:
+        super().__init__(
+            f"memory store {folder} cannot be opened: {problem}. Nothing was changed. Restore {db_file} from a "
+            f"backup (first move aside any {db_file}-wal or -shm left there: they belong to the lost file); or, to "
+            f"start over with an empty store (every memory in it is lost), delete the folder {folder} or use "
+            "another one (--store DIR)")
+        self.folder, self.problem = folder, problem
+
+    def __reduce__(self) -> tuple[type, tuple[object, str]]:  # picklable across processes
+        return type(self), (self.folder, self.problem)
 
 
 class TooLargeError(InferScaleError, ValueError):

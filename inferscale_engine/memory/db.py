@@ -31,7 +31,6 @@ import numpy as np
 
 from inferscale_engine.config import is_database_url
 from inferscale_engine.errors import SchemaVersionError, StoreDamagedError
-from inferscale_engine.memory.folder import damaged_message
 from inferscale_engine.memory.item import text_hash
 
 SCHEMA_VERSION = 1
@@ -511,7 +510,7 @@ class SQLiteDB(SQLMetaDB):
         except sqlite3.DatabaseError as exc:
             if exc.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
                 raise
-            raise StoreDamagedError(damaged_message(self.path.parent, f"{self.path.name} is damaged ({exc})")) from exc
+            raise StoreDamagedError(self.path.parent, f"{self.path.name} is damaged ({exc})", self.path.name) from exc
 
     @contextmanager
     def _reading(self) -> Iterator[sqlite3.Connection]:

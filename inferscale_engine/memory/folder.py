@@ -87,21 +87,13 @@ def check_database(folder: Path) -> None:
     if size:
         with db.open("rb") as f:
             if f.read(len(_SQLITE_HEADER)) != _SQLITE_HEADER:
-                raise StoreDamagedError(damaged_message(folder, f"{DB_FILE} is not a SQLite database"))
+                raise StoreDamagedError(folder, f"{DB_FILE} is not a SQLite database", DB_FILE)
         return
     marks = _store_marks(folder)
     if marks:
         problem = f"{DB_FILE} is missing" if size is None else f"{DB_FILE} is empty (0 bytes)"
-        raise StoreDamagedError(damaged_message(folder, f"{problem}, yet the folder holds the rest of a store "
-                                                        f"({', '.join(marks)})"))
-
-
-def damaged_message(folder: Path, problem: str) -> str:
-    """The refusal of a store whose database is lost or damaged: what is wrong, and the two ways out."""
-    return (f"memory store {folder} cannot be opened: {problem}. Nothing was changed. Restore {DB_FILE} from a "
-            f"backup (first move aside any {DB_FILE}-wal or -shm left there: they belong to the lost file); or, to "
-            f"start over with an empty store (every memory in it is lost), delete the folder {folder} or use "
-            "another one (--store DIR)")
+        raise StoreDamagedError(folder, f"{problem}, yet the folder holds the rest of a store ({', '.join(marks)})",
+                                DB_FILE)
 
 
 def _store_marks(folder: Path) -> list[str]:
