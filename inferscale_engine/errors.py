@@ -91,10 +91,10 @@ class StoreDamagedError(InferScaleError):
             f"backup (first move aside any {db_file}-wal or -shm left there: they belong to the lost file); or, to "
             f"start over with an empty store (every memory in it is lost), delete the folder {folder} or use "
             "another one (--store DIR)")
-        self.folder, self.problem = folder, problem
+        self.folder, self.problem, self.db_file = folder, problem, db_file
 
-    def __reduce__(self) -> tuple[type, tuple[object, str]]:  # picklable across processes
-        return type(self), (self.folder, self.problem)
+    def __reduce__(self) -> tuple[type, tuple[object, str, str]]:  # picklable across processes
+        return type(self), (self.folder, self.problem, self.db_file)
 
 
 class TooLargeError(InferScaleError, ValueError):
