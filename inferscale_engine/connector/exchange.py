@@ -440,9 +440,10 @@ class KVExchange:
             for key, kv in spans:
                 staged = staged_by_key.get(key)
                 if staged is None:
+                    assert kv is not None  # a key without KV is staged (checked above)
                     slot = next(slots)
                     table[slot] = kv
-                    staged = staged_by_key[key] = _Staged(Location(name, slot, kv.position, kv.num_tokens), 0, 0)  # type: ignore[union-attr]
+                    staged = staged_by_key[key] = _Staged(Location(name, slot, kv.position, kv.num_tokens), 0, 0)
                 staged.refs += 1
                 out[key] = staged.location
         return SharedKV(self.geometry, out, {name: {"name": name, "local": True}})
