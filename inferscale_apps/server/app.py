@@ -149,8 +149,9 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
-class _ClientGone(Exception):
-    """The client hung up before its answer: there is no one to answer (counted as 499)."""
+class _ClientGone(InferScaleError):
+    """The client hung up before its answer: there is no one to answer (counted as 499). Never
+    leaves the app: its own handler answers it."""
 
 
 _OPENAI_PATHS = ("/v1/chat/", "/v1/completions", "/v1/models")
