@@ -44,7 +44,6 @@ from inferscale_engine.connector.exchange import Geometry, KVExchange, NotHeldEr
 from inferscale_engine.connector.plan import InjectionPlan, SpanRef, injected_tokens
 from inferscale_engine.encoder import EncodeWindow, encode_windows
 from inferscale_engine.errors import (
-    ContextOverflowError,
     EngineClosedError,
     EngineSettingsError,
     InferScaleError,
@@ -60,6 +59,7 @@ from inferscale_engine.types import (
     MemoryMix,
     Messages,
     Mode,
+    Room,
     Segment,
     Span,
     StreamDelta,
@@ -499,20 +499,14 @@ class InferScaleEngine:
         spans, see :class:`~inferscale_engine.types.Span`); :meth:`generate_segments` reads
         their KV only if the exchange gave it up meanwhile. ``max_tokens``: a prompt that cannot
         fit the context with that many tokens after it is refused (:class:`ContextOverflowError`)
-        before any memory's KV is read or encoded, from the token counts the source knows (a
-        source with ``token_counts``; the memory store has it)."""
+        before any memory's KV is read or encoded, where the source checks that (``room=``, see
+        :class:`~inferscale_engine.types.FactSource`; the memory store does)."""
         text, is_chat = self.render(prompt_or_messages, tools=tools)
         pieces, handles = split_on_handles(text)
         # Handles side by side leave empty pieces: no tokenizer call for them (~25 µs each).
         ids = [self.tokenize(pieces[0], add_special_tokens=not is_chat), *(self.tokenize(p) if p else [] for p in pieces[1:])]
         if handles:
             source = self.fact_source or self.memory
-            counts = getattr(source, "token_counts", None)
-            if max_tokens is not None and counts is not None:
-                # A request over the context would otherwise be refused only after its memories
-                # were read, and encoded in this thread where the encode queue had not got to them.
-                from_memory = sum(counts(handles, user_id))
-                _check_context(sum(map(len, ids)) + from_memory, from_memory, max_tokens, self.max_model_len)
             many = getattr(source, "resolve_many", None)
             if many is not None:
                 options: dict[str, Any] = {}
@@ -522,6 +516,10 @@ class InferScaleEngine:
                     # Spans the exchange holds (staged or retained) are not read again: the
                     # owner then does no GPU work for them. In-process, spans go by reference.
                     options["held"] = self.exchange.holds
+                if max_tokens is not None and getattr(source, "checks_room", False):
+                    # Else a request over the context is refused only after its memories were
+                    # read, and encoded in this thread where the encode queue had not got to them.
+                    options["room"] = Room(sum(map(len, ids)), max_tokens, self.max_model_len)
                 spans = many(handles, user_id, **options)
             else:  # a source with only resolve() (see FactSource)
                 spans = [source.resolve(h, user_id) for h in handles]  # type: ignore[attr-defined]
@@ -600,7 +598,8 @@ class InferScaleEngine:
         if not n:
             raise ValueError("empty prompt")
         if n + max_tokens > self.max_model_len:
-            _check_context(n, sum(len(s.token_ids) for s in segments if isinstance(s, Span)), max_tokens, self.max_model_len)
+            from_memory = sum(len(s.token_ids) for s in segments if isinstance(s, Span))
+            Room(n - from_memory, max_tokens, self.max_model_len).check(from_memory)
         mix = promote = None
         if mode == "inject":
             # Cold memories: wait for their reads or prefill them, whichever the cost model expects
@@ -751,13 +750,6 @@ def _logged(fn: Callable[[], None], what: str) -> None:
         fn()
     except Exception:  # a background task's failure must be seen, not lost in its future
         logger.exception("%s failed", what)
-
-
-def _check_context(n: int, from_memory: int, max_tokens: int, max_model_len: int) -> None:
-    """:class:`ContextOverflowError` unless a prompt of ``n`` tokens leaves ``max_tokens`` in the context."""
-    if n + max_tokens > max_model_len:
-        raise ContextOverflowError(f"prompt of {n} tokens ({from_memory} from memory) plus max_tokens={max_tokens} "
-                                   f"exceeds the model's context of {max_model_len}")
 
 
 def _check_seed(seed: Any) -> None:

@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from inferscale_engine.errors import ContextOverflowError
+
 if TYPE_CHECKING:
     from inferscale_engine.handles import Handle
     from inferscale_engine.kv import FactKV
@@ -107,11 +109,27 @@ class FactSource(Protocol):
     ``defers_cold = True``: ``resolve_many(..., defer_cold=True)`` returns :class:`ColdFact` for
     memories whose KV is only on disk; ``skips_held = True``: ``resolve_many(..., held=pred)``
     returns a held :class:`Span` (no KV, see there) for each fact whose span key ``pred`` says
-    the engine holds, and reads no KV for it. And a method: ``token_counts(handles, user_id)``,
-    each handle's token count without reading or encoding any KV (the engine refuses a prompt
-    that cannot fit the context before it resolves it)."""
+    the engine holds, and reads no KV for it; ``checks_room = True``: ``resolve_many(...,
+    room=Room(...))`` refuses memories that do not fit the context (:meth:`Room.check`) before it
+    reads or encodes any KV."""
 
     def resolve_many(self, handles: Sequence[Handle], user_id: str) -> Sequence[Span | TextFact]: ...
+
+
+@dataclass(frozen=True)
+class Room:
+    """The context a request leaves its memories: its text's tokens and ``max_tokens`` come first."""
+
+    text_tokens: int
+    max_tokens: int
+    max_model_len: int
+
+    def check(self, from_memory: int) -> None:
+        """:class:`ContextOverflowError` unless ``from_memory`` tokens of memories fit too."""
+        n = self.text_tokens + from_memory
+        if n + self.max_tokens > self.max_model_len:
+            raise ContextOverflowError(f"prompt of {n} tokens ({from_memory} from memory) plus max_tokens="
+                                       f"{self.max_tokens} exceeds the model's context of {self.max_model_len}")
 
 
 @dataclass(frozen=True)

@@ -78,7 +78,7 @@ from inferscale_engine.memory.kv_keeper import KVKeeper
 from inferscale_engine.memory.load import load_facts
 from inferscale_engine.memory.replica import Follower, apply_changes
 from inferscale_engine.memory.tiers import KVTiers
-from inferscale_engine.types import Span, TextFact
+from inferscale_engine.types import Room, Span, TextFact
 from inferscale_engine.memory.validation import (
     check_store_options,
     check_context,
@@ -455,29 +455,18 @@ class MemoryStore:
     defers_cold = True
     #: ``resolve_many(..., held=...)`` works (a multiprocess engine's exchange holds spans).
     skips_held = True
+    #: ``resolve_many(..., room=...)`` refuses facts over the context before reading or encoding any.
+    checks_room = True
 
-    def token_counts(self, handles: Sequence[Handle | str], user_id: str) -> list[int]:
-        """How many tokens each handle's fact puts into a prompt, from what the store knows: no
-        KV read or encoded, so the engine refuses a prompt that cannot fit before
-        :meth:`resolve_many` would encode its unencoded facts. Handles are checked as there
-        (:class:`ForgedHandleError`...); a fact this process does not know (yet) counts 0, for
-        :meth:`resolve_many` to judge."""
-        self._check_open()
-        user_id = check_user(user_id)
-        fact_ids = [self._codec.verify(h, user_id) for h in handles]
-        with self._lock:
-            facts = [self._facts.get(i) for i in fact_ids]
-            return [len(f.token_ids or ()) if f is not None and f.user_id == user_id else 0 for f in facts]
-
-
-    def resolve_many(self, handles: Sequence[Handle | str], user_id: str, *,
-                     defer_cold: bool = False, held: Callable[[str], bool] | None = None) -> list[Span | TextFact]:
+    def resolve_many(self, handles: Sequence[Handle | str], user_id: str, *, defer_cold: bool = False,
+                     held: Callable[[str], bool] | None = None, room: Room | None = None) -> list[Span | TextFact]:
         """:meth:`resolve` for every handle of one request, reading their KV in one batch.
         ``defer_cold``: facts whose KV is only in a disk file come back as
         :class:`~inferscale_engine.types.ColdFact`, nothing read yet (the engine's cost model
         reads them, or prefills them and has them promoted). ``held``: a predicate over span
         keys (``KVExchange.holds``); a fact whose key it holds comes back as a held
-        :class:`~inferscale_engine.types.Span`, without KV, and none is read for it."""
+        :class:`~inferscale_engine.types.Span`, without KV, and none is read for it. ``room``:
+        facts that do not fit it are refused before any KV is read or encoded."""
         self._check_open()
         user_id = check_user(user_id)
         fact_ids = [self._codec.verify(h, user_id) for h in handles]
@@ -495,6 +484,8 @@ class MemoryStore:
                     raise FactNotFoundError(f"memory {i} does not exist (never did, or was deleted)")
         with self._lock:
             facts = self.table.snapshot(fact_ids, user_id)
+        if room is not None:
+            room.check(sum(len(f.token_ids or ()) for f in facts))
         if self._keeper is None:
             raise InferScaleError("this memory store has no engine (encoder), so it has no KV to serve")
         return self._keeper.spans(facts, defer_cold=defer_cold, held=held)
