@@ -138,3 +138,10 @@ class SharedUserWarning(InferScaleError, UserWarning):
     """An integration class was built without ``user_id``: everyone using it shares the memories
     of user ``"default"``. Warned once per class and process; filter it, or make it an error,
     with :mod:`warnings` (as an error it is an InferScaleError)."""
+
+
+class HandleOwnerError(InferScaleError, PermissionError):
+    """Memory handles in a LlamaIndex ``InferScaleLLM`` prompt are not the LLM's user's (the retriever
+    or memory recalled them for another ``user_id``, or they were forged). A ``PermissionError``,
+    as the engine's ``ForgedHandleError`` is, but not a ``ValueError``: LlamaIndex's response
+    synthesizers turn ``ValueError``s into the answer "Empty Response"."""

@@ -56,6 +56,7 @@ from inferscale_engine.errors import (
     FactNotFoundError,
     ForgedHandleError,
     HandleError,
+    HandleOwnerError,
     InferScaleError,
     InvalidSchemaError,
     KVMissingError,
@@ -167,6 +168,7 @@ def _is_mem0_path(path: str) -> bool:
 #: bases; a disk failure (``StorageFullError``...) is :func:`storage_error`'s.
 _ERRORS: tuple[tuple[type[Exception], int, str, str | None, str], ...] = (
     (ForgedHandleError, 403, "permission_error", "messages", "forged_handle"),
+    (HandleOwnerError, 403, "permission_error", "messages", "forged_handle"),  # LlamaIndex's, never the server's
     (FactNotFoundError, 404, "not_found_error", None, "memory_not_found"),
     (StaleKVError, 409, "conflict_error", None, "stale_kv"),
     (MalformedHandleError, 400, "invalid_request_error", "messages", "malformed_handle"),

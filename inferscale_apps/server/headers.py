@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from starlette.requests import Request
 
+from inferscale_engine.errors import InferScaleError
 
-class HeaderEncodingError(ValueError):
+
+class HeaderEncodingError(InferScaleError):
     """A header whose value is not valid UTF-8 (the client's error: a 400)."""
 
     def __init__(self, name: str) -> None:

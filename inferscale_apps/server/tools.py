@@ -16,11 +16,11 @@ from typing import Any
 
 from inferscale_apps.server.schemas import ChatCompletionRequest
 from inferscale_engine import tool_calls as tc
-from inferscale_engine.errors import InvalidSchemaError
+from inferscale_engine.errors import InferScaleError, InvalidSchemaError
 from inferscale_engine.prompting import check_json_schema, engine_role
 
 
-class ToolRequestError(ValueError):
+class ToolRequestError(InferScaleError):
     """A request the server refuses with a 400: what is wrong, the parameter, the error code."""
 
     def __init__(self, message: str, param: str, code: str) -> None:

@@ -32,7 +32,7 @@ from llama_index.core.instrumentation.events.llm import LLMChatStartEvent, LLMCo
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
-from inferscale_engine.errors import ForgedHandleError, InferScaleError, MissingUserError
+from inferscale_engine.errors import ForgedHandleError, HandleOwnerError, MissingUserError
 from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_engine.prompting import engine_role, usage_dict
 from inferscale_integrations._common import DEFAULT_USER, check_user_id, warn_foreign_handles
@@ -41,13 +41,6 @@ from inferscale_integrations.llamaindex.retrievers import issued_to
 
 if TYPE_CHECKING:
     from inferscale_engine import GenerationResult, InferScaleEngine
-
-
-class HandleOwnerError(InferScaleError, PermissionError):
-    """Memory handles in an :class:`InferScaleLLM` prompt are not the LLM's user's (the retriever
-    or memory recalled them for another ``user_id``, or they were forged). A ``PermissionError``,
-    as the engine's ``ForgedHandleError`` is, but not a ``ValueError``: LlamaIndex's response
-    synthesizers turn ``ValueError``s into the answer "Empty Response"."""
 
 
 @contextmanager
