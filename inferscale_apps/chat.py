@@ -32,6 +32,7 @@ from inferscale_engine.prompting import (
     memory_context,
     memory_system_message,
 )
+from inferscale_engine.types import DEFAULT_USER
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class ChatSession:
         self,
         engine: Any,
         *,
-        user_id: str = "default",
+        user_id: str = DEFAULT_USER,
         k: int = 5,
         history_turns: int = 2,
         max_tokens: int = 256,

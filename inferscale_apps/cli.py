@@ -23,6 +23,7 @@ from typing import Any
 from inferscale_engine import __version__
 from inferscale_engine.config import engine_option
 from inferscale_engine.errors import InferScaleError
+from inferscale_engine.types import DEFAULT_USER
 
 PROG = "inferscale"
 
@@ -133,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     # chat
     p = sub.add_parser("chat", help="terminal chatbot with long-term memory", description="Chat in the terminal; memories persist across sessions.", epilog=CHAT_EPILOG, formatter_class=fmt)
     _engine_options(p, CHAT_MODEL)
-    p.add_argument("--user", default=os.environ.get("INFERSCALE_USER", "default"), help="whose memories (default: $INFERSCALE_USER or 'default')")
+    p.add_argument("--user", default=os.environ.get("INFERSCALE_USER", DEFAULT_USER), help="whose memories (default: $INFERSCALE_USER or 'default')")
     p.add_argument("--k", type=int, default=5, help="memories recalled per turn (default 5; 0 = none)")
     # No cutoff by default: in scripts/recall_bench.py true facts scored as low as 0.24-0.26 (two
     # topics in one line) while unrelated ones reached 0.50-0.59: a cutoff drops facts, not distractors.

@@ -13,6 +13,7 @@ from inferscale_engine.logs import configure_vllm_logging as _configure_vllm_log
 _configure_vllm_logging()
 
 from inferscale_engine.types import (  # noqa: E402  (after the environment setting above)
+    DEFAULT_USER,
     FactSource,
     GenerationResult,
     Messages,
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from inferscale_engine.kv import FactKV
 
 __all__ = [
+    "DEFAULT_USER",
     "FactKV",
     "FactSource",
     "GenerationResult",

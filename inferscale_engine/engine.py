@@ -54,6 +54,7 @@ from inferscale_engine.kv import FactKV, check_finite
 from inferscale_engine.logs import configure_vllm_logging
 from inferscale_engine.loop import AsyncEngineLoop, EngineLoop, Loop
 from inferscale_engine.types import (
+    DEFAULT_USER,
     FactSource,
     GenerationResult,
     MemoryMix,
@@ -415,7 +416,7 @@ class InferScaleEngine:
         self,
         prompt_or_messages: str | Messages,
         *,
-        user_id: str = "default",
+        user_id: str = DEFAULT_USER,
         max_tokens: int = 256,
         temperature: float = 0.0,
         mode: Mode = "inject",
@@ -439,7 +440,7 @@ class InferScaleEngine:
         )
 
     def stream(
-        self, prompt_or_messages: str | Messages, *, user_id: str = "default",
+        self, prompt_or_messages: str | Messages, *, user_id: str = DEFAULT_USER,
         tools: Sequence[dict[str, Any]] | None = None, **kwargs: Any,
     ) -> Iterator[StreamDelta]:
         """Like :meth:`generate`, yielding text as it is produced."""
@@ -447,7 +448,7 @@ class InferScaleEngine:
         prepared, params = self._prepare(segments, user_id, **kwargs)
         yield from self._stream(prepared, params)
 
-    async def agenerate(self, prompt_or_messages: str | Messages, *, user_id: str = "default", **kwargs: Any) -> GenerationResult:
+    async def agenerate(self, prompt_or_messages: str | Messages, *, user_id: str = DEFAULT_USER, **kwargs: Any) -> GenerationResult:
         result = None
         async for delta in self.astream(prompt_or_messages, user_id=user_id, **kwargs):
             result = delta.result
@@ -455,7 +456,7 @@ class InferScaleEngine:
         return result
 
     async def astream(
-        self, prompt_or_messages: str | Messages, *, user_id: str = "default",
+        self, prompt_or_messages: str | Messages, *, user_id: str = DEFAULT_USER,
         tools: Sequence[dict[str, Any]] | None = None, **kwargs: Any,
     ) -> AsyncIterator[StreamDelta]:
         import asyncio
@@ -467,7 +468,7 @@ class InferScaleEngine:
             yield delta
 
     async def astream_segments(
-        self, segments: Sequence[Segment], *, user_id: str = "default", **kwargs: Any
+        self, segments: Sequence[Segment], *, user_id: str = DEFAULT_USER, **kwargs: Any
     ) -> AsyncIterator[StreamDelta]:
         """Async :meth:`generate_segments`, yielding text as it is produced."""
         import asyncio
@@ -482,7 +483,7 @@ class InferScaleEngine:
         finally:
             self._unstage(prepared.staged)
 
-    async def agenerate_segments(self, segments: Sequence[Segment], *, user_id: str = "default", **kwargs: Any) -> GenerationResult:
+    async def agenerate_segments(self, segments: Sequence[Segment], *, user_id: str = DEFAULT_USER, **kwargs: Any) -> GenerationResult:
         result = None
         async for delta in self.astream_segments(segments, user_id=user_id, **kwargs):
             result = delta.result
@@ -539,7 +540,7 @@ class InferScaleEngine:
             segments.extend([span, piece_ids])
         return segments
 
-    def generate_segments(self, segments: Sequence[Segment], *, user_id: str = "default", **kwargs: Any) -> GenerationResult:
+    def generate_segments(self, segments: Sequence[Segment], *, user_id: str = DEFAULT_USER, **kwargs: Any) -> GenerationResult:
         """Generate from already-resolved segments (token id lists and spans)."""
         prepared, params = self._prepare(segments, user_id, **kwargs)
         result = None
@@ -663,7 +664,7 @@ class InferScaleEngine:
             pass
 
     def _layout(self, segments: Sequence[Segment], recompute: int = 0,
-                user_id: str = "default") -> tuple[list[Span], list[int]]:
+                user_id: str = DEFAULT_USER) -> tuple[list[Span], list[int]]:
         """Spans covering everything up to the last injected fact, and the computed tail after it.
 
         The last ``recompute`` facts belong to the tail: vLLM prefills them, with the separators

@@ -12,6 +12,10 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from inferscale_engine.errors import ContextOverflowError
 
+#: The user of a request, memory or class that names none. Its memories are shared by every such
+#: caller (the integrations warn when they fall back to it).
+DEFAULT_USER = "default"
+
 if TYPE_CHECKING:
     from inferscale_engine.handles import Handle
     from inferscale_engine.kv import FactKV

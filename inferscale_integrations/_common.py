@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar, cast
 
 from inferscale_engine.prompting import EncodeStyle, encode_context
+from inferscale_engine.types import DEFAULT_USER
 
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine
@@ -49,25 +50,15 @@ TURN_KEY = "turn_id"  # facts of one conversation turn share it
 SESSION_KEY = "session_id"  # conversation (thread) the fact was said in
 SOURCE_KEY = "source"  # "langchain" | "llamaindex"
 
-#: The user of a class built without ``user_id``.
-DEFAULT_USER = "default"
-#: Prefixes of the user ids under which the Mem0 server keeps memories of an agent, a run or an
-#: app alone (``@agent:<id>``): a class given one would read and write those.
-RESERVED_USER_PREFIXES = ("@agent:", "@run:", "@app:")
-
 _WARNED_SHARED: set[str] = set()
 
 
 def check_user_id(user_id: Any) -> str:
-    """``user_id``, or ``ValueError`` unless the memory store takes it (its own rule: a non-empty,
-    printable string of bounded length) and it is no reserved id (:data:`RESERVED_USER_PREFIXES`)."""
-    from inferscale_engine.memory.validation import check_user
+    """``user_id``, or ``ValueError`` unless the memory store takes it as a person's id
+    (:func:`~inferscale_engine.memory.validation.check_person`)."""
+    from inferscale_engine.memory.validation import check_person
 
-    user_id = check_user(user_id)
-    if user_id.startswith(RESERVED_USER_PREFIXES):
-        raise ValueError(f"user_id {user_id!r:.80} is reserved: ids starting with "
-                         f"{', '.join(RESERVED_USER_PREFIXES)} hold agent, run and app memories of the server")
-    return user_id
+    return check_person(user_id)
 
 
 def user_of(cls: type, user_id: Any) -> str:

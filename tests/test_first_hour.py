@@ -116,6 +116,7 @@ def test_a_missing_user_id_warns_once_per_class():
     import warnings
 
     from inferscale_engine.errors import SharedUserWarning
+    from inferscale_engine.types import DEFAULT_USER
     from inferscale_integrations import _common
     from inferscale_integrations.langchain import ChatInferScale, InferScaleChatMessageHistory
 
@@ -129,7 +130,7 @@ def test_a_missing_user_id_warns_once_per_class():
     shared = [w for w in caught if issubclass(w.category, SharedUserWarning)]
     assert [str(w.message).split()[0] for w in shared] == ["ChatInferScale", "InferScaleChatMessageHistory"]
     assert "pass user_id=" in str(shared[0].message)
-    assert history.user_id == _common.DEFAULT_USER
+    assert history.user_id == DEFAULT_USER
 
 
 def test_handles_sent_to_another_langchain_model_warn_once():

@@ -76,6 +76,7 @@ from inferscale_engine.errors import (
     TooLargeError,
 )
 from inferscale_engine.handles import HANDLE_PATTERN
+from inferscale_engine.memory.validation import RESERVED_USER_PREFIXES
 from inferscale_engine.prompting import (
     memory_context,
     openai_usage,
@@ -85,10 +86,10 @@ from inferscale_engine.prompting import (
 )
 from inferscale_engine.runtime import warm_up
 from inferscale_engine.tool_calls import ToolUse, template_renders_tools
+from inferscale_engine.types import DEFAULT_USER
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_USER = "default"
 #: How often a non-streaming generation checks that its client is still connected.
 DISCONNECT_POLL_S = 0.25
 #: Largest request body taken (413 above it, before any of it is parsed). Far above any prompt
@@ -454,9 +455,9 @@ def create_app(
                            param="user", code="conflicting_user")
         if given:
             name, user = next(iter(given.items()))
-            if user.startswith(mem0_api.RESERVED_PREFIXES):
+            if user.startswith(RESERVED_USER_PREFIXES):
                 raise APIError(400, f"{name} {user!r} is reserved: ids starting with "
-                                    f"{', '.join(map(repr, mem0_api.RESERVED_PREFIXES))} hold agent, run and app memories, "
+                                    f"{', '.join(map(repr, RESERVED_USER_PREFIXES))} hold agent, run and app memories, "
                                     "not a user's", param=name, code="reserved_user")
             return user
         if uses_memory:

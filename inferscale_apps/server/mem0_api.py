@@ -44,15 +44,13 @@ from inferscale_apps.server.headers import HeaderEncodingError, user_id_header
 from inferscale_engine.errors import check_utf8
 from inferscale_engine.memory.encoding import engine_generate
 from inferscale_engine.memory.extraction import extract_actions
+from inferscale_engine.memory.validation import RESERVED_USER_PREFIXES
 
 ENTITY_KEYS = ("user_id", "agent_id", "run_id", "app_id")
 MAX_USER_ID = 128  # the store's limit
 MAX_ENTITY_ID = MAX_USER_ID - len("@agent:")  # agent/run/app-only memories are stored under "@agent:<id>"
 ENTITY_TYPES = {"user": "user_id", "agent": "agent_id", "run": "run_id", "app": "app_id"}
 META_KEY = "_entities"
-#: Store-key prefixes of agent, run and app memories (``Entities.store_key``); every other key,
-#: ``@alice`` included, is a user id.
-RESERVED_PREFIXES = ("@agent:", "@run:", "@app:")
 #: Filter keys this server evaluates; anything else is refused rather than ignored, since an
 #: ignored filter would widen a search or a delete.
 _OPS = ("eq", "ne", "in", "nin")
@@ -91,7 +89,7 @@ class Entities:
 
 def user_of_key(key: str) -> str | None:
     """The ``user_id`` of a store key: None for the key of an agent, run or app memory."""
-    return None if key.startswith(RESERVED_PREFIXES) else key
+    return None if key.startswith(RESERVED_USER_PREFIXES) else key
 
 
 def entities_of(item: Any) -> dict[str, str | None]:
@@ -255,7 +253,7 @@ def add_routes(app: FastAPI, *, engine: Any, store: Callable[[], Any], call: Cal
         limit = MAX_USER_ID if key == "user_id" else MAX_ENTITY_ID
         if not v.strip() or len(v) > limit or not v.isprintable():
             raise bad(f"{key} must be a non-empty string of at most {limit} printable characters", key)
-        if key == "user_id" and v.startswith(RESERVED_PREFIXES):
+        if key == "user_id" and v.startswith(RESERVED_USER_PREFIXES):
             raise bad(f"user_id {v!r} is reserved for agent, run and app memories", key)
         return v
 

@@ -22,6 +22,11 @@ MAX_METADATA_BYTES = 64 << 10
 MAX_METADATA_DEPTH = 20
 
 
+#: Store keys under which the Mem0 API keeps memories of an agent, a run or an app alone
+#: (``@agent:<id>``...): never a person's user id, so chats and framework classes refuse them.
+RESERVED_USER_PREFIXES = ("@agent:", "@run:", "@app:")
+
+
 def check_user(user_id: Any) -> str:
     if (
         not isinstance(user_id, str) or not user_id.strip() or len(user_id) > MAX_USER_ID
@@ -29,6 +34,16 @@ def check_user(user_id: Any) -> str:
     ):
         raise ValueError(f"user_id must be a non-empty string of at most {MAX_USER_ID} printable characters, "
                          f"got {user_id!r:.80}")
+    return user_id
+
+
+def check_person(user_id: Any) -> str:
+    """:func:`check_user`, and no reserved store key (:data:`RESERVED_USER_PREFIXES`): the id of
+    whoever a chat or a framework class serves."""
+    user_id = check_user(user_id)
+    if user_id.startswith(RESERVED_USER_PREFIXES):
+        raise ValueError(f"user_id {user_id!r:.80} is reserved: ids starting with "
+                         f"{', '.join(RESERVED_USER_PREFIXES)} hold agent, run and app memories")
     return user_id
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from inferscale_engine.types import DEFAULT_USER
 from inferscale_integrations._common import EngineRef, check_arguments, check_user_id, pydantic_fields
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ class InferScaleModelBase(BaseModel):
 
     engine_options: dict[str, Any] = Field(default_factory=dict)
     """Options for building the engine (``max_model_len``, ``window``...) when this class builds it."""
-    user_id: str = "default"
+    user_id: str = DEFAULT_USER
     """Whose memories this object reads and writes (one per end user)."""
 
     _engine: EngineRef = PrivateAttr()

@@ -23,6 +23,7 @@ from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from langchain_core.tracers.context import register_configure_hook
 from pydantic import ConfigDict, PrivateAttr, field_validator, model_validator
 
+from inferscale_engine.types import DEFAULT_USER
 from inferscale_integrations._common import (
     EngineRef,
     check_arguments,
@@ -42,7 +43,7 @@ class HandleExpander(RunnableSerializable[Any, Any]):
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
     model: str | None = None
-    user_id: str = "default"
+    user_id: str = DEFAULT_USER
 
     @model_validator(mode="before")
     @classmethod

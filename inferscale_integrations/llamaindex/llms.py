@@ -35,7 +35,8 @@ from llama_index.core.llms.custom import CustomLLM
 from inferscale_engine.errors import ForgedHandleError, HandleOwnerError, MissingUserError
 from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_engine.prompting import engine_role, usage_dict
-from inferscale_integrations._common import DEFAULT_USER, check_user_id, warn_foreign_handles
+from inferscale_engine.types import DEFAULT_USER
+from inferscale_integrations._common import check_user_id, warn_foreign_handles
 from inferscale_integrations.llamaindex._base import InferScaleComponent
 from inferscale_integrations.llamaindex.retrievers import issued_to
 

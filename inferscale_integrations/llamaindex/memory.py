@@ -22,6 +22,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.memory.memory import BaseMemoryBlock
 from llama_index.core.memory.types import BaseMemory
 
+from inferscale_engine.types import DEFAULT_USER
 from inferscale_integrations._common import (
     OnEngine,
     RecallMode,
@@ -84,7 +85,7 @@ class InferScaleMemory(_MemoryBase, BaseMemory):
         ```
     """
 
-    user_id: str = Field(default="default")
+    user_id: str = Field(default=DEFAULT_USER)
     session_id: str | None = Field(default=None, description="Conversation id (recent turns, reset).")
     model_name: str | None = Field(default=None, description="Model alias/folder of the shared engine.")
     mode: RecallMode = Field(default="handles")
@@ -189,7 +190,7 @@ class InferScaleMemoryBlock(_MemoryBase, BaseMemoryBlock[list[ChatMessage]]):
     """
 
     name: str = Field(default="InferScaleMemory")
-    user_id: str = Field(default="default")
+    user_id: str = Field(default=DEFAULT_USER)
     session_id: str | None = Field(default=None, description="Tag for stored facts (recall spans all sessions).")
     model_name: str | None = Field(default=None)
     mode: RecallMode = Field(default="handles")

@@ -52,6 +52,7 @@ from llama_index.core.vector_stores.types import (
 from llama_index.core.vector_stores.utils import build_metadata_filter_fn
 
 from inferscale_engine.errors import InferScaleError
+from inferscale_engine.types import DEFAULT_USER
 from inferscale_integrations._common import SOURCE_KEY, OnEngine, RecallMode, check_mode, content_of
 from inferscale_integrations.llamaindex._base import InferScaleComponent
 from inferscale_integrations.llamaindex.retrievers import remember_issued
@@ -125,7 +126,7 @@ class InferScaleVectorStore(OnEngine, InferScaleComponent, BasePydanticVectorSto
     is_embedding_query: bool = False
     flat_metadata: bool = False
 
-    user_id: str = Field(default="default", description="Owner of the facts; handles resolve only for this user.")
+    user_id: str = Field(default=DEFAULT_USER, description="Owner of the facts; handles resolve only for this user.")
     model_name: str | None = Field(default=None, description="Model alias/folder of the shared engine.")
     mode: RecallMode = Field(default="handles", description="Query results as handles or as text.")
     chunk_tokens: int = Field(default=256, gt=0, description="Longest fact, in model tokens; longer nodes are split.")
