@@ -250,6 +250,8 @@ def usage_dict(usage: Usage) -> dict[str, int]:
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "injected_tokens": usage.injected_tokens,
         "cached_tokens": usage.cached_tokens,
+        "memories_injected": usage.memories_injected,
+        "memories_recomputed": usage.memories_recomputed,
     }
 
 

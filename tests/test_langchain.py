@@ -217,6 +217,7 @@ def test_completion_llm(engine: Any) -> None:
     result = llm.generate([f"Memory: {item.handle}\nQuestion: dog?", "Hello"])
     assert len(result.generations) == 2
     assert result.generations[0][0].generation_info["injected_tokens"] > 0
+    assert result.llm_output["token_usage"]["memories_injected"] == 1
     assert result.llm_output["token_usage"]["injected_tokens"] > 0
     assert "".join(llm.stream("Hello")) == llm.invoke("Hello")
     assert isinstance(asyncio.run(llm.ainvoke("Hello")), str)
@@ -234,7 +235,8 @@ def test_the_quality_knob_reaches_the_engine(engine: Any) -> None:
     assert recomputed.invoke(prompt).usage_metadata["input_token_details"]["injected"] == 0
     assert injected.invoke(prompt, recompute=1).usage_metadata["input_token_details"]["injected"] == 0
     completion = InferScaleLLM(engine=engine, user_id=user, max_tokens=2, recompute=1).generate([prompt[0].content])
-    assert completion.generations[0][0].generation_info["injected_tokens"] == 0
+    usage = completion.generations[0][0].generation_info["token_usage"]
+    assert (usage["injected_tokens"], usage["memories_injected"], usage["memories_recomputed"]) == (0, 0, 1)
     with pytest.raises(ValueError):
         ChatInferScale(engine=engine, recompute=-1)
 

@@ -107,7 +107,8 @@ class InferScaleLLM(InferScaleModelBase, LLM):
 
     def _llm_output(self, generations: list[Generation]) -> dict[str, Any]:
         usages = [(g.generation_info or {}).get("token_usage") or {} for g in generations]
-        keys = ("prompt_tokens", "completion_tokens", "total_tokens", "injected_tokens", "cached_tokens")
+        keys = ("prompt_tokens", "completion_tokens", "total_tokens", "injected_tokens", "cached_tokens",
+                "memories_injected", "memories_recomputed")
         return {
             "model_name": self._engine.model_name,
             "token_usage": {k: sum(int(u.get(k, 0)) for u in usages) for k in keys},
