@@ -140,6 +140,13 @@ class SharedUserWarning(InferScaleError, UserWarning):
     with :mod:`warnings` (as an error it is an InferScaleError)."""
 
 
+class RefusedRequestError(InferScaleError, RuntimeError):
+    """The engine refused a LlamaIndex ``InferScaleLLM`` call for a reason that is a ``ValueError``
+    (:class:`ContextOverflowError`, :class:`FactNotFoundError`, :class:`StaleKVError`...), raised
+    as this instead: LlamaIndex's response synthesizers turn ``ValueError``s into the answer
+    "Empty Response". The engine's error is its ``__cause__``."""
+
+
 class HandleOwnerError(InferScaleError, PermissionError):
     """Memory handles in a LlamaIndex ``InferScaleLLM`` prompt are not the LLM's user's (the retriever
     or memory recalled them for another ``user_id``, or they were forged). A ``PermissionError``,

@@ -20,6 +20,7 @@ from llama_index.core.response_synthesizers import SimpleSummarize
 from llama_index.core.schema import MetadataMode, NodeWithScore
 from probes import Recorder, check_margin
 
+from inferscale_engine.errors import FactNotFoundError, RefusedRequestError
 from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_integrations import get_engine
 from inferscale_integrations.llamaindex import (
@@ -130,6 +131,18 @@ def test_llm_of_another_user_than_the_retriever_raises_instead_of_empty_response
             SimpleSummarize(llm=llm).get_response("Who keeps bees?", [fact.handle])
         assert isinstance(err.value, PermissionError) and not isinstance(err.value, ValueError)
     assert spy.results == []  # nothing generated with another user's memories
+    # The engine's other refusals are ValueErrors too: a prompt over the context, a deleted
+    # memory's handle. They reach the user, not "Empty Response".
+    engine.memory.delete(fact.id)
+    alices = InferScaleLLM(engine=engine, user_id=alice, max_tokens=4)
+    with pytest.raises(RefusedRequestError, match="FactNotFoundError") as err:
+        SimpleSummarize(llm=alices).get_response("Who keeps bees?", [fact.handle])
+    assert isinstance(err.value.__cause__, FactNotFoundError)
+    # LlamaIndex counts a handle's ~25 tokens, the engine the fact's own (~10 a sentence here).
+    (essay,) = engine.memory.add(" ".join(["Alice's garden has roses, tulips and old apple trees."] * 16), user_id=alice)
+    tight = InferScaleLLM(engine=engine, user_id=alice, max_tokens=engine.max_model_len - 150)
+    with pytest.raises(RefusedRequestError, match="ContextOverflowError"):
+        SimpleSummarize(llm=tight).get_response("What grows in the garden?", [essay.handle])
     # The same engine given the retriever's user answers.
     same = InferScaleLLM(engine=engine, user_id=alice, max_tokens=4, sampling_kwargs={"min_tokens": 1})
     assert str(RetrieverQueryEngine.from_args(retriever, llm=same).query("What is my dog called?")) != "Empty Response"

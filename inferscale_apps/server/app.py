@@ -66,6 +66,7 @@ from inferscale_engine.errors import (
     ModelNotFoundError,
     ModelPreparationError,
     NonFiniteKVError,
+    RefusedRequestError,
     ReplicaMismatchError,
     SchemaVersionError,
     SecretError,
@@ -170,6 +171,7 @@ def _is_mem0_path(path: str) -> bool:
 _ERRORS: tuple[tuple[type[Exception], int, str, str | None, str], ...] = (
     (ForgedHandleError, 403, "permission_error", "messages", "forged_handle"),
     (HandleOwnerError, 403, "permission_error", "messages", "forged_handle"),  # LlamaIndex's, never the server's
+    (RefusedRequestError, 400, "invalid_request_error", None, "invalid_request"),  # LlamaIndex's too
     (FactNotFoundError, 404, "not_found_error", None, "memory_not_found"),
     (StaleKVError, 409, "conflict_error", None, "stale_kv"),
     (MalformedHandleError, 400, "invalid_request_error", "messages", "malformed_handle"),

@@ -32,7 +32,13 @@ from llama_index.core.instrumentation.events.llm import LLMChatStartEvent, LLMCo
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
-from inferscale_engine.errors import ForgedHandleError, HandleOwnerError, MissingUserError
+from inferscale_engine.errors import (
+    ForgedHandleError,
+    HandleOwnerError,
+    InferScaleError,
+    MissingUserError,
+    RefusedRequestError,
+)
 from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_engine.prompting import engine_role, usage_dict
 from inferscale_engine.types import DEFAULT_USER
@@ -46,11 +52,16 @@ if TYPE_CHECKING:
 
 @contextmanager
 def _refusals_raised() -> Iterator[None]:
-    """The engine's refusal of a handle, as an error LlamaIndex lets through to the user."""
+    """The engine's refusals as errors LlamaIndex lets through to the user (its synthesizers
+    answer "Empty Response" for any ``ValueError``)."""
     try:
         yield
     except ForgedHandleError as exc:
         raise HandleOwnerError(str(exc)) from exc
+    except InferScaleError as exc:
+        if isinstance(exc, (ValueError, TypeError)):
+            raise RefusedRequestError(f"{type(exc).__name__}: {exc}") from exc
+        raise
 
 
 def _extra(result: GenerationResult, model_name: str) -> dict[str, Any]:
