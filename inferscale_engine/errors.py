@@ -85,7 +85,8 @@ class StoreDamagedError(InferScaleError):
     and remove every KV file as belonging to no memory, so it is refused. The message says what is
     wrong and the two ways out."""
 
-    def __init__(self, folder: object, problem: str, db_file: str = "memory.sqlite3") -> None:
+    def __init__(self, folder: object, problem: str = "its database is missing or damaged",
+                 db_file: str = "memory.sqlite3") -> None:
         super().__init__(
             f"memory store {folder} cannot be opened: {problem}. Nothing was changed. Restore {db_file} from a "
             f"backup (first move aside any {db_file}-wal or -shm left there: they belong to the lost file); or, to "

@@ -87,6 +87,9 @@ def test_every_engine_error_class_has_its_response():
         "ReplicaMismatchError": (503, "memory_unavailable"),
         "DatabaseUnavailableError": (503, "database_unavailable"),
         "ConnectorError": (500, "internal_error"),
+        # The LlamaIndex LLM's, raised in place of the engine's own: answered as those would be.
+        "HandleOwnerError": (403, "forged_handle"),
+        "RefusedRequestError": (400, "invalid_request"),
     }
     classes = {name: cls for name, cls in inspect.getmembers(errors, inspect.isclass)
                if cls.__module__ == errors.__name__ and not issubclass(cls, Warning)}  # warnings are not raised
