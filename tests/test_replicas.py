@@ -170,6 +170,45 @@ def test_write_cut_off_during_its_commit_is_reported_not_repeated(url, tmp_path)
         a.close()
 
 
+@pytest.mark.parametrize("sqlstate", ["serialization_failure", "deadlock_detected", "lock_not_available"])
+def test_error_on_a_live_connection_is_retried_or_reported(url, tmp_path, sqlstate):
+    """The server fails a write once (a trigger raises ``sqlstate``) on a connection that stays
+    up: a transaction it rolled back (serialization failure, deadlock) is run again and
+    succeeds; another operational error is an InferScaleError naming the store, not repeated."""
+    import psycopg
+
+    from inferscale_engine.errors import DatabaseUnavailableError, InferScaleError
+    from inferscale_engine.memory import MemoryStore
+
+    a = MemoryStore(None, url, kv_path=tmp_path / "a")
+    try:
+        [fact] = a.add("My dog is called Rex.", user_id="alice")
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(f"""
+                CREATE SEQUENCE fails;
+                CREATE FUNCTION fail_once() RETURNS trigger LANGUAGE plpgsql AS $$
+                BEGIN
+                    IF nextval('fails') = 1 THEN  -- sequences are not rolled back: once only
+                        RAISE EXCEPTION 'injected' USING ERRCODE = '{sqlstate}';
+                    END IF;
+                    RETURN NULL;
+                END $$;
+                CREATE TRIGGER fail_once AFTER INSERT ON history FOR EACH ROW EXECUTE FUNCTION fail_once();
+            """)
+        if sqlstate == "lock_not_available":
+            with pytest.raises(InferScaleError, match=f"memory store {a.location}: injected") as info:
+                a.update(fact.id, "My dog is called Max.", user_id="alice")
+            assert not isinstance(info.value, DatabaseUnavailableError)
+            assert [e["event"] for e in a.history(fact.id)] == ["ADD"]  # rolled back, not run again
+            a.update(fact.id, "My dog is called Max.", user_id="alice")  # the caller's retry
+        else:
+            a.update(fact.id, "My dog is called Max.", user_id="alice")  # rolled back by the server, run again
+        assert [e["event"] for e in a.history(fact.id)] == ["ADD", "UPDATE"]
+        assert a.get(fact.id).memory == "My dog is called Max."
+    finally:
+        a.close()
+
+
 def test_database_that_stays_down_is_a_clear_error_after_the_retries(tmp_path):
     import time
 

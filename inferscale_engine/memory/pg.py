@@ -23,6 +23,7 @@ its tokens and contexts would overwrite theirs in the shared rows.
 A dropped connection (a server restart, a failover, ``pg_terminate_backend``) is re-opened and
 the call run again, for up to ``retry_seconds``: every call is one transaction, and one that
 failed before its COMMIT was sent was rolled back by the server, so running it again is safe.
+So is one the server rolled back itself (SQLSTATE class 40: a serialization failure, a deadlock).
 One that failed during its COMMIT may have been written: that one is not repeated, the caller
 gets a :class:`~inferscale_engine.errors.DatabaseUnavailableError` saying so. Every public
 method, those :class:`~inferscale_engine.memory.db.SQLMetaDB` writes for both backends too, is
@@ -205,7 +206,10 @@ CREATE INDEX IF NOT EXISTS facts_by_change ON facts(change_seq);
             try:
                 yield self._reconnect() if self.conn.broken else self.conn
             except self._psycopg.OperationalError as exc:
-                if self.conn.broken or isinstance(exc, self._psycopg.errors.TransactionRollbackError):
+                # SQLSTATE class 40, a transaction the server rolled back (serialization failure,
+                # deadlock), wrote nothing: run again, as one cut off by a dropped connection is.
+                # psycopg 3 has no common base class for them (psycopg2's TransactionRollbackError).
+                if self.conn.broken or (exc.sqlstate or "").startswith("40"):
                     raise _ConnectionLost(exc, self._committing) from exc
                 raise InferScaleError(f"memory store {self.location}: {exc}".strip()) from exc
 
