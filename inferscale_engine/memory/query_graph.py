@@ -41,12 +41,13 @@ class _Graph:
 
 
 def _embed(model: "nn.Module", ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    if hasattr(model, "embeddings") and hasattr(model, "encoder"):
+    embeddings, encoder = getattr(model, "embeddings", None), getattr(model, "encoder", None)
+    if isinstance(embeddings, torch.nn.Module) and isinstance(encoder, torch.nn.Module):
         # BERT-style: build the additive mask here; transformers' own mask helpers inspect the
         # mask's values (a device sync, which a CUDA graph capture refuses) in some releases.
-        hidden = model.embeddings(input_ids=ids)
+        hidden = embeddings(input_ids=ids)
         additive = (1.0 - mask[:, None, None, :].to(hidden.dtype)) * torch.finfo(hidden.dtype).min
-        hidden = model.encoder(hidden, attention_mask=additive)[0][0]
+        hidden = encoder(hidden, attention_mask=additive)[0][0]
     else:
         hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state[0]
     weights = mask[0].to(hidden.dtype)[:, None]
