@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from _ctypes import CFuncPtr
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -50,7 +51,7 @@ class _MemcpyAttributes(ctypes.Structure):
 @dataclass(frozen=True)
 class _Runtime:
     lib: ctypes.CDLL
-    batch: ctypes._CFuncPtr | None  # cudaMemcpyBatchAsync, when this runtime has it
+    batch: CFuncPtr | None  # cudaMemcpyBatchAsync, when this runtime has it
     batch_fail_index: bool  # the CUDA 12.8/12.9 signature, with a failIdx out-argument
 
     def error(self, err: int) -> str:
@@ -170,7 +171,8 @@ class ByteCopier:
                 ctypes.byref(self._attributes[to_device]), self._first_attribute.ctypes.data, 1]
         if runtime.batch_fail_index:
             args.append(ctypes.byref(ctypes.c_size_t(0)))
-        err = runtime.batch(*args, self.stream.cuda_stream)  # type: ignore[misc]
+        assert runtime.batch is not None  # self._batch is set only where the runtime has it
+        err = runtime.batch(*args, self.stream.cuda_stream)
         if err:
             logger.warning("cudaMemcpyBatchAsync failed (%s); copying range by range from now on", runtime.error(err))
             self._batch = False
