@@ -486,6 +486,7 @@ class KVTiers:
             slab_pages[key] = to_pages[len(from_pages) : len(from_pages) + len(h.pages)]
             from_pages += h.pages
         self._wait_written(hosts)
+        assert self._slab_pool is not None  # a fact fit in free slab pages: the slab exists
         # Queued before the bookkeeping: the sooner the DMA starts, the sooner its tail lands.
         self.counters["host_to_device_copies"] += self._copy(self._slab_pool, to_pages, self._host_pool(), from_pages)
         for key, h in fits:  # in the request's order, which later evictions go by (_kept)
@@ -625,7 +626,8 @@ class KVTiers:
         PCIe, while the side stream copies the promoted facts the other way. Readers of those
         host pages wait for the returned event (:meth:`_wait_written`)."""
         if not self._cuda:
-            _copy_on_host(self._host_pool(), host_pages, self._slab_pool, slab_pages)  # type: ignore[arg-type]
+            assert self._slab_pool is not None  # the pages are evicted from the slab
+            _copy_on_host(self._host_pool(), host_pages, self._slab_pool, slab_pages)
             return None
         assert self._slab is not None
         with self._side_work() as side, torch.cuda.stream(side):
