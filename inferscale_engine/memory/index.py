@@ -99,7 +99,7 @@ class FaissIndex:
 
         self.dim = dim
         self._faiss = faiss
-        index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
+        index: faiss.Index = faiss.IndexIDMap2(faiss.IndexFlatIP(dim))
         if torch.device(device).type == "cuda" and hasattr(faiss, "StandardGpuResources"):
             try:
                 self._res = faiss.StandardGpuResources()
@@ -117,14 +117,18 @@ class FaissIndex:
             return
         again = [s for s in seqs if s in self._seqs]
         if again:
-            self._index.remove_ids(np.asarray(again, dtype=np.int64))
+            self._remove_ids(again)
         self._index.add_with_ids(np.ascontiguousarray(vecs, dtype=np.float32), np.asarray(seqs, dtype=np.int64))
         self._seqs.update(seqs)
 
     def remove(self, seq: int) -> None:
         if seq in self._seqs:
-            self._index.remove_ids(np.asarray([seq], dtype=np.int64))
+            self._remove_ids([seq])
             self._seqs.discard(seq)
+
+    def _remove_ids(self, seqs: list[int]) -> None:
+        # The selector faiss's Python wrapper makes of an array of ids, which its stubs do not take.
+        self._index.remove_ids(self._faiss.IDSelectorBatch(np.asarray(seqs, dtype=np.int64)))
 
     def search(self, query: np.ndarray, k: int) -> list[tuple[int, float]]:
         if not self._seqs:
