@@ -178,7 +178,7 @@ class DiskTier:
         try:
             size = os.fstat(fd).st_size
             buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
-            view = memoryview(buffer.numpy())
+            view = buffer.numpy().data
             done = 0
             while done < size:
                 n = os.preadv(fd, [view[done:]], done)
@@ -362,7 +362,7 @@ def _parse_safetensors(data: torch.Tensor) -> tuple[dict[str, str], dict[str, to
 def _digest(k: torch.Tensor, v: torch.Tensor) -> str:
     h = hashlib.sha256()
     for t in (k, v):
-        h.update(t.contiguous().view(-1).view(torch.uint8).numpy())
+        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 
