@@ -239,12 +239,13 @@ def infer_facts(store: _Store, generate: ChatGenerate, conversation: Sequence[st
     out: list[MemoryItem] = []
     for action in extract_actions(lambda messages: generate(messages, user_id), conversation, similar).actions:
         try:
+            # parse_actions gives an ADD its text, an UPDATE both, a DELETE its fact id.
             if action.event == "ADD":
-                out.extend(store.add(action.text, user_id=user_id, metadata=metadata))  # type: ignore[arg-type]
-            elif action.event == "UPDATE":
-                out.append(store.update(action.fact_id, action.text, user_id=user_id))  # type: ignore[arg-type]
-            elif action.event == "DELETE":
-                store.delete(action.fact_id, user_id=user_id)  # type: ignore[arg-type]
+                out.extend(store.add(action.text, user_id=user_id, metadata=metadata))
+            elif action.event == "UPDATE" and action.fact_id is not None and action.text is not None:
+                out.append(store.update(action.fact_id, action.text, user_id=user_id))
+            elif action.event == "DELETE" and action.fact_id is not None:
+                store.delete(action.fact_id, user_id=user_id)
         except (FactNotFoundError, ValueError, TypeError) as exc:
             logger.warning("memory extraction: skipping %s: %s", action, exc)
     return out
