@@ -279,7 +279,7 @@ class KVKeeper:
         ready = [i for i, f in enumerate(facts) if f.fingerprint == self.fingerprint]
         keys: list[KVKey] = [(facts[i].id, facts[i].kv_version) for i in ready]
         try:
-            got = self.tiers.get_many(keys, self.fingerprint) if keys else []  # type: ignore[arg-type]
+            got = self.tiers.get_many(keys, self.fingerprint) if keys else []
             for i, kv in zip(ready, got):
                 kvs[i] = kv
         except (KVMissingError, StaleKVError):
@@ -415,7 +415,7 @@ class KVKeeper:
                 self._encode_errors.pop(f.id, None)
                 rows.append((f.id, f.kv_version))
             if rows and self._db_open:
-                self._db.mark_encoded(self.fingerprint, rows)  # type: ignore[arg-type]
+                self._db.mark_encoded(self.fingerprint, rows)
             for task, p in stored:
                 self._finish(task.fact_id, p, None)
         for key in orphans:
@@ -485,7 +485,7 @@ class KVKeeper:
                     if snap.fingerprint != self.fingerprint:
                         raise StaleKVError(f"memory {fact_id} was encoded under fingerprint {snap.fingerprint!r}, "
                                            f"this store serves {self.fingerprint!r}")
-                    return self.tiers.get((fact_id, snap.kv_version), self.fingerprint), snap  # type: ignore[arg-type]
+                    return self.tiers.get((fact_id, snap.kv_version), self.fingerprint), snap
                 except StaleKVError as exc:
                     # Other KV content under the same span key could be reused from vLLM's prefix
                     # cache: re-encode under a new KV version (new key, new file).
@@ -501,10 +501,11 @@ class KVKeeper:
                 if f.kv_version != snap.kv_version or f.fingerprint == self.fingerprint:
                     continue  # changed meanwhile: look again
                 p = self._pending.get(fact_id)
+                # Not mine: another thread is encoding this version; wait for its p.event below.
                 mine = p is None or p.version != f.kv_version or p.state == "done" or p.state == "queued"
+                if p is None or p.version != f.kv_version or p.state == "done":
+                    p = self._pending[fact_id] = _Pending(f.kv_version, "running")
                 if mine:
-                    if p is None or p.version != f.kv_version or p.state == "done":
-                        p = self._pending[fact_id] = _Pending(f.kv_version, "running")
                     p.state = "running"
                     task = self._task(f)
             if mine:  # encode it now, in this thread
@@ -522,7 +523,7 @@ class KVKeeper:
                 continue
             remaining = deadline - time.monotonic()
             patience = remaining if self.serve_as_text_after is None else min(remaining, self.serve_as_text_after)
-            if patience > 0 and p.event.wait(patience):  # type: ignore[union-attr]
+            if patience > 0 and p.event.wait(patience):
                 continue
             if self.serve_as_text_after is not None:
                 return None, snap
