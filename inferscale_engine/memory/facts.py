@@ -112,8 +112,9 @@ class FactTable:
             while fact_id in self.by_id:
                 fact_id = secrets.token_hex(8)
             rows.append(FactRow(
-                seq=0, id=fact_id, user_id=user_id, text=text, token_ids=ids, context_ids=ctx and ctx.ids,
-                context_text=ctx and ctx.text, context_kind=kind, context_window=window, metadata=meta,
+                seq=0, id=fact_id, user_id=user_id, text=text, token_ids=ids,
+                context_ids=None if ctx is None else ctx.ids, context_text=None if ctx is None else ctx.text,
+                context_kind=kind, context_window=window, metadata=meta,
                 created_at=now, updated_at=now, kv_version=1, fingerprint=None, encode_error=None, embedding=vec,
             ))
         return rows
