@@ -191,7 +191,7 @@ class MemoryStore:
                 disk_read_bps=disk_read_bps,
             )
             load_facts(self._db, self.table, self.embedder, self.contexts, self.tiers,
-                       self.encoder and self.encoder.fingerprint, self.fingerprint)
+                       None if encoder is None else encoder.fingerprint, self.fingerprint)
         except BaseException:
             release_lock(self._lock_fd)
             raise
