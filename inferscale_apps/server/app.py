@@ -28,7 +28,7 @@ import sqlite3
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -532,7 +532,7 @@ def create_app(
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def sse(endpoint: str, rid: str, now: int, first: Any, agen: AsyncIterator[Any], include_usage: bool,
+    async def sse(endpoint: str, rid: str, now: int, first: Any, agen: AsyncGenerator[Any, None], include_usage: bool,
                   use: ToolUse | None = None) -> AsyncIterator[str]:
         """The stream's SSE events. With tools, text is held back where a call may start, and the
         calls come at the end, one ``delta.tool_calls`` chunk each (whole, at its ``index``)."""
