@@ -1,10 +1,10 @@
 #!/bin/bash
 # Two builds side by side on one lent GPU (device tool): bench ttft and bench throughput of an
 # earlier commit, checked out as a worktree in $BASE, against this tree, alternating per step so
-# drift hits both alike; then this tree's CUDA tests.
+# drift hits both alike; then this tree's fused-kernel check and CUDA tests.
 #   git worktree add --detach .base <commit>    (here, once; .base is git-ignored)
 #   run(command="BASE=.base bash scripts/h200_ab.sh", carry=[".gpu", ".base"])
-# STEPS (default "ttft throughput cudatests"), KS (5,50,200), REPEATS (20), USERS (100).
+# STEPS (default "ttft throughput kernel cudatests"), KS (5,50,200), REPEATS (20), USERS (100).
 set -uo pipefail
 source .gpu/device-env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -13,10 +13,10 @@ python3 scripts/make_configs.py /tmp/models > /dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 ARGS="--model /tmp/models/llama-3.1-8b --dummy-weights --dtype bfloat16"
 here=$PWD
-for step in ${STEPS:-ttft throughput cudatests}; do
+for step in ${STEPS:-ttft throughput kernel cudatests}; do
   for build in base main; do
     root=$here; [ "$build" = base ] && root=$here/$BASE
-    [ "$step" = cudatests ] && [ "$build" = base ] && continue
+    case $step in kernel|cudatests) [ "$build" = base ] && continue ;; esac
     echo "== $step $build $(git -C "$root" rev-parse --short HEAD 2>/dev/null) $(date +%T)"
     cd "$root" || exit 1
     export PYTHONPATH=/tmp/site:$root
@@ -27,8 +27,9 @@ for step in ${STEPS:-ttft throughput cudatests}; do
       throughput) python3 -m inferscale_apps.bench throughput $ARGS --max-model-len 8192 --users "${USERS:-100}" \
           --k 50 --json "$OUT/throughput-$build.json" > "$OUT/throughput-$build.log" 2>&1
         grep -E "^(mode|prompt|inject)" "$OUT/throughput-$build.log" ;;
+      kernel) python3 -m inferscale_apps.bench.kernel --ks 5,50,200 --json "$OUT/kernel.json" 2>&1 | tail -5 ;;
       cudatests) python3 -m pytest -q -p no:cacheprovider tests/test_memory_tiers.py tests/test_kv_exchange.py \
-          tests/test_injection_streams.py "tests/test_query_encoder.py::test_half_precision_query_graph_finds_what_fp32_finds" \
+          tests/test_injection_streams.py tests/test_injection_table.py "tests/test_query_encoder.py::test_half_precision_query_graph_finds_what_fp32_finds" \
           2>&1 | tail -4 ;;
     esac
     cd "$here" || exit 1
