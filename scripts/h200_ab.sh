@@ -8,7 +8,7 @@
 set -uo pipefail
 source .gpu/device-env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-BASE=${BASE:?set BASE to the earlier build's worktree}
+BASE=${BASE:?set BASE to the worktree of the earlier build}
 python3 scripts/make_configs.py /tmp/models > /dev/null
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 ARGS="--model /tmp/models/llama-3.1-8b --dummy-weights --dtype bfloat16"
