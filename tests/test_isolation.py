@@ -336,6 +336,7 @@ def test_llamaindex_classes(engine, people):
     from llama_index.core.schema import QueryBundle
 
     from inferscale_integrations.llamaindex import (
+        HandleOwnerError,
         InferScaleLLM,
         InferScaleMemory,
         InferScaleRetriever,
@@ -348,13 +349,15 @@ def test_llamaindex_classes(engine, people):
         llm = InferScaleLLM(engine=engine, user_id=b, max_tokens=2)
         stolen = [ChatMessage(role=MessageRole.SYSTEM, content=f"Memory: {handle}"),
                   ChatMessage(role=MessageRole.USER, content="What is the vault code?")]
-        with refused(spy):
+        # The LLM's refusal is a HandleOwnerError, not the engine's ForgedHandleError: a
+        # ValueError, which LlamaIndex's synthesizers would turn into "Empty Response".
+        with refused(spy, HandleOwnerError):
             llm.chat(stolen)
-        with refused(spy):
+        with refused(spy, HandleOwnerError):
             list(llm.stream_chat(stolen))
-        with refused(spy):
+        with refused(spy, HandleOwnerError):
             llm.complete(f"Memory: {handle}\nThe code is")
-        with refused(spy):
+        with refused(spy, HandleOwnerError):
             asyncio.run(llm.achat(stolen))
         nodes = InferScaleRetriever(engine=engine, user_id=b, similarity_top_k=50).retrieve(
             QueryBundle("vault code passphrase purple giraffe"))
