@@ -155,3 +155,30 @@ def test_the_cli_names_a_lost_database_in_one_message(tmp_path, embedder, capsys
     assert "Traceback" not in err
     assert "memory.sqlite3 is missing" in " ".join(err.split()) and "Restore memory.sqlite3" in " ".join(err.split())
     assert not (path / "memory.sqlite3").exists()
+
+
+def test_a_full_or_read_only_database_is_a_typed_storage_error(tmp_path):
+    """SQLite's own full-disk and read-only failures reach callers as StorageFullError and
+    StorageUnavailableError (the server's 507 and 503), and leave no transaction open."""
+    from inferscale_engine.errors import StorageFullError, StorageUnavailableError
+    from inferscale_engine.memory.db import SQLiteDB
+
+    db = SQLiteDB(tmp_path / "memory.sqlite3")
+    try:
+        db.set_meta("small", "fits")
+        pages = db.conn.execute("PRAGMA page_count").fetchone()[0]
+        most = db.conn.execute("PRAGMA max_page_count").fetchone()[0]
+        db.conn.execute(f"PRAGMA max_page_count={pages}")  # the disk is full: no page more
+        with pytest.raises(StorageFullError, match="full"):
+            db.set_meta("big", "x" * 100_000)
+        db.conn.execute(f"PRAGMA max_page_count={most}")
+        db.set_meta("after", "the failed write left no transaction behind")
+        assert db.get_meta("big") is None and db.get_meta("after") is not None
+
+        db.conn.execute("PRAGMA query_only=ON")  # as a read-only file or folder refuses writes
+        with pytest.raises(StorageUnavailableError, match="readonly"):
+            db.set_meta("small", "changed")
+        db.conn.execute("PRAGMA query_only=OFF")
+        assert db.get_meta("small") == "fits"
+    finally:
+        db.close()

@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from inferscale_engine.config import is_database_url
-from inferscale_engine.errors import SchemaVersionError, StoreDamagedError
+from inferscale_engine.errors import SchemaVersionError, StorageFullError, StorageUnavailableError, StoreDamagedError
 from inferscale_engine.memory.item import text_hash
 
 SCHEMA_VERSION = 1
@@ -503,14 +503,22 @@ class SQLiteDB(SQLMetaDB):
 
     @contextmanager
     def _damage_named(self) -> Iterator[None]:
-        """SQLite finding the file is not a database, or a damaged one (truncated, overwritten):
-        a :class:`StoreDamagedError` that says how to recover, not a bare ``DatabaseError``."""
+        """SQLite's failures of the file as typed errors, not a bare ``DatabaseError``: a file
+        that is not a database, or a damaged one (truncated, overwritten), a
+        :class:`StoreDamagedError` that says how to recover; a full disk a
+        :class:`StorageFullError`; a read-only, unopenable or failing one a
+        :class:`StorageUnavailableError`."""
         try:
             yield
         except sqlite3.DatabaseError as exc:
-            if exc.sqlite_errorcode & 0xFF not in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
-                raise
-            raise StoreDamagedError(self.path.parent, f"{self.path.name} is damaged ({exc})", self.path.name) from exc
+            code = (exc.sqlite_errorcode or 0) & 0xFF  # the primary code of an extended one
+            if code in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
+                raise StoreDamagedError(self.path.parent, f"{self.path.name} is damaged ({exc})", self.path.name) from exc
+            if code == sqlite3.SQLITE_FULL:
+                raise StorageFullError(str(exc)) from exc
+            if code in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CANTOPEN):
+                raise StorageUnavailableError(str(exc)) from exc
+            raise
 
     @contextmanager
     def _reading(self) -> Iterator[sqlite3.Connection]:
@@ -523,10 +531,13 @@ class SQLiteDB(SQLMetaDB):
             self.conn.execute("BEGIN IMMEDIATE")
             try:
                 yield self.conn
+                self.conn.execute("COMMIT")
             except BaseException:
-                self.conn.execute("ROLLBACK")
+                # SQLite rolls some failures back itself (a full disk): a ROLLBACK then would
+                # fail too, and its error would hide the one that matters.
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
                 raise
-            self.conn.execute("COMMIT")
 
     def close(self) -> None:
         with self.lock:
