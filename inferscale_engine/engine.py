@@ -288,13 +288,14 @@ class InferScaleEngine:
     @property
     def memory(self) -> MemoryStore:
         """The engine's own memory store (Mem0-style API), and the ``FactSource`` its handles
-        resolve through unless ``fact_source`` is set. Built on first use by the composition
-        root (:func:`inferscale_engine.runtime.build_memory`) from this engine's config; assign
-        a store to serve another one. :meth:`close` closes it."""
+        resolve through unless ``fact_source`` is set. Built on first use
+        (:meth:`MemoryStore.for_engine <inferscale_engine.memory.store.MemoryStore.for_engine>`)
+        from this engine's config; assign a store to serve another one. :meth:`close` closes it."""
         if self._memory is None:
-            from inferscale_engine.runtime import build_memory
+            # On first use: an engine that serves another FactSource never loads the store.
+            from inferscale_engine.memory import MemoryStore
 
-            self._memory = build_memory(self)
+            self._memory = MemoryStore.for_engine(self)
             self._calibration = planner.Calibration(self, self._memory)
         return self._memory
 

@@ -1,9 +1,11 @@
-"""Composition root: the one place that builds an engine and its memory store and wires them.
+"""Composition root: builds an engine and its memory store from their configs and wires them.
 
 The memory package does not import the engine module (it needs only an
 :class:`~inferscale_engine.memory.encoding.Encoder`; the ``Span`` value type it returns is
-looked up at call time), and the engine needs only a ``FactSource`` to resolve handles; this
-module is where the two meet::
+looked up at call time), and the engine needs only a ``FactSource`` to resolve handles (it
+builds its default store, :meth:`MemoryStore.for_engine
+<inferscale_engine.memory.store.MemoryStore.for_engine>`, on first use of ``engine.memory``);
+this module sits above both::
 
     EngineConfig ──▶ InferScaleEngine ─┐ (encoder, extraction model)
     MemoryConfig ──────────────────────┴──▶ MemoryStore ──▶ engine.memory (its FactSource)
@@ -22,17 +24,6 @@ from inferscale_engine.config import EngineConfig, MemoryConfig
 if TYPE_CHECKING:
     from inferscale_engine.engine import FactSource, InferScaleEngine
     from inferscale_engine.memory import MemoryStore
-
-
-def build_memory(engine: InferScaleEngine, config: MemoryConfig | None = None) -> MemoryStore:
-    """A store whose facts ``engine`` encodes and extracts (``infer=True``); ``config``
-    defaults to :meth:`MemoryConfig.for_engine` of the engine's config."""
-    from inferscale_engine.memory import MemoryStore
-    from inferscale_engine.memory.encoding import engine_generate
-
-    config = config or MemoryConfig.for_engine(engine.config)
-    generate = engine_generate(engine, max_tokens=config.extraction_max_tokens)
-    return MemoryStore.from_config(engine, config, generate=generate)
 
 
 def warm_up(store: Any) -> None:
@@ -63,10 +54,11 @@ class Runtime:
 def build(engine_config: EngineConfig, memory_config: MemoryConfig | None = None) -> Runtime:
     """The engine of ``engine_config`` with the store of ``memory_config`` as its ``memory``."""
     from inferscale_engine.engine import InferScaleEngine
+    from inferscale_engine.memory import MemoryStore
 
     engine = InferScaleEngine(**{f.name: getattr(engine_config, f.name) for f in dataclasses.fields(engine_config)})
     try:
-        engine.memory = build_memory(engine, memory_config)
+        engine.memory = MemoryStore.for_engine(engine, memory_config)
     except BaseException:
         engine.close()
         raise

@@ -47,8 +47,8 @@ import numpy as np
 
 from inferscale_engine import InferScaleEngine, planner
 from inferscale_engine.config import MemoryConfig
+from inferscale_engine.memory import MemoryStore
 from inferscale_engine.memory.embedder import Embedder
-from inferscale_engine.runtime import build_memory
 from inferscale_engine.types import MemoryMix
 
 USER = "cold-user"
@@ -116,7 +116,7 @@ def main() -> None:
                               recompute=0, store_path=root,
                               **({"load_format": "dummy"} if args.dummy_weights else {}),
                               **({"enable_prefix_caching": False} if args.no_prefix_cache else {})) as engine:
-            engine.memory = build_memory(engine, MemoryConfig.for_engine(
+            engine.memory = MemoryStore.for_engine(engine, MemoryConfig.for_engine(
                 engine.config, disk_read_bps=args.disk_bps or None, embedder=Embedder(_HashEmbedder())))
             texts = _facts(max(ks))
             items = engine.memory.add_texts(texts, user_id=USER)

@@ -81,9 +81,9 @@ def test_head_cache_is_per_user(engine, monkeypatch):
 
 def _open_store(engine, path):
     from inferscale_engine.config import MemoryConfig
-    from inferscale_engine.runtime import build_memory
+    from inferscale_engine.memory import MemoryStore
 
-    return build_memory(engine, MemoryConfig.for_engine(engine.config, path=path))
+    return MemoryStore.for_engine(engine, MemoryConfig.for_engine(engine.config, path=path))
 
 
 def _kv_file(store, item):

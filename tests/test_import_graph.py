@@ -1,10 +1,11 @@
-"""Our packages' module-level imports form no cycle, and the library never imports the apps.
+"""Our packages' imports form no cycle, and the library never imports the apps.
 
 Read statically (``ast``), so it costs no vLLM or torch import: an edge is an import of one of
-our modules that runs when the importing module is imported. Imports inside functions run later,
-and ``if TYPE_CHECKING:`` blocks never run, so neither counts. A second check counts
-``TYPE_CHECKING`` imports too: a cycle there is no import error, but it is still two layers that
-each know the other.
+our modules anywhere in another, at module level or inside a function. An import inside a
+function only defers the cycle to the first call (it is still two layers that each know the
+other), so it counts. ``if TYPE_CHECKING:`` blocks never run, so they do not count here; a second
+check counts them too: a cycle there is no import error, but it is still two layers that each
+know the other.
 """
 
 from __future__ import annotations
@@ -42,23 +43,22 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _module_level_imports(body: list[ast.stmt], type_checking: bool) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Import statements that run when the module body runs (class bodies included, function
-    bodies not; ``if TYPE_CHECKING:`` blocks only with ``type_checking``)."""
+def _imports(body: list[ast.stmt], type_checking: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement in ``body``, in nested blocks, classes and functions too;
+    ``if TYPE_CHECKING:`` blocks only with ``type_checking``."""
     for node in body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        elif isinstance(node, ast.If):
-            if type_checking or not _is_type_checking(node.test):
-                yield from _module_level_imports(node.body, type_checking)
-            yield from _module_level_imports(node.orelse, type_checking)
-        elif isinstance(node, ast.ClassDef):
-            yield from _module_level_imports(node.body, type_checking)
-        elif isinstance(node, (ast.Try, ast.TryStar)):
-            for block in (node.body, *(h.body for h in node.handlers), node.orelse, node.finalbody):
-                yield from _module_level_imports(block, type_checking)
-        elif isinstance(node, (ast.With, ast.For, ast.While)):
-            yield from _module_level_imports(node.body, type_checking)
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            if type_checking:
+                yield from _imports(node.body, type_checking)
+            yield from _imports(node.orelse, type_checking)
+        else:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.stmt):
+                    yield from _imports([child], type_checking)
+                elif isinstance(child, (ast.ExceptHandler, ast.match_case)):
+                    yield from _imports(child.body, type_checking)
 
 
 def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str]) -> Iterator[str]:
@@ -90,7 +90,7 @@ def import_graph(*, type_checking: bool = False) -> dict[str, set[str]]:
         is_package = path.name == "__init__.py"
         graph[name] = {
             target
-            for node in _module_level_imports(tree.body, type_checking)
+            for node in _imports(tree.body, type_checking)
             for target in _targets(node, name, is_package, known)
             if target != name
         }
@@ -125,9 +125,11 @@ def test_the_graph_is_read() -> None:
     assert "inferscale_engine.engine" in graph
     assert "inferscale_engine.connector.compat" in graph["inferscale_engine.engine"]
     assert "inferscale_engine.kv" in graph["inferscale_engine.engine"]
-    # The engine names the store only for type checking, and imports it where it builds it.
-    assert "inferscale_engine.memory" not in graph["inferscale_engine.engine"]
-    assert "inferscale_engine.memory" in import_graph(type_checking=True)["inferscale_engine.engine"]
+    # engine.memory imports the store where it builds it: an import inside a function is an edge.
+    assert "inferscale_engine.memory" in graph["inferscale_engine.engine"]
+    # Only for type checking: the store's value types name the KV in annotations.
+    assert "inferscale_engine.kv" not in graph["inferscale_engine.types"]
+    assert "inferscale_engine.kv" in import_graph(type_checking=True)["inferscale_engine.types"]
 
 
 def test_finds_a_cycle() -> None:

@@ -1,7 +1,7 @@
 """The metadata of a memory store (users, facts, history, embeddings) behind one small
 interface, :class:`MetaDB`, with one class per backend: :class:`SQLiteDB` here (embedded, the
 default) and :class:`~inferscale_engine.memory.pg.PostgresDB` (shared by replicas).
-:func:`open_db` picks one from the store's location.
+:func:`~inferscale_engine.memory.backends.open_db` picks one from the store's location.
 
 All SQL lives behind methods named for what they record, written once in
 :class:`SQLMetaDB` (what the backends share) and, where a backend differs, in its class; each
@@ -29,7 +29,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from inferscale_engine.config import is_database_url
 from inferscale_engine.errors import SchemaVersionError, StorageFullError, StorageUnavailableError, StoreDamagedError
 from inferscale_engine.memory.item import text_hash
 
@@ -244,15 +243,6 @@ class MetaDB(ABC):
     def handle_secret(self) -> bytes:
         """The secret every replica makes and checks handles with (created once)."""
         raise NotImplementedError
-
-
-def open_db(location: str | Path) -> MetaDB:
-    """The backend of ``location``: a ``postgresql://`` URL, or the SQLite file of a store folder."""
-    if is_database_url(location):
-        from inferscale_engine.memory.pg import PostgresDB
-
-        return PostgresDB(str(location))
-    return SQLiteDB(Path(location))
 
 
 class SQLMetaDB(MetaDB):

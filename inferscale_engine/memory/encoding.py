@@ -13,8 +13,10 @@ import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from inferscale_engine.config import EngineConfig
 from inferscale_engine.encoder import EncodeWindow
 from inferscale_engine.kv import FactKV
+from inferscale_engine.types import GenerationResult, Messages, Mode
 
 #: ``generate(messages, user_id) -> reply text``: the model that extracts facts (``infer=True``).
 ChatGenerate = Callable[[list[dict[str, str]], str], str]
@@ -35,6 +37,17 @@ class Encoder(Protocol):
         """KV of every range of every window; ``keys``: the span key each range's KV will be
         served under (an encoder may keep it ready for that)."""
         ...
+
+
+class ServingEngine(Encoder, Protocol):
+    """An encoder that also chats: what a store built for an engine needs of it
+    (:meth:`~inferscale_engine.memory.store.MemoryStore.for_engine`, :func:`engine_generate`)."""
+
+    config: EngineConfig
+    tokenizer: Any
+
+    def generate(self, prompt_or_messages: str | Messages, *, user_id: str = ..., max_tokens: int = ...,
+                 temperature: float = ..., mode: Mode = ...) -> GenerationResult: ...
 
 
 def kv_fingerprint(encoder: Encoder | None, window: int, context_prefix: str) -> str | None:
@@ -62,7 +75,7 @@ def device_of(encoder: Any) -> str:
     return str(getattr(config, "device", None) or "cpu")
 
 
-def engine_generate(engine: Any, *, max_tokens: int = 512) -> ChatGenerate:
+def engine_generate(engine: ServingEngine, *, max_tokens: int = 512) -> ChatGenerate:
     """The :data:`ChatGenerate` of a serving engine: a greedy, plain-prompt generation."""
 
     def generate(messages: list[dict[str, str]], user_id: str) -> str:

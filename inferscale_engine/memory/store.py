@@ -52,12 +52,21 @@ from inferscale_engine.errors import (
     check_utf8,
 )
 from inferscale_engine.handles import Handle, HandleCodec
+from inferscale_engine.memory.backends import open_db
 from inferscale_engine.memory.bandwidth import TierSpeeds
 from inferscale_engine.memory.bandwidth import measure as measure_tiers
 from inferscale_engine.memory.context import Chunk, Context, ContextBuilder
-from inferscale_engine.memory.db import FactRow, open_db, utc_now
+from inferscale_engine.memory.db import FactRow, utc_now
 from inferscale_engine.memory.embedder import Embedder
-from inferscale_engine.memory.encoding import ChatGenerate, Encoder, describe, device_of, kv_fingerprint
+from inferscale_engine.memory.encoding import (
+    ChatGenerate,
+    Encoder,
+    ServingEngine,
+    describe,
+    device_of,
+    engine_generate,
+    kv_fingerprint,
+)
 from inferscale_engine.memory.extraction import infer_facts
 from inferscale_engine.memory.facts import FactTable, retexted
 from inferscale_engine.memory.folder import (
@@ -219,6 +228,15 @@ class MemoryStore:
             kv_path=config.kv_path, disk_read_threads=config.disk_read_threads,
             disk_read_bps=config.disk_read_bps, follow_interval=config.follow_interval,
         )
+
+    @classmethod
+    def for_engine(cls, engine: ServingEngine, config: MemoryConfig | None = None) -> "MemoryStore":
+        """A store whose facts ``engine`` encodes and extracts (``infer=True``), as
+        ``engine.memory`` builds on first use; ``config`` defaults to
+        :meth:`MemoryConfig.for_engine` of the engine's config."""
+        config = config or MemoryConfig.for_engine(engine.config)
+        generate = engine_generate(engine, max_tokens=config.extraction_max_tokens)
+        return cls.from_config(engine, config, generate=generate)
 
     @property
     def resolve_timeout(self) -> float:
