@@ -269,6 +269,12 @@ class InferScaleEngine:
         """Whether :meth:`close` was called (a closed engine serves nothing)."""
         return self._closed
 
+    @property
+    def memory_if_built(self) -> MemoryStore | None:
+        """The store :attr:`memory` has built (or was given), else ``None``: for a caller that
+        must not build one just to look (a metrics scrape loading the embedder)."""
+        return self._memory
+
     def close(self) -> None:
         """Stop the engine loop and free vLLM. Safe to call twice."""
         if self._closed:

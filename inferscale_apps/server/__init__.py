@@ -46,7 +46,7 @@ def serve(
         engine = InferScaleEngine(**engine_options)
     try:
         app = create_app(engine, served_model_name=served_model_name, api_key=api_key, default_max_tokens=default_max_tokens)
-        store = getattr(engine, "_memory", None)  # opened by create_app unless it failed
+        store = engine.memory_if_built  # opened by create_app unless it failed
         if store is not None:
             store.advertise(local_url(host, port))
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5, access_log=log_level == "debug")

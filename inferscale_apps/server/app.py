@@ -302,8 +302,8 @@ def create_app(
     memory_error: list[str] = []
 
     def store_stats() -> dict[str, int]:
-        store = getattr(engine, "_memory", None)  # never opens a store just to be scraped
-        return store.tiers.stats() if store is not None and getattr(store, "tiers", None) is not None else {}
+        store = engine.memory_if_built  # never opens a store just to be scraped
+        return store.tiers.stats() if store is not None else {}
 
     metrics.store_stats = store_stats
     if preload_memory:
