@@ -20,7 +20,7 @@ import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from inferscale_engine.encoder import EncodeWindow
+from inferscale_engine.types import EncodeWindow
 
 if TYPE_CHECKING:
     import torch

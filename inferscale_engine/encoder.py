@@ -10,29 +10,17 @@ from __future__ import annotations
 import queue
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tqdm.auto import tqdm
 
+from inferscale_engine.types import EncodeWindow
+
 if TYPE_CHECKING:
-    # Runtime imports live in encode_windows: the store imports EncodeWindow, and store-only
-    # commands (`inferscale memory list`) must not pay for vLLM and torch.
+    # Runtime imports live in encode_windows: importing this module must not pay for vLLM.
     from inferscale_engine.connector.exchange import KVExchange
     from inferscale_engine.kv import FactKV
     from inferscale_engine.loop import Loop
-
-
-@dataclass(frozen=True)
-class EncodeWindow:
-    """One prefill of ``token_ids``, keeping the KV of each ``(start, length)`` range."""
-
-    token_ids: tuple[int, ...]
-    ranges: tuple[tuple[int, int], ...]
-
-    @classmethod
-    def single(cls, fact_ids: Sequence[int], context_ids: Sequence[int] = ()) -> EncodeWindow:
-        return cls(tuple(context_ids) + tuple(fact_ids), ((len(context_ids), len(fact_ids)),))
 
 
 def encode_windows(

@@ -42,7 +42,7 @@ from inferscale_engine.config import EngineConfig, check_recompute
 from inferscale_engine.connector import compat
 from inferscale_engine.connector.exchange import Geometry, KVExchange, NotHeldError
 from inferscale_engine.connector.plan import InjectionPlan, SpanRef, injected_tokens
-from inferscale_engine.encoder import EncodeWindow, encode_windows
+from inferscale_engine.encoder import encode_windows
 from inferscale_engine.errors import (
     EngineClosedError,
     EngineSettingsError,
@@ -55,6 +55,7 @@ from inferscale_engine.logs import configure_vllm_logging
 from inferscale_engine.loop import AsyncEngineLoop, EngineLoop, Loop
 from inferscale_engine.types import (
     DEFAULT_USER,
+    EncodeWindow,
     FactSource,
     GenerationResult,
     MemoryMix,

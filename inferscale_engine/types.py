@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from inferscale_engine.handles import Handle
     from inferscale_engine.kv import FactKV
 
-__all__ = ["ColdFact", "ColdRead", "FactSource", "MemoryMix", "GenerationResult", "Messages", "Mode", "Segment", "Span", "StreamDelta", "Usage"]
+__all__ = ["ColdFact", "ColdRead", "EncodeWindow", "FactSource", "MemoryMix", "GenerationResult", "Messages", "Mode", "Segment", "Span", "StreamDelta", "Usage"]
 
 Mode = Literal["inject", "prompt"]
 Messages = Sequence[dict[str, Any]]  # "role", "content" (str); "tool_calls" on assistant messages
@@ -103,6 +103,19 @@ class ColdFact(TextFact):
 
 
 Segment = Span | Sequence[int]
+
+
+@dataclass(frozen=True)
+class EncodeWindow:
+    """One prefill of ``token_ids``, keeping the KV of each ``(start, length)`` range: what the
+    store asks its encoder for, and the engine runs."""
+
+    token_ids: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def single(cls, fact_ids: Sequence[int], context_ids: Sequence[int] = ()) -> EncodeWindow:
+        return cls(tuple(context_ids) + tuple(fact_ids), ((len(context_ids), len(fact_ids)),))
 
 
 class FactSource(Protocol):

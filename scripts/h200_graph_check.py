@@ -33,7 +33,7 @@ def one(model: str, mode: str, out: str, dummy: bool) -> None:
 
     from inferscale_apps.bench.exactness import random_case
     from inferscale_engine import InferScaleEngine
-    from inferscale_engine.encoder import EncodeWindow
+    from inferscale_engine.types import EncodeWindow
 
     extra = {"load_format": "dummy", "skip_tokenizer_init": True} if dummy else {}
     with InferScaleEngine(model=model, device="cuda", dtype="bfloat16", max_model_len=2048, max_logprobs=1000, recompute=0,

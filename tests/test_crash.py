@@ -260,8 +260,8 @@ def verify_restart(engine: Any, embedder: Any, path: Path, acked: list[dict[str,
     """Reopen the store after a kill and check everything the crash test promises."""
     import torch
 
-    from inferscale_engine.encoder import EncodeWindow
     from inferscale_engine.memory import MemoryStore
+    from inferscale_engine.types import EncodeWindow
 
     raw = raw_state(path)
     assert raw["no_history"] == 0 and raw["incomplete"] == 0, raw

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from inferscale_engine import InferScaleEngine
-from inferscale_engine.encoder import EncodeWindow
 from inferscale_engine.errors import ContextOverflowError, MalformedHandleError
 from inferscale_engine.memory.context import Chunk, ContextBuilder
+from inferscale_engine.types import EncodeWindow
 
 TURNS = [
     "Caroline: I adopted a dog last spring.",

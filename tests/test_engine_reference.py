@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from inferscale_engine import InferScaleEngine, cuda_graphs
-from inferscale_engine.encoder import EncodeWindow
+from inferscale_engine.types import EncodeWindow
 
 pytestmark = pytest.mark.timeout(600)
 

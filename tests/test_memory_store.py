@@ -19,7 +19,6 @@ import pytest
 import torch
 from probes import fact_row, logged, mint_handle
 
-from inferscale_engine.encoder import EncodeWindow
 from inferscale_engine.errors import (
     ConnectorError,
     ContextOverflowError,
@@ -35,7 +34,7 @@ from inferscale_engine.kv import FactKV
 from inferscale_engine.memory import MemoryItem, MemoryStore
 from inferscale_engine.memory.embedder import Embedder
 from inferscale_engine.memory.encoding import engine_generate
-from inferscale_engine.types import Span
+from inferscale_engine.types import EncodeWindow, Span
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 1024, "recompute": 0}

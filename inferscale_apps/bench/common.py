@@ -108,8 +108,7 @@ class SyntheticWorkload:
         question_tokens: int = 24,
         seed: int = 0,
     ) -> SyntheticWorkload:
-        from inferscale_engine.encoder import EncodeWindow
-        from inferscale_engine.types import Span
+        from inferscale_engine.types import EncodeWindow, Span
 
         rng = random.Random(seed)
         hi = min(engine.vocab_size, 32000) - 1

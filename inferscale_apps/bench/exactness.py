@@ -12,8 +12,7 @@ import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from inferscale_engine.encoder import EncodeWindow
-from inferscale_engine.types import GenerationResult, Span
+from inferscale_engine.types import EncodeWindow, GenerationResult, Span
 
 if TYPE_CHECKING:
     from inferscale_engine.engine import InferScaleEngine

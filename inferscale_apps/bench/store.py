@@ -65,8 +65,8 @@ class _RandomEmbedder:
 
 
 def bench_encode(engine: Any, embedder: Any, turns: list[tuple[str, str]], window: int, group: int, root: Path) -> dict:
-    from inferscale_engine.encoder import EncodeWindow
     from inferscale_engine.memory import MemoryStore
+    from inferscale_engine.types import EncodeWindow
 
     out: dict[str, Any] = {"facts": len(turns), "window": window, "group": group}
     texts = [f"{s}: {t}" for s, t in turns]

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from inferscale_engine.encoder import EncodeWindow
 from inferscale_engine.errors import ContextOverflowError
+from inferscale_engine.types import EncodeWindow
 
 
 @dataclass(frozen=True)

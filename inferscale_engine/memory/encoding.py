@@ -14,9 +14,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from inferscale_engine.config import EngineConfig
-from inferscale_engine.encoder import EncodeWindow
 from inferscale_engine.kv import FactKV
-from inferscale_engine.types import GenerationResult, Messages, Mode
+from inferscale_engine.types import EncodeWindow, GenerationResult, Messages, Mode
 
 #: ``generate(messages, user_id) -> reply text``: the model that extracts facts (``infer=True``).
 ChatGenerate = Callable[[list[dict[str, str]], str], str]

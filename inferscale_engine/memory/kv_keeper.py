@@ -26,7 +26,6 @@ from typing import Literal
 
 from tqdm.auto import tqdm
 
-from inferscale_engine.encoder import EncodeWindow
 from inferscale_engine.errors import EngineClosedError, FactNotFoundError, InferScaleError, KVNotReadyError, StaleKVError
 from inferscale_engine.kv import FactKV
 from inferscale_engine.memory.context import Chunk, ContextBuilder
@@ -35,7 +34,7 @@ from inferscale_engine.memory.encode_queue import EncodeQueue, Job
 from inferscale_engine.memory.encoding import Encoder
 from inferscale_engine.memory.facts import FactTable
 from inferscale_engine.memory.tiers import KVKey, KVMissingError, KVTiers
-from inferscale_engine.types import ColdFact, Span, TextFact
+from inferscale_engine.types import ColdFact, EncodeWindow, Span, TextFact
 
 logger = logging.getLogger(__name__)
 
