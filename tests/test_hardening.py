@@ -244,21 +244,21 @@ def test_huge_bodies_are_refused_early(http):
 
 
 def test_full_or_read_only_disk_is_a_typed_error(http, engine, monkeypatch):
-    import sqlite3
-
+    # The database's own failures become these in the store (test_hardening_store.py).
+    from inferscale_engine.errors import StorageFullError, StorageUnavailableError
     from inferscale_engine.memory.db import SQLiteDB
 
     user = uid("disk")
 
     def full(*a, **k):
-        raise sqlite3.OperationalError("database or disk is full")
+        raise StorageFullError("database or disk is full")
 
     monkeypatch.setattr(SQLiteDB, "insert_facts", full)
     r = http.post("/v1/memories/", json={"messages": "A fact.", "user_id": user})
     assert r.status_code == 507 and r.json()["error"]["code"] == "insufficient_storage"
 
     def read_only(*a, **k):
-        raise sqlite3.OperationalError("attempt to write a readonly database")
+        raise StorageUnavailableError("attempt to write a readonly database")
 
     monkeypatch.setattr(SQLiteDB, "insert_facts", read_only)
     r = http.post("/v1/memories/", json={"messages": "A fact.", "user_id": user})

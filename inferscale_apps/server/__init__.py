@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from inferscale_apps.server.app import APIError, api_error, create_app
+from inferscale_apps.server.app import create_app
+from inferscale_apps.server.errors import APIError, api_error
 
 __all__ = ["APIError", "api_error", "create_app", "serve"]
 
