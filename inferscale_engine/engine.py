@@ -55,6 +55,7 @@ from inferscale_engine.logs import configure_vllm_logging
 from inferscale_engine.loop import AsyncEngineLoop, EngineLoop, Loop
 from inferscale_engine.types import (
     DEFAULT_USER,
+    AnySource,
     EncodeWindow,
     FactSource,
     GenerationResult,
@@ -67,6 +68,7 @@ from inferscale_engine.types import (
     StreamDelta,
     TextFact,
     Usage,
+    as_fact_source,
 )
 
 if TYPE_CHECKING:
@@ -134,7 +136,8 @@ class InferScaleEngine:
         self._static: OrderedDict[tuple[str | int, ...], Span] = OrderedDict()  # (owner, len(context), *context, *ids)
         self._memory: MemoryStore | None = None
         self._calibration: planner.Calibration | None = None
-        self.fact_source: FactSource | None = None
+        self._given_source: AnySource | None = None
+        self._fact_source: FactSource | None = None  # the one given, completed (as_fact_source)
         # Promotions of cold memories a request prefilled start here, not in the caller's thread
         # (a generate call, a server's event loop), which then waits for no bookkeeping of theirs.
         self._promotions = ThreadPoolExecutor(1, thread_name_prefix="inferscale-promote")
@@ -313,13 +316,23 @@ class InferScaleEngine:
         self._memory = store
         self._calibration = planner.Calibration(self, store)
 
+    @property
+    def fact_source(self) -> AnySource | None:
+        """Where handles resolve instead of :attr:`memory` (``None``: the engine's own store).
+        A source with less than :class:`~inferscale_engine.types.FactSource` is completed with
+        its defaults here, once, not on every request."""
+        return self._given_source
+
+    @fact_source.setter
+    def fact_source(self, source: AnySource | None) -> None:
+        self._fact_source = None if source is None else as_fact_source(source)
+        self._given_source = source
+
     def prefetch(self, user_id: str, *, limit: int = 256) -> int:
         """Start moving ``user_id``'s most recent memories' KV from disk to memory in the
         background, for a session about to start: its first request then injects them instead
         of reading cold files. Returns how many reads started (see ``MemoryStore.prefetch``)."""
-        source = self.fact_source or self.memory
-        prefetch = getattr(source, "prefetch", None)
-        return prefetch(user_id, limit=limit) if prefetch is not None else 0
+        return (self._fact_source or self.memory).prefetch(user_id, limit=limit)
 
     def calibrate(self, *, refresh: bool = False) -> planner.Rates | None:
         """The cost model's measured rates (prefill times, the store's disk and host-to-device
@@ -329,7 +342,7 @@ class InferScaleEngine:
         return self._calibration.rates()
 
     def _rates(self) -> planner.Rates | None:
-        source = self.fact_source or self._memory
+        source = self._fact_source or self._memory
         if source is None or not hasattr(source, "tier_speeds"):
             return None
         if self._calibration is None or self._calibration.store is not source:
@@ -339,7 +352,7 @@ class InferScaleEngine:
     def _observed_reads(self) -> planner.ObservedReads | None:
         """The cold-read correction of the store this request reads from (``_rates``' own)."""
         calibration = self._calibration
-        if calibration is None or calibration.store is not (self.fact_source or self._memory):
+        if calibration is None or calibration.store is not (self._fact_source or self._memory):
             return None
         return calibration.observed
 
@@ -515,24 +528,20 @@ class InferScaleEngine:
         # Handles side by side leave empty pieces: no tokenizer call for them (~25 µs each).
         ids = [self.tokenize(pieces[0], add_special_tokens=not is_chat), *(self.tokenize(p) if p else [] for p in pieces[1:])]
         if handles:
-            source = self.fact_source or self.memory
-            many = getattr(source, "resolve_many", None)
-            if many is not None:
-                options: dict[str, Any] = {}
-                if getattr(source, "defers_cold", False):
-                    options["defer_cold"] = True  # cold ones: _prepare plans them
-                if getattr(source, "skips_held", False) and not self.exchange.local:
-                    # Spans the exchange holds (staged or retained) are not read again: the
-                    # owner then does no GPU work for them. In-process, spans go by reference.
-                    options["held"] = self.exchange.holds
-                if max_tokens is not None and getattr(source, "checks_room", False):
-                    # Else a request over the context is refused only after its memories were
-                    # read, and encoded in this thread where the encode queue had not got to them.
-                    options["room"] = Room(sum(map(len, ids)), max_tokens, self.max_model_len)
-                spans = many(handles, user_id, **options)
-            else:  # a source with only resolve() (see FactSource)
-                spans = [source.resolve(h, user_id) for h in handles]  # type: ignore[attr-defined]
-            if self.fact_source is not None:
+            source: FactSource = self._fact_source or self.memory
+            options: dict[str, Any] = {}
+            if source.defers_cold:
+                options["defer_cold"] = True  # cold ones: _prepare plans them
+            if source.skips_held and not self.exchange.local:
+                # Spans the exchange holds (staged or retained) are not read again: the
+                # owner then does no GPU work for them. In-process, spans go by reference.
+                options["held"] = self.exchange.holds
+            if max_tokens is not None and source.checks_room:
+                # Else a request over the context is refused only after its memories were
+                # read, and encoded in this thread where the encode queue had not got to them.
+                options["room"] = Room(sum(map(len, ids)), max_tokens, self.max_model_len)
+            spans = source.resolve_many(handles, user_id, **options)
+            if self._fact_source is not None:
                 # A store checks its KV when encoded and when read from disk; a source of the
                 # caller's own is checked here: non-finite KV outlives its request in vLLM's cache,
                 # and a span of another model's shape would be written out of bounds.

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 from inferscale_engine.config import EngineConfig, MemoryConfig
 
 if TYPE_CHECKING:
-    from inferscale_engine.engine import FactSource, InferScaleEngine
+    from inferscale_engine.engine import InferScaleEngine
     from inferscale_engine.memory import MemoryStore
+    from inferscale_engine.types import AnySource
 
 
 def warm_up(store: Any) -> None:
@@ -66,7 +67,7 @@ def build(engine_config: EngineConfig, memory_config: MemoryConfig | None = None
 
 
 @contextlib.contextmanager
-def facts_from(engine: InferScaleEngine, source: FactSource) -> Iterator[None]:
+def facts_from(engine: InferScaleEngine, source: AnySource) -> Iterator[None]:
     """``engine`` resolves handles through ``source`` (not its ``memory``) inside the block,
     and through whatever it used before after it, also when the block raises."""
     previous, engine.fact_source = engine.fact_source, source

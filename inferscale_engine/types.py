@@ -6,6 +6,7 @@ name them without importing vLLM (seconds) or the engine's internals.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from inferscale_engine.handles import Handle
     from inferscale_engine.kv import FactKV
 
-__all__ = ["ColdFact", "ColdRead", "EncodeWindow", "FactSource", "MemoryMix", "GenerationResult", "Messages", "Mode", "Segment", "Span", "StreamDelta", "Usage"]
+__all__ = ["AnySource", "ColdFact", "ColdRead", "EncodeWindow", "FactSource", "MemoryMix", "GenerationResult", "Messages", "Mode", "ResolvesMany", "ResolvesOne", "Segment", "Span", "StreamDelta", "Usage"]
 
 Mode = Literal["inject", "prompt"]
 Messages = Sequence[dict[str, Any]]  # "role", "content" (str); "tool_calls" on assistant messages
@@ -119,18 +120,90 @@ class EncodeWindow:
 
 
 class FactSource(Protocol):
-    """Turns the handles of a request of ``user_id`` into the spans to inject (the memory store).
-    A source with only ``resolve(handle, user_id) -> Span`` is asked handle by handle.
+    """Turns the handles of a request of ``user_id`` into the spans to inject (the memory store
+    is one): everything the engine asks of a source, which it calls directly on every request.
 
-    Optional capabilities, each announced by a class attribute the engine looks for:
-    ``defers_cold = True``: ``resolve_many(..., defer_cold=True)`` returns :class:`ColdFact` for
-    memories whose KV is only on disk; ``skips_held = True``: ``resolve_many(..., held=pred)``
-    returns a held :class:`Span` (no KV, see there) for each fact whose span key ``pred`` says
-    the engine holds, and reads no KV for it; ``checks_room = True``: ``resolve_many(...,
-    room=Room(...))`` refuses memories that do not fit the context (:meth:`Room.check`) before it
-    reads or encodes any KV."""
+    A source of the caller's own may have less: ``resolve_many`` alone, or only ``resolve(handle,
+    user_id)`` (:class:`ResolvesOne`, asked handle by handle). The engine completes it once, when
+    it is assigned (:func:`as_fact_source`), with the defaults documented here."""
+
+    #: ``resolve_many(..., defer_cold=True)`` returns :class:`ColdFact` for memories whose KV is
+    #: only on disk (default ``False``).
+    defers_cold: bool
+    #: ``resolve_many(..., held=pred)`` returns a held :class:`Span` (no KV, see there) for each
+    #: fact whose span key ``pred`` says the engine holds, and reads no KV for it (default ``False``).
+    skips_held: bool
+    #: ``resolve_many(..., room=Room(...))`` refuses memories that do not fit the context
+    #: (:meth:`Room.check`) before it reads or encodes any KV (default ``False``).
+    checks_room: bool
+
+    def resolve_many(self, handles: Sequence[Handle], user_id: str, *, defer_cold: bool = False,
+                     held: Callable[[str], bool] | None = None, room: Room | None = None) -> Sequence[Span | TextFact]:
+        """The span of every handle, in order. The engine passes only the options whose flag
+        above is set (default: the source's ``resolve`` of each handle, no option)."""
+        ...
+
+    def prefetch(self, user_id: str, *, limit: int = 256) -> int:
+        """Start moving ``user_id``'s ``limit`` most recent memories' KV up to a memory tier, for a
+        session about to start; how many reads started (default: none, ``0``)."""
+        ...
+
+
+class ResolvesMany(Protocol):
+    """A source of the caller's own that resolves a request's handles together."""
 
     def resolve_many(self, handles: Sequence[Handle], user_id: str) -> Sequence[Span | TextFact]: ...
+
+
+class ResolvesOne(Protocol):
+    """A source of the caller's own that resolves one handle at a time."""
+
+    def resolve(self, handle: Handle, user_id: str) -> Span | TextFact: ...
+
+
+#: What ``InferScaleEngine.fact_source`` takes: a :class:`FactSource`, or less.
+AnySource = FactSource | ResolvesMany | ResolvesOne
+
+_OPTIONAL = ("defers_cold", "skips_held", "checks_room", "prefetch")
+
+
+def as_fact_source(source: AnySource) -> FactSource:
+    """``source`` itself if it has all of :class:`FactSource`, else ``source`` completed with its
+    defaults: once, where it is assigned, so the request path asks no source what it has."""
+    if hasattr(source, "resolve_many") and all(hasattr(source, name) for name in _OPTIONAL):
+        return source  # type: ignore[return-value]
+    return _Completed(source)
+
+
+class _Completed:
+    """A source of the caller's own with :class:`FactSource`'s defaults for what it lacks; every
+    other attribute is the source's own (a store's ``tier_speeds`` for the cost model...)."""
+
+    def __init__(self, source: AnySource) -> None:
+        self.source = source
+        self.defers_cold = bool(getattr(source, "defers_cold", False))
+        self.skips_held = bool(getattr(source, "skips_held", False))
+        self.checks_room = bool(getattr(source, "checks_room", False))
+        many = getattr(source, "resolve_many", None)
+        if many is None:
+            one = getattr(source, "resolve", None)
+            if one is None:
+                raise TypeError(f"a fact source needs resolve_many(handles, user_id) or resolve(handle, user_id); "
+                                f"{type(source).__name__} has neither")
+            many = functools.partial(_each, one)
+        self.resolve_many: Callable[..., Sequence[Span | TextFact]] = many
+        self.prefetch: Callable[..., int] = getattr(source, "prefetch", _none_prefetched)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.source, name)
+
+
+def _each(resolve: Callable[[Handle, str], Span | TextFact], handles: Sequence[Handle], user_id: str) -> list[Span | TextFact]:
+    return [resolve(h, user_id) for h in handles]
+
+
+def _none_prefetched(user_id: str, *, limit: int = 256) -> int:
+    return 0
 
 
 @dataclass(frozen=True)

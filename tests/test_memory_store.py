@@ -34,7 +34,7 @@ from inferscale_engine.kv import FactKV
 from inferscale_engine.memory import MemoryItem, MemoryStore
 from inferscale_engine.memory.embedder import Embedder
 from inferscale_engine.memory.encoding import engine_generate
-from inferscale_engine.types import EncodeWindow, Span
+from inferscale_engine.types import EncodeWindow, Span, as_fact_source
 
 REPO = Path(__file__).resolve().parent.parent
 ENGINE_OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 1024, "recompute": 0}
@@ -332,6 +332,44 @@ def test_injection_equals_prompt_when_context_matches(make_store, engine):
     it = mem.add("My dog is called Rex.", user_id="u2")[0]
     out = engine.generate(f"Memory: {it.handle}\nQuestion: dog? Answer:", user_id="u2", max_tokens=4)
     assert out.usage.injected_tokens > 0 and len(out.token_ids) == 4
+
+
+def test_a_source_of_the_callers_own_is_completed_once_when_assigned(make_store, engine):
+    """A source with less than FactSource (resolve_many alone) serves handles with FactSource's
+    defaults: the engine asks it what it has once, where it is assigned, never per request; a
+    source that cannot resolve anything is refused there. The store is a whole FactSource."""
+    store = make_store()
+    assert as_fact_source(store) is store
+    fact = store.add("My dog is called Rex.", user_id="u")[0]
+    asked: list[str] = []
+
+    class Partial:
+        def __getattr__(self, name):  # only for what it lacks: the flags, prefetch
+            asked.append(name)
+            raise AttributeError(name)
+
+        def resolve_many(self, handles, user_id):  # takes no option: it announces none
+            return [store.resolve(h, user_id) for h in handles]
+
+    source = Partial()
+    engine.fact_source = source
+    assert engine.fact_source is source
+    assert set(asked) == {"defers_cold", "skips_held", "checks_room", "prefetch"}
+    asked.clear()
+    prompt = f"Memory: {fact.handle}\nQuestion: dog? Answer:"
+    for _ in range(2):
+        segments = engine.resolve(prompt, user_id="u", max_tokens=4)
+        assert [type(s) for s in segments] == [list, Span, list]
+    assert engine.prefetch("u") == 0
+    assert asked == []
+
+    class Nothing:
+        pass
+
+    with pytest.raises(TypeError, match="resolve_many"):
+        engine.fact_source = Nothing()
+    assert engine.fact_source is source
+    engine.fact_source = None
 
 
 def test_an_in_process_engine_reads_every_memory_it_serves(make_store, engine, monkeypatch):
