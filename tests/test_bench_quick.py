@@ -167,7 +167,7 @@ def test_locomo_quick(tmp_path, smollm2_path):
     workdir, answers, plot = tmp_path / "work", tmp_path / "answers.jsonl", tmp_path / "locomo.png"
     data = _run(tmp_path, "locomo", [
         "--model", smollm2_path, "--device", "cpu", "--data", str(LOCOMO), "--conversations", "1", "--questions-per-category", "2",
-        "--max-turns", "30", "--k", "5", "--w", "0,5", "--concurrency", "4", "--exact-control", "--recompute", "0,10",
+        "--max-turns", "30", "--k", "5", "--w", "0,5", "--concurrency", "4", "--exact-control", "--recompute", "0,3,10",
         "--workdir", str(workdir), "--answers", str(answers), "--plot", str(plot),
     ])
     rows = data["results"]
@@ -176,12 +176,33 @@ def test_locomo_quick(tmp_path, smollm2_path):
     assert n == sum(info["questions_by_category"].values()) and set(info["questions_by_category"]) <= {"1", "2", "3", "4"}
     assert n >= 4
     keys = {"mode", "w", "k", "n_questions", "f1", "f1_by_category", "agreement", "ttft_ms"}
-    inject_keys = keys | {"recompute", "category_over_prompt_ci95"}
-    assert all(set(r) - {"inject_over_prompt_ci95"} == (inject_keys if r["mode"] == "inject" else keys) for r in rows)
-    by = {(r["mode"], r["w"], r["k"], r.get("recompute")): r for r in rows}
-    assert set(by) == {("prompt", 0, 5, None), ("inject", 0, 5, 0), ("inject", 0, 5, 10), ("prompt", 5, 5, None),
-                       ("inject", 5, 5, 0), ("inject", 5, 5, 10), ("full", None, None, None)}
-    for (mode, _w, _k, _r), r in by.items():
+    expected_keys = {
+        "full": keys,
+        "prompt": keys | {"order"},
+        "reordered prompt": keys | {"order", "over_conversation_order", "category_noise_floor_ci95"},
+        "inject": keys | {"order", "recompute", "category_over_prompt_ci95"},
+    }
+    for r in rows:
+        kind = "reordered prompt" if r["mode"] == "prompt" and r["order"] != "conversation" else r["mode"]
+        assert set(r) - {"inject_over_prompt_ci95", "noise_floor_ci95"} == expected_keys[kind], r
+    by = {(r["mode"], r["w"], r["k"], r.get("recompute"), r.get("order")): r for r in rows}
+    # recompute=3 moves the 3 most relevant of 2k=10 memories last: its prompt row is answered in
+    # that order; recompute=10 moves all of them, which is the conversation's order again.
+    assert set(by) == {
+        (mode, w, 5, r, order) for w in (0, 5)
+        for mode, r, order in (("prompt", None, "conversation"), ("prompt", None, "relevance-last-3"),
+                               ("inject", 0, "conversation"), ("inject", 3, "relevance-last-3"),
+                               ("inject", 10, "conversation"))
+    } | {("full", None, None, None, None)}
+    # Each inject row is scored against the prompt with its memory order: the bench checked that
+    # both sent the same token ids (it raises otherwise). The reordered prompt row carries the
+    # noise floor: the same prompt in another order against the conversation's.
+    reordered = by[("prompt", 0, 5, None, "relevance-last-3")]
+    floor = reordered["over_conversation_order"]
+    assert floor == pytest.approx(reordered["f1"] / by[("prompt", 0, 5, None, "conversation")]["f1"])
+    assert set(reordered["category_noise_floor_ci95"]) == set(info["questions_by_category"])
+    assert info["baseline"] == "each inject row against the prompt with the identical memory order"
+    for (mode, _w, _k, _r, _o), r in by.items():
         if mode == "full" and r["n_questions"] == 0:
             assert info["full_skipped"]
             continue
@@ -196,15 +217,16 @@ def test_locomo_quick(tmp_path, smollm2_path):
         else:
             assert r["agreement"] is None
     # The prompt answer does not depend on w: the same tokens, computed once.
-    assert by[("prompt", 0, 5, None)]["f1"] == by[("prompt", 5, 5, None)]["f1"]
+    assert by[("prompt", 0, 5, None, "conversation")]["f1"] == by[("prompt", 5, 5, None, "conversation")]["f1"]
     # The 30 turns fit SmolLM2's 8k context, so the full-conversation mode ran.
-    assert by[("full", None, None, None)]["n_questions"] == n
+    assert by[("full", None, None, None, None)]["n_questions"] == n
     # The quality knob at its maximum (all 2k = 10 memories recomputed) is the prompt itself,
     # answered in other batches: it agrees with the prompt answers far better than w=0 does.
-    w0 = by[("inject", 0, 5, 0)]["agreement"]["f1"]
-    assert by[("inject", 0, 5, 10)]["agreement"]["f1"] > w0 + 0.3
+    w0 = by[("inject", 0, 5, 0, "conversation")]["agreement"]["f1"]
+    assert by[("inject", 0, 5, 10, "conversation")]["agreement"]["f1"] > w0 + 0.3
     lines = [json.loads(line) for line in answers.read_text().splitlines()]
-    assert len(lines) == n and all({"prompt k=5", "inject k=5 w=0", "inject k=5 w=5", "inject k=5 w=0 r10", "full"}
+    assert len(lines) == n and all({"prompt k=5", "prompt k=5 relevance-last-3", "inject k=5 w=0", "inject k=5 w=5",
+                                    "inject k=5 w=0 r3", "inject k=5 w=0 r10", "full"}
                                    <= set(a["answers"]) for a in lines)
     assert _is_png(plot)
     # The exact-context control (encoded and answered 4 prompts at a time here) serves the prompt
@@ -215,7 +237,8 @@ def test_locomo_quick(tmp_path, smollm2_path):
     assert control["agreement"]["f1"] > w0 + 0.3
     # Every answer is cached in the workdir: a rerun resumes instead of recomputing.
     cache = next(workdir.glob("*/answers-t32.jsonl"))
-    assert len(cache.read_text().splitlines()) == 7 * n
+    # prompt in 2 orders, inject at 2 w x 3 recompute, full, exact control
+    assert len(cache.read_text().splitlines()) == 10 * n
 
 
 # ---------------------------------------------------------------------- LoCoMo pieces (no model)

@@ -169,11 +169,12 @@ def run(args: argparse.Namespace) -> int:
                 recompute=args.recompute, order=args.order,
             )
             env = {**common.environment(engine), "locomo": info}
-        common.print_table(table_rows(rows), ["mode", "w", "k", "recompute", "n_questions", "f1", "multi-hop",
+        common.print_table(table_rows(rows), ["mode", "w", "k", "order", "recompute", "n_questions", "f1", "multi-hop",
                                               "temporal", "open-domain", "single-hop", "agree_exact", "agree_f1",
-                                              "ttft_ms"])
-        common.print_table(summarize(rows), ["w", "k", "recompute", "inject_over_prompt", "ci95_low", "ci95_high",
-                                             "worst_category", "exact_match", "agreement_f1"])
+                                              "over_conversation_order", "ttft_ms"])
+        common.print_table(summarize(rows), ["w", "k", "recompute", "order", "inject_over_prompt", "ci95_low",
+                                             "ci95_high", "noise_floor_low", "noise_floor_high", "worst_category",
+                                             "exact_match", "agreement_f1"])
         if info.get("exact_control"):
             print("exact-context control (memories encoded after exactly their served prefix):")
             common.print_table(

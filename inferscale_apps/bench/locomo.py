@@ -30,12 +30,23 @@ Setup (see ``docs/benchmarks-locomo.md``):
   ``task_eval/evaluation.py``): lower-case, drop punctuation and commas, drop ``a an the and``,
   Porter-stem, whitespace tokens; category 1 splits gold and prediction on ``,`` and averages
   the best match per gold sub-answer; category 3 keeps the gold answer before the first ``;``.
-* **Agreement** (inject rows): how often the injected answer equals the prompt answer after
-  normalisation, and their mean token F1.
+* **Fair baseline.** Every inject row is scored against the prompt row with the *identical*
+  memory order (the same token ids: the bench checks it), so its ratio measures the injection,
+  not the reordering. The prompt is answered once per order a row serves (``order``:
+  ``conversation``, or ``relevance-last-R``).
+* **Noise floor.** The prompt in another order against the prompt in conversation order, per
+  category: what moving memories around alone does to F1, the yardstick for an inject row's
+  ratio. Every order the inject rows serve counts; when they serve none but the conversation's,
+  the prompt is answered once more in ``relevance-last-k`` order (half the memories moved).
+* **Agreement** (inject rows): how often the injected answer equals the same-order prompt
+  answer after normalisation, and their mean token F1.
 
-Rows: ``{mode, w, k, recompute, n_questions, f1, f1_by_category, agreement, ttft_ms}``; inject rows add
-``inject_over_prompt_ci95``, a paired-bootstrap 95% interval of their F1 over prompt F1. Answers are cached in
-``--workdir`` (stores included), so an interrupted run resumes where it stopped.
+Rows: ``{mode, w, k, order, n_questions, f1, f1_by_category, agreement, ttft_ms}``; inject rows add
+``recompute`` and ``inject_over_prompt_ci95``, a paired-bootstrap 95% interval of their F1 over the
+same-order prompt F1 (``category_over_prompt_ci95`` per category); prompt rows of another order
+add the noise floor, ``over_conversation_order`` with ``noise_floor_ci95`` and
+``category_noise_floor_ci95``. Answers are cached in ``--workdir`` (stores included), so an
+interrupted run resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -78,6 +89,7 @@ SYSTEM = "You answer questions about a conversation from memories.\nMemories:\n"
 INSTRUCTION = "Answer in a few words."
 MODES = ("prompt", "inject", "full")
 ORDERS = ("relevance", "conversation")
+CONVERSATION = "conversation"
 
 
 # ====================================================================== scoring (upstream LoCoMo)
@@ -365,11 +377,26 @@ class LocomoBench:
             chosen += [i for i, s in ranked if s == spk][:k]
         return sorted(chosen)
 
-    def arrange(self, turns: list[int], ranked: list[tuple[int, str]], recompute: int) -> list[int]:
-        """``turns`` in the order served with ``recompute`` memories prefilled as text."""
-        if recompute == 0 or self.order == "conversation":
+    def served_order(self, recompute: int, k: int) -> str:
+        """The memory order an inject row with ``recompute`` serves at ``k`` (2k memories)."""
+        if recompute == 0 or recompute >= 2 * k or self.order == "conversation":
+            return CONVERSATION  # relevance_last of every memory keeps them in place
+        return f"relevance-last-{recompute}"
+
+    def prompt_orders(self, k: int) -> list[str]:
+        """Orders the prompt is answered in at ``k``: each one an inject row serves, and at least
+        one other than the conversation's, for the noise floor."""
+        orders = {self.served_order(r, k) for r in self.rs} | {CONVERSATION}
+        if orders == {CONVERSATION}:
+            orders.add(f"relevance-last-{k}")
+        return sorted(orders, key=lambda o: (o != CONVERSATION, o))
+
+    @staticmethod
+    def arrange(turns: list[int], ranked: list[tuple[int, str]], order: str) -> list[int]:
+        """``turns`` in ``order``: as listed, or with the R best-ranked moved last."""
+        if order == CONVERSATION:
             return turns
-        return relevance_last(turns, [i for i, _ in ranked], recompute)
+        return relevance_last(turns, [i for i, _ in ranked], int(order.removeprefix("relevance-last-")))
 
     # -------------------------------------------------------------- answering
 
@@ -432,11 +459,14 @@ class LocomoBench:
 
         asyncio.run(all_jobs())
 
-    def _key(self, conv: Conversation, q: Question, mode: str, w: int | None, k: int | None, r: int = 0) -> str:
+    def _key(self, conv: Conversation, q: Question, mode: str, w: int | None, k: int | None, r: int = 0,
+             order: str = CONVERSATION) -> str:
         # The turn count is part of the key: --max-turns changes what retrieval can find.
         key: list[Any] = [conv.sample_id, len(conv.turns), q.index, mode, w, k]
         if r:
             key.append(f"r{r}{self.order_tag}")
+        if order != CONVERSATION:  # prompt answers: one per memory order
+            key.append(order)
         return json.dumps(key)
 
     def answer(self) -> None:
@@ -453,12 +483,16 @@ class LocomoBench:
                             turns = self.pick(ranked, conv.speakers, k)
                             # The prompt answer does not depend on w (same token ids): once, at the first w.
                             if w == self.ws[0]:
-                                msgs = self.messages((handles[conv.sample_id][i] for i in turns), q.question)
-                                jobs.append(_Job(conv, q, "prompt", None, k, msgs,
-                                                 self._key(conv, q, "prompt", None, k)))
+                                for order in self.prompt_orders(k):
+                                    msgs = self.messages(
+                                        (handles[conv.sample_id][i] for i in self.arrange(turns, ranked, order)),
+                                        q.question)
+                                    jobs.append(_Job(conv, q, "prompt", None, k, msgs,
+                                                     self._key(conv, q, "prompt", None, k, order=order)))
                             for r in self.rs:
+                                order = self.served_order(r, k)
                                 msgs = self.messages(
-                                    (handles[conv.sample_id][i] for i in self.arrange(turns, ranked, r)), q.question)
+                                    (handles[conv.sample_id][i] for i in self.arrange(turns, ranked, order)), q.question)
                                 jobs.append(_Job(conv, q, "inject", w, k, msgs, self._key(conv, q, "inject", w, k, r), r))
                 self._run_jobs([j for j in jobs if j.mode == "prompt"], f"prompt k={','.join(map(str, self.ks))}",
                                "answer_prompt_s")
@@ -548,65 +582,85 @@ class LocomoBench:
     # -------------------------------------------------------------- rows
 
     def rows(self) -> list[dict[str, Any]]:
-        out = []
+        out: list[dict[str, Any]] = []
         for w in self.ws:
             for k in self.ks:
-                out.append(self._row("prompt", w, k))
-                out.extend(self._row("inject", w, k, r) for r in self.rs)
-        out.append(self._row("full", None, None))
+                out.extend(self._prompt_row(w, k, order) for order in self.prompt_orders(k))
+                out.extend(self._inject_row(w, k, r) for r in self.rs)
+        out.append(self._row("full", None, None, self._collect("full", None, None)))
         return out
 
     def _collect(
-        self, mode: str, w: int | None, k: int | None, r: int = 0
-    ) -> list[tuple[Conversation, Question, dict[str, Any]]]:
-        got = []
+        self, mode: str, w: int | None, k: int | None, r: int = 0, order: str = CONVERSATION
+    ) -> dict[tuple[str, int], tuple[Question, dict[str, Any]]]:
+        """Answers in the cache, by ``(sample_id, question index)``."""
+        got = {}
         for conv in self.conversations:
             for q in conv.questions:
-                rec = self.cache.get(self._key(conv, q, mode, None if mode == "prompt" else w, k, r))
+                rec = self.cache.get(self._key(conv, q, mode, None if mode == "prompt" else w, k, r, order))
                 if rec is not None and "answer" in rec:
-                    got.append((conv, q, rec))
+                    got[(conv.sample_id, q.index)] = (q, rec)
         return got
 
-    def _row(self, mode: str, w: int | None, k: int | None, r: int = 0) -> dict[str, Any]:
-        got = self._collect(mode, w, k, r)
+    def _prompt_row(self, w: int, k: int, order: str) -> dict[str, Any]:
+        got = self._collect("prompt", None, k, order=order)
+        row = self._row("prompt", w, k, got, order=order)
+        if order != CONVERSATION:
+            base = self._collect("prompt", None, k)
+            row.update(self._compare(got, base, "over_conversation_order", "noise_floor_ci95",
+                                     "category_noise_floor_ci95"))
+        return row
+
+    def _inject_row(self, w: int, k: int, r: int) -> dict[str, Any]:
+        order = self.served_order(r, k)
+        got = self._collect("inject", w, k, r)
+        base = self._collect("prompt", None, k, order=order)
+        mismatched = [key for key, (_, rec) in got.items() if key in base and rec["prompt_hash"] != base[key][1]["prompt_hash"]]
+        if mismatched:
+            raise RuntimeError(f"inject and same-order prompt requests differ in token ids ({len(mismatched)} questions)")
+        pairs = [(rec["answer"], base[key][1]["answer"]) for key, (_, rec) in got.items() if key in base]
+        return {**self._row("inject", w, k, got, r=r, order=order),
+                "agreement": agreement([a for a, _ in pairs], [b for _, b in pairs]),
+                **self._compare(got, base, None, "inject_over_prompt_ci95", "category_over_prompt_ci95")}
+
+    @staticmethod
+    def _compare(got: dict[tuple[str, int], tuple[Question, dict[str, Any]]],
+                 base: dict[tuple[str, int], tuple[Question, dict[str, Any]]],
+                 ratio_name: str | None, ci_name: str, category_name: str) -> dict[str, Any]:
+        """Paired F1 of ``got`` over ``base`` (the questions both answered): 95% bootstrap
+        intervals overall and per category, and the ratio itself under ``ratio_name``."""
+        paired = [(q.category, score(rec["answer"], q.answer, q.category), score(base[key][1]["answer"], q.answer, q.category))
+                  for key, (q, rec) in got.items() if key in base]
+        out: dict[str, Any] = {
+            category_name: {str(cat): ratio_ci95([(a, b) for c, a, b in paired if c == cat])
+                            for cat in sorted({c for c, _, _ in paired})},
+        }
+        ci = ratio_ci95([(a, b) for _, a, b in paired])
+        if ci is not None:
+            out[ci_name] = ci
+        if ratio_name is not None:
+            den = sum(b for _, _, b in paired)
+            out[ratio_name] = sum(a for _, a, _ in paired) / den if den else None
+        return out
+
+    def _row(self, mode: str, w: int | None, k: int | None, got: dict[tuple[str, int], tuple[Question, dict[str, Any]]],
+             *, r: int = 0, order: str = CONVERSATION) -> dict[str, Any]:
         by_cat: dict[str, list[float]] = {}
         scores = []
-        for _, q, rec in got:
+        for q, rec in got.values():
             s = score(rec["answer"], q.answer, q.category)
             scores.append(s)
             by_cat.setdefault(str(q.category), []).append(s)
-        agree, ci, cat_ci = None, None, {}
-        if mode == "inject":
-            prompt_got = self._collect("prompt", None, k)
-            ref = {(c.sample_id, q.index): r["answer"] for c, q, r in prompt_got}
-            pairs = [(r["answer"], ref[(c.sample_id, q.index)]) for c, q, r in got if (c.sample_id, q.index) in ref]
-            agree = agreement([a for a, _ in pairs], [b for _, b in pairs])
-            prompt_scores = {(c.sample_id, q.index): score(r["answer"], q.answer, q.category) for c, q, r in prompt_got}
-            paired = [(q.category, s, prompt_scores[(c.sample_id, q.index)])
-                      for (c, q, _), s in zip(got, scores) if (c.sample_id, q.index) in prompt_scores]
-            ci = ratio_ci95([(s, p) for _, s, p in paired])
-            cat_ci = {str(cat): ratio_ci95([(s, p) for c_, s, p in paired if c_ == cat])
-                      for cat in sorted({c_ for c_, _, _ in paired})}
-            # Reordered for recompute, the prompt differs from the pasted one, except where every
-            # memory is recomputed (then the order is the conversation's again).
-            same_prompt = r == 0 or self.order == "conversation" or r >= 2 * (k or 0)
-            mismatched = [
-                c.sample_id for c, q, rec in got
-                if (c.sample_id, q.index) in ref and rec["prompt_hash"] != self._prompt_hash(c, q, k)
-            ]
-            if same_prompt and mismatched:
-                raise RuntimeError(f"inject and prompt requests differ in token ids ({len(mismatched)} questions)")
-        ttfts = [rec["ttft_s"] for _, _, rec in got if "ttft_s" in rec]
+        ttfts = [rec["ttft_s"] for _, rec in got.values() if "ttft_s" in rec]
         return {
             "mode": mode, "w": w, "k": k, **({"recompute": r} if mode == "inject" else {}),
+            **({"order": order} if mode != "full" else {}),
             "n_questions": len(scores),
             "f1": float(np.mean(scores)) if scores else None,
             "f1_by_category": {c: float(np.mean(v)) for c, v in sorted(by_cat.items())},
-            "agreement": agree,
+            "agreement": None,
             # Under --concurrency requests queue behind each other: a cost indicator, not TTFT.
             "ttft_ms": float(np.median(ttfts)) * 1e3 if ttfts else None,
-            **({"inject_over_prompt_ci95": ci} if ci is not None else {}),
-            **({"category_over_prompt_ci95": cat_ci} if mode == "inject" else {}),
         }
 
     def exact_summary(self) -> dict[str, Any] | None:
@@ -616,21 +670,17 @@ class LocomoBench:
         out = {}
         for k in self.ks:
             exact = self._collect("exact", None, k)
-            ref = {(c.sample_id, q.index): r for c, q, r in self._collect("prompt", None, k)}
-            pairs = [(r, ref[(c.sample_id, q.index)]) for c, q, r in exact if (c.sample_id, q.index) in ref]
+            ref = self._collect("prompt", None, k)
+            pairs = [(rec, ref[key][1]) for key, (_, rec) in exact.items() if key in ref]
             if any(a["prompt_hash"] != b["prompt_hash"] for a, b in pairs):
                 raise RuntimeError("exact-control and prompt requests differ in token ids")
-            scores = [score(r["answer"], q.answer, q.category) for _, q, r in exact]
+            scores = [score(rec["answer"], q.answer, q.category) for q, rec in exact.values()]
             out[str(k)] = {
                 "n_questions": len(scores),
                 "f1": float(np.mean(scores)) if scores else None,
                 "agreement": agreement([a["answer"] for a, _ in pairs], [b["answer"] for _, b in pairs]),
             }
         return out
-
-    def _prompt_hash(self, conv: Conversation, q: Question, k: int | None) -> str | None:
-        rec = self.cache.get(self._key(conv, q, "prompt", None, k))
-        return None if rec is None else rec.get("prompt_hash")
 
     def answers(self) -> list[dict[str, Any]]:
         """Every question's answers, for inspection (``--answers``)."""
@@ -658,6 +708,7 @@ class LocomoBench:
             "encoding": self.encoding,
             "context_prefix": self.context_prefix,
             "retrieval": "top-k per speaker (2k memories), listed in conversation order",
+            "baseline": "each inject row against the prompt with the identical memory order",
             "recompute": self.rs,
             "order": self.order,
             "max_tokens": self.max_tokens,
@@ -713,21 +764,26 @@ def ratio_ci95(pairs: Sequence[tuple[float, float]], *, rounds: int = 2000, seed
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (w, k, recompute): inject F1 over prompt F1 (with its 95% bootstrap interval), the
-    worst category's ratio, and the agreement."""
-    prompt = {r["k"]: r for r in rows if r["mode"] == "prompt"}
+    """Per (w, k, recompute): inject F1 over the same-order prompt F1 (with its 95% bootstrap
+    interval), the worst category's ratio, the agreement, and the noise floor at that k (the
+    widest interval of a prompt in another order over the prompt in conversation order)."""
+    prompt = {(r["w"], r["k"], r["order"]): r for r in rows if r["mode"] == "prompt"}
     out = []
     for r in rows:
-        base = prompt.get(r["k"])
+        base = prompt.get((r["w"], r["k"], r.get("order")))
         if r["mode"] == "inject" and r["f1"] is not None and base and base["f1"]:
             ci = r.get("inject_over_prompt_ci95") or ["", ""]
             cats = {c: v / base["f1_by_category"][c] for c, v in r["f1_by_category"].items()
                     if base["f1_by_category"].get(c)}
             worst = min(cats, key=cats.__getitem__) if cats else None
-            out.append({"w": r["w"], "k": r["k"], "recompute": r.get("recompute", 0),
+            floors = [p["noise_floor_ci95"] for (w, k, _), p in prompt.items()
+                      if (w, k) == (r["w"], r["k"]) and p.get("noise_floor_ci95")]
+            out.append({"w": r["w"], "k": r["k"], "recompute": r.get("recompute", 0), "order": r["order"],
                         "inject_over_prompt": r["f1"] / base["f1"],
                         "worst_category": f"{CATEGORIES[int(worst)]} {cats[worst]:.2f}" if worst else "",
                         "ci95_low": ci[0], "ci95_high": ci[1],
+                        "noise_floor_low": min((f[0] for f in floors), default=""),
+                        "noise_floor_high": max((f[1] for f in floors), default=""),
                         "exact_match": (r["agreement"] or {}).get("exact_match"),
                         "agreement_f1": (r["agreement"] or {}).get("f1")})
     return out

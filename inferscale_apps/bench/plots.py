@@ -116,7 +116,8 @@ def plot_locomo(rows: Rows, path: str, *, title: str) -> None:
                 if pts:
                     label = f"KV injection, k={k}" + (f", recompute={rc}" if len(rs) > 1 else "")
                     ax.plot(*zip(*pts), styles[j % len(styles)], color=color, label=label)
-            prompt = [r["f1"] for r in rows if r["mode"] == "prompt" and r["k"] == k and r["f1"] is not None]
+            prompt = [r["f1"] for r in rows if r["mode"] == "prompt" and r["k"] == k and r["f1"] is not None
+                      and r.get("order", "conversation") == "conversation"]
             if prompt:
                 ax.axhline(prompt[0], linestyle="--", color=color, alpha=0.7, label=f"prompt (pasted), k={k}")
         full = [r["f1"] for r in rows if r["mode"] == "full" and r["f1"] is not None]
