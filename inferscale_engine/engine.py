@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import pydantic
 import torch
@@ -346,7 +346,8 @@ class InferScaleEngine:
         if source is None or not hasattr(source, "tier_speeds"):
             return None
         if self._calibration is None or self._calibration.store is not source:
-            self._calibration = planner.Calibration(self, source)
+            # A source of the caller's own may measure its tiers too (checked just above).
+            self._calibration = planner.Calibration(self, cast(planner.MeasuredStore, source))
         return self._calibration.rates()
 
     def _observed_reads(self) -> planner.ObservedReads | None:

@@ -45,9 +45,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from inferscale_engine.types import ColdFact, ColdRead, MemoryMix, Segment, Span, TextFact
+from inferscale_engine.types import ColdFact, ColdRead, GenerationResult, MemoryMix, Segment, Span, TextFact
+
+if TYPE_CHECKING:
+    from inferscale_engine.config import EngineConfig
+    from inferscale_engine.kv import FactKV
+    from inferscale_engine.memory.bandwidth import TierSpeeds
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +62,31 @@ PREFILL_POINTS = (16, 64, 256, 512, 1024, 2048, 4096)
 INJECT_POINT = 1024
 #: Measured prefill curves are reused this long (engine fingerprint and machine in the key).
 CACHE_MAX_AGE_S = 7 * 24 * 3600
+
+
+class MeasuredEngine(Protocol):
+    """What the calibration asks of the engine it measures (:class:`~inferscale_engine.engine.
+    InferScaleEngine`, named by what it has: the engine imports this module)."""
+
+    config: EngineConfig
+    fingerprint: str
+    max_model_len: int
+    vocab_size: int
+    #: vLLM's ``VllmConfig`` (its CUDA graph mode is part of the measurement's cache key).
+    vllm_config: Any
+
+    @property
+    def closed(self) -> bool: ...
+
+    def generate_segments(self, segments: Sequence[Segment], *, user_id: str = ..., **kwargs: Any) -> GenerationResult: ...
+
+    def encode_fact(self, fact_ids: Sequence[int], context_ids: Sequence[int] = ...) -> FactKV: ...
+
+
+class MeasuredStore(Protocol):
+    """What the calibration asks of the store whose reads it prices (the memory store)."""
+
+    def tier_speeds(self, *, refresh: bool = False) -> TierSpeeds: ...
 
 
 @dataclass(frozen=True)
@@ -273,10 +303,9 @@ def choose(segments: Sequence[Segment], facts: list[int], limit: int, rates: Rat
 
 class Calibration:
     """The engine's :class:`Rates`, measured in the background when a store is attached; the
-    prefill curve is cached on disk per engine fingerprint and machine. ``engine`` is the
-    :class:`~inferscale_engine.engine.InferScaleEngine` (untyped here: it imports this module)."""
+    prefill curve is cached on disk per engine fingerprint and machine."""
 
-    def __init__(self, engine: Any, store: Any, *, refresh: bool = False) -> None:
+    def __init__(self, engine: MeasuredEngine, store: MeasuredStore, *, refresh: bool = False) -> None:
         self._engine = engine
         #: The store whose tier speeds these are.
         self.store = store
@@ -309,7 +338,7 @@ class Calibration:
                 "could not measure the cost model's rates (%s); cold memories are read from disk", exc)
 
 
-def measure_rates(engine: Any, speeds: Any, *, refresh: bool = False) -> Rates:
+def measure_rates(engine: MeasuredEngine, speeds: TierSpeeds, *, refresh: bool = False) -> Rates:
     """:class:`Rates` of ``engine`` (:func:`engine_costs`) with a store's measured tier
     ``speeds`` (:class:`~inferscale_engine.memory.bandwidth.TierSpeeds`)."""
     prefill, inject_token_s = engine_costs(engine, refresh=refresh)
@@ -317,7 +346,7 @@ def measure_rates(engine: Any, speeds: Any, *, refresh: bool = False) -> Rates:
                  speeds.disk_file_s, inject_token_s)
 
 
-def engine_costs(engine: Any, *, refresh: bool = False) -> tuple[tuple[tuple[int, float], ...], float]:
+def engine_costs(engine: MeasuredEngine, *, refresh: bool = False) -> tuple[tuple[tuple[int, float], ...], float]:
     """What requests cost ``engine``: seconds to first token of plain prompts of
     :data:`PREFILL_POINTS` tokens (fresh random tokens each, so no cache serves them; the best
     of two after a warm-up), and the seconds injecting one token adds (a span of random tokens
@@ -336,7 +365,7 @@ def engine_costs(engine: Any, *, refresh: bool = False) -> tuple[tuple[tuple[int
     def tokens(n: int) -> list[int]:
         return [rng.randint(lo, hi) for _ in range(n)]
 
-    def run(segments: list[Any], mode: str = "prompt") -> Any:
+    def run(segments: list[Any], mode: str = "prompt") -> GenerationResult:
         # recompute=0: the quality knob would prefill the span the injection is measured with.
         return engine.generate_segments(segments, max_tokens=1, mode=mode, recompute=0, user_id="inferscale-calibration")
 
@@ -360,7 +389,7 @@ def engine_costs(engine: Any, *, refresh: bool = False) -> tuple[tuple[tuple[int
     return tuple(points), inject_token_s
 
 
-def _inject_token_cost(engine: Any, run: Callable[..., Any], tokens: Callable[[int], list[int]],
+def _inject_token_cost(engine: MeasuredEngine, run: Callable[..., GenerationResult], tokens: Callable[[int], list[int]],
                        sizes: list[int]) -> float:
     """Seconds one injected token adds: a span of the largest measured size (at most
     :data:`INJECT_POINT`) injected in front of a prompt of the smallest, against that prompt
@@ -388,7 +417,7 @@ def _cache_path() -> Path:
     return Path(base) / "prefill-calibration.json"
 
 
-def _curve_key(engine: Any) -> str:
+def _curve_key(engine: MeasuredEngine) -> str:
     """Engine and machine: what the prefill time of a prompt depends on."""
     import torch
 
