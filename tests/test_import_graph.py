@@ -181,3 +181,18 @@ def test_the_server_never_imports_the_integrations() -> None:
     calling, prompting) lives in ``inferscale_engine``."""
     found = _importing(f"{APPS}.server", "inferscale_integrations")
     assert not found, f"server modules importing the integrations: {found}"
+
+
+def test_the_store_never_imports_the_engine_layer() -> None:
+    """``memory/`` sits below the engine: it names the engine only through its own protocols
+    (``memory/encoding.py``) and shares with it only the modules below both (value types,
+    errors, configuration, handles, the KV), counting ``TYPE_CHECKING`` imports too."""
+    below = {f"inferscale_engine.{m}" for m in ("config", "errors", "handles", "kv", "types")}
+    found = sorted(
+        (name, target)
+        for name, targets in import_graph(type_checking=True).items()
+        if name.startswith("inferscale_engine.memory")
+        for target in targets
+        if not target.startswith("inferscale_engine.memory") and target not in below
+    )
+    assert not found, f"memory modules importing above the store: {found}"
