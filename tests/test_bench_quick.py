@@ -168,6 +168,7 @@ def test_locomo_quick(tmp_path, smollm2_path):
     data = _run(tmp_path, "locomo", [
         "--model", smollm2_path, "--device", "cpu", "--data", str(LOCOMO), "--conversations", "1", "--questions-per-category", "2",
         "--max-turns", "30", "--k", "5", "--w", "0,5", "--concurrency", "4", "--exact-control", "--recompute", "0,3,10",
+        "--oracle", "header,all",
         "--workdir", str(workdir), "--answers", str(answers), "--plot", str(plot),
     ])
     rows = data["results"]
@@ -181,11 +182,17 @@ def test_locomo_quick(tmp_path, smollm2_path):
         "prompt": keys | {"order"},
         "reordered prompt": keys | {"order", "over_conversation_order", "category_noise_floor_ci95"},
         "inject": keys | {"order", "recompute", "category_over_prompt_ci95"},
+        "oracle": keys | {"order", "oracle", "recovered", "category_over_prompt_ci95"},
     }
     for r in rows:
         kind = "reordered prompt" if r["mode"] == "prompt" and r["order"] != "conversation" else r["mode"]
         assert set(r) - {"inject_over_prompt_ci95", "noise_floor_ci95"} == expected_keys[kind], r
-    by = {(r["mode"], r["w"], r["k"], r.get("recompute"), r.get("order")): r for r in rows}
+    by = {(r["mode"], r["w"], r["k"], r.get("recompute"), r.get("order")): r for r in rows if r["mode"] != "oracle"}
+    oracles = {(r["w"], r["oracle"]): r for r in rows if r["mode"] == "oracle"}
+    assert set(oracles) == {(w, o) for w in (0, 5) for o in ("header", "all")} and info["oracles"] == ["header", "all"]
+    for r in oracles.values():
+        assert r["n_questions"] == n and 0.0 <= r["f1"] <= 1.0 and r["order"] == "conversation"
+        assert 0.0 <= r["agreement"]["exact_match"] <= r["agreement"]["f1"] <= 1.0
     # recompute=3 moves the 3 most relevant of 2k=10 memories last: its prompt row is answered in
     # that order; recompute=10 moves all of them, which is the conversation's order again.
     assert set(by) == {
@@ -224,6 +231,9 @@ def test_locomo_quick(tmp_path, smollm2_path):
     # answered in other batches: it agrees with the prompt answers far better than w=0 does.
     w0 = by[("inject", 0, 5, 0, "conversation")]["agreement"]["f1"]
     assert by[("inject", 0, 5, 10, "conversation")]["agreement"]["f1"] > w0 + 0.3
+    # The oracle that repairs every injected row serves what the prompt serves.
+    assert oracles[(0, "all")]["agreement"]["f1"] > w0 + 0.3
+    assert oracles[(0, "all")]["recovered"] is None or oracles[(0, "all")]["recovered"] > 0.5
     lines = [json.loads(line) for line in answers.read_text().splitlines()]
     assert len(lines) == n and all({"prompt k=5", "prompt k=5 relevance-last-3", "inject k=5 w=0", "inject k=5 w=5",
                                     "inject k=5 w=0 r3", "inject k=5 w=0 r10", "full"}
@@ -237,8 +247,8 @@ def test_locomo_quick(tmp_path, smollm2_path):
     assert control["agreement"]["f1"] > w0 + 0.3
     # Every answer is cached in the workdir: a rerun resumes instead of recomputing.
     cache = next(workdir.glob("*/answers-t32.jsonl"))
-    # prompt in 2 orders, inject at 2 w x 3 recompute, full, exact control
-    assert len(cache.read_text().splitlines()) == 10 * n
+    # prompt in 2 orders, inject at 2 w x 3 recompute, full, exact control, 2 w x 2 oracles
+    assert len(cache.read_text().splitlines()) == 14 * n
 
 
 # ---------------------------------------------------------------------- LoCoMo pieces (no model)

@@ -18,6 +18,15 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _oracles(text: str) -> list[Any]:
+    from inferscale_apps.bench.locomo_oracle import parse_oracles
+
+    try:
+        return parse_oracles(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="inferscale bench", description=__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
@@ -83,6 +92,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--recompute", type=_ints, default=[0],
                    help="the quality knob: memories prefilled as text after the injected ones, "
                         "one inject row per value (default: 0)")
+    p.add_argument("--oracle", type=_oracles, default=[],
+                   help="token sets of the injected region that take the prompt's own KV, e.g. "
+                        "header,first:4,top:2,deviating:15,separators,all (see bench/locomo_oracle.py)")
     p.add_argument("--order", choices=["relevance", "conversation"], default="relevance",
                    help="which memories are recomputed: the most similar to the question (moved last) "
                         "or the last listed (default: %(default)s)")
@@ -166,12 +178,12 @@ def run(args: argparse.Namespace) -> int:
                 answers_path=args.answers, encoding=args.encoding, max_tokens=args.max_tokens,
                 concurrency=args.concurrency, workdir=args.workdir, full=not args.no_full,
                 exact_control=args.exact_control, after_head=args.after_head,
-                recompute=args.recompute, order=args.order,
+                recompute=args.recompute, order=args.order, oracles=args.oracle,
             )
             env = {**common.environment(engine), "locomo": info}
         common.print_table(table_rows(rows), ["mode", "w", "k", "order", "recompute", "n_questions", "f1", "multi-hop",
                                               "temporal", "open-domain", "single-hop", "agree_exact", "agree_f1",
-                                              "over_conversation_order", "ttft_ms"])
+                                              "over_conversation_order", "oracle", "recovered", "ttft_ms"])
         common.print_table(summarize(rows), ["w", "k", "recompute", "order", "inject_over_prompt", "ci95_low",
                                              "ci95_high", "noise_floor_low", "noise_floor_high", "worst_category",
                                              "exact_match", "agreement_f1"])

@@ -77,7 +77,9 @@ from inferscale_apps.bench.locomo_data import (
     default_data_path,
     load_locomo,
 )
+from inferscale_apps.bench.locomo_oracle import Oracle, Region, header_tokens, recovered, splice
 from inferscale_engine.runtime import facts_from
+from inferscale_engine.types import EncodeWindow, Span
 
 if TYPE_CHECKING:
     from inferscale_engine.engine import InferScaleEngine
@@ -246,6 +248,7 @@ class LocomoBench:
         host_kv_bytes: int = 1 << 30,
         full: bool = True,
         exact_control: bool = False,
+        oracles: Sequence[Oracle] = (),
         after_head: bool = False,
         recompute: Sequence[int] = (0,),
         order: str = "relevance",
@@ -268,6 +271,7 @@ class LocomoBench:
         self.concurrency = max(1, concurrency)
         self.full = full
         self.exact_control = exact_control
+        self.oracles = list(oracles)
         # Memories encoded after the served prompt's opening (chat template + system text),
         # the store's context_prefix, instead of starting at position 0.
         self.context_prefix = self._served_head() if after_head else ""
@@ -437,7 +441,8 @@ class LocomoBench:
                     "user_id": job.conv.user_id, "max_tokens": self.max_tokens, "temperature": 0.0}
                 try:
                     if job.segments is not None:
-                        res = await self.engine.agenerate_segments(list(job.segments), mode="inject", **sampling)
+                        res = await self.engine.agenerate_segments(
+                            list(job.segments), mode="inject", recompute=job.recompute, **sampling)
                     else:
                         res = await self.engine.agenerate(
                             msgs, mode="prompt" if job.mode == "full" else job.mode, recompute=job.recompute,
@@ -501,6 +506,8 @@ class LocomoBench:
                                    f"inject w={w} recompute={r}", f"answer_inject_w{w}_r{r}{self.order_tag}_s")
         if self.exact_control:
             self._answer_exact(ranking)
+        if self.oracles:
+            self._answer_oracles(ranking)
         if self.full:
             self._answer_full()
 
@@ -509,9 +516,6 @@ class LocomoBench:
         that precede it in the served prompt (separators folded into the memory before them).
         Injection then computes what the prompt run computes, so its disagreement with the
         prompt answers is the numeric noise floor (bf16, batch shapes), not the approximation."""
-        from inferscale_engine.encoder import EncodeWindow
-        from inferscale_engine.types import Span
-
         w = self.ws[0]
         with facts_from(self.engine, self.store(w)):
             handles = self._handles(w)
@@ -561,6 +565,53 @@ class LocomoBench:
         if pending:
             self._record(spent)
 
+    def _answer_oracles(self, ranking: dict[tuple[str, int], list[tuple[int, str]]]) -> None:
+        """Inject rows (conversation order, nothing recomputed) with each oracle's token set of
+        the injected region taking the prompt's own KV (see :mod:`locomo_oracle`)."""
+        for w in self.ws:
+            with facts_from(self.engine, self.store(w)):
+                handles = self._handles(w)
+                pending = []
+                for conv in self.conversations:
+                    for q in conv.questions:
+                        for k in self.ks:
+                            keys = {o.name: self._key(conv, q, f"oracle {o.name}", w, k) for o in self.oracles}
+                            if all(self.cache.get(key) is not None for key in keys.values()):
+                                continue
+                            ranked = ranking[(conv.sample_id, q.index)]
+                            turns = self.pick(ranked, conv.speakers, k)
+                            msgs = self.messages((handles[conv.sample_id][i] for i in turns), q.question)
+                            segs = self.engine.resolve([{"role": r, "content": c} for r, c in msgs], user_id=conv.user_id)
+                            head, parts, tail = list(segs[0]), [  # type: ignore[arg-type]
+                                p if isinstance(p, Span) else [int(t) for t in p] for p in segs[1:-1]], list(segs[-1])  # type: ignore[arg-type]
+                            if any(isinstance(p, Span) and p.kv is None for p in parts):
+                                raise RuntimeError("an oracle needs every memory's KV resident: raise the tier sizes")
+                            ids, ranges = list(head), []
+                            for p in parts:
+                                n = len(p.token_ids) if isinstance(p, Span) else len(p)
+                                ranges.append((len(ids), n))
+                                ids.extend(p.token_ids if isinstance(p, Span) else p)
+                            rank = {t: j for j, t in enumerate(sorted(turns, key=[i for i, _ in ranked].index))}
+                            memory_parts = [i for i, p in enumerate(parts) if isinstance(p, Span)]
+                            pending.append((conv, q, k, keys, msgs, head, parts, tail, EncodeWindow(tuple(ids), tuple(ranges)),
+                                            {i: rank[t] for i, t in zip(memory_parts, turns)}))
+                # A round at a time, as the exact control: the prompt's KV of every part lives on
+                # the device until the round's answers are in.
+                with tqdm(total=len(pending) * len(self.oracles), desc=f"oracles w={w}", unit="answer") as bar:
+                    for start in range(0, len(pending), self.concurrency):
+                        round_ = pending[start : start + self.concurrency]
+                        jobs = []
+                        for item, exact in zip(round_, self.engine.encode([p[8] for p in round_])):
+                            conv, q, k, keys, msgs, head, parts, tail, _, relevance = item
+                            region = Region(head, parts, tail, exact,
+                                            {i: header_tokens(self.engine, p.token_ids) for i, p in enumerate(parts)
+                                             if isinstance(p, Span)}, relevance)
+                            tag = "locomo-oracle:" + hashlib.sha256(keys[self.oracles[0].name].encode()).hexdigest()[:16]
+                            jobs += [_Job(conv, q, "oracle", w, k, msgs, keys[o.name], segments=tuple(splice(region, o, tag)))
+                                     for o in self.oracles if self.cache.get(keys[o.name]) is None]
+                        bar.update(len(round_) * len(self.oracles) - len(jobs))  # answered by an earlier run
+                        self._generate(jobs, bar)
+
     def _answer_full(self) -> None:
         jobs = []
         for conv in self.conversations:
@@ -587,6 +638,7 @@ class LocomoBench:
             for k in self.ks:
                 out.extend(self._prompt_row(w, k, order) for order in self.prompt_orders(k))
                 out.extend(self._inject_row(w, k, r) for r in self.rs)
+                out.extend(self._oracle_row(w, k, o) for o in self.oracles)
         out.append(self._row("full", None, None, self._collect("full", None, None)))
         return out
 
@@ -622,6 +674,17 @@ class LocomoBench:
         return {**self._row("inject", w, k, got, r=r, order=order),
                 "agreement": agreement([a for a, _ in pairs], [b for _, b in pairs]),
                 **self._compare(got, base, None, "inject_over_prompt_ci95", "category_over_prompt_ci95")}
+
+    def _oracle_row(self, w: int, k: int, oracle: Oracle) -> dict[str, Any]:
+        got = self._collect(f"oracle {oracle.name}", w, k)
+        base = self._collect("prompt", None, k)
+        pairs = [(rec["answer"], base[key][1]["answer"]) for key, (_, rec) in got.items() if key in base]
+        row = {**self._row("oracle", w, k, got), "oracle": oracle.name,
+               "agreement": agreement([a for a, _ in pairs], [b for _, b in pairs]),
+               **self._compare(got, base, None, "inject_over_prompt_ci95", "category_over_prompt_ci95")}
+        inject = self._row("inject", w, k, self._collect("inject", w, k)) if 0 in self.rs else {"f1": None}
+        row["recovered"] = recovered(row["f1"], inject["f1"], self._row("prompt", w, k, base)["f1"])
+        return row
 
     @staticmethod
     def _compare(got: dict[tuple[str, int], tuple[Question, dict[str, Any]]],
@@ -717,6 +780,7 @@ class LocomoBench:
             "embedder": self.embedder.name,
             "full_skipped": self.full_skipped,
             "exact_control": self.exact_summary(),
+            "oracles": [o.name for o in self.oracles],
             "timings_s": dict(self.timings),
         }
 
