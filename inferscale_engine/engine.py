@@ -23,7 +23,6 @@ import hashlib
 import itertools
 import json
 import logging
-import operator
 import os
 import time
 from collections import OrderedDict
@@ -38,7 +37,7 @@ import pydantic
 import torch
 
 from inferscale_engine import cuda_graphs, planner
-from inferscale_engine.config import EngineConfig, check_recompute
+from inferscale_engine.config import EngineConfig
 from inferscale_engine.connector import compat
 from inferscale_engine.connector.exchange import Geometry, KVExchange, NotHeldError
 from inferscale_engine.connector.plan import InjectionPlan, SpanRef, injected_tokens
@@ -53,6 +52,7 @@ from inferscale_engine.handles import split_on_handles
 from inferscale_engine.kv import FactKV, check_finite
 from inferscale_engine.logs import configure_vllm_logging
 from inferscale_engine.loop import AsyncEngineLoop, EngineLoop, Loop
+from inferscale_engine.request import GenerationOptions
 from inferscale_engine.types import (
     DEFAULT_USER,
     AnySource,
@@ -453,61 +453,68 @@ class InferScaleEngine:
         quality knob: the last ``recompute`` memories of the prompt are prefilled as text after
         the injected ones, so they attend to everything before them; list the most relevant
         memories last. At least as many as the prompt holds gives prompt injection's output.
-        Extra keyword arguments go to vLLM's ``SamplingParams``; ``tools`` as :meth:`render` takes them.
+        Extra keyword arguments are vLLM ``SamplingParams`` fields, or ``first_logprobs`` and
+        ``structured`` (:class:`~inferscale_engine.request.GenerationOptions`); every option is
+        checked before any work (:class:`~inferscale_engine.errors.InvalidOptionError`).
+        ``tools`` as :meth:`render` takes them.
         """
-        segments = self.resolve(prompt_or_messages, user_id=user_id, tools=tools, max_tokens=max_tokens)
-        return self.generate_segments(
-            segments, user_id=user_id, max_tokens=max_tokens, temperature=temperature, mode=mode,
-            recompute=recompute, **sampling
-        )
+        options = GenerationOptions.from_kwargs(max_tokens=max_tokens, temperature=temperature, mode=mode,
+                                                recompute=recompute, **sampling)
+        segments = self.resolve(prompt_or_messages, user_id=user_id, tools=tools, max_tokens=options.max_tokens)
+        return self.generate_segments(segments, user_id=user_id, options=options)
 
     def stream(
         self, prompt_or_messages: str | Messages, *, user_id: str = DEFAULT_USER,
-        tools: Sequence[dict[str, Any]] | None = None, **kwargs: Any,
+        tools: Sequence[dict[str, Any]] | None = None, options: GenerationOptions | None = None, **kwargs: Any,
     ) -> Iterator[StreamDelta]:
-        """Like :meth:`generate`, yielding text as it is produced."""
-        segments = self.resolve(prompt_or_messages, user_id=user_id, tools=tools, max_tokens=kwargs.get("max_tokens"))
-        prepared, params = self._prepare(segments, user_id, **kwargs)
+        """Like :meth:`generate`, yielding text as it is produced. The options come as
+        :meth:`generate`'s keywords, or built already as ``options=``."""
+        options = _options(options, kwargs)
+        segments = self.resolve(prompt_or_messages, user_id=user_id, tools=tools, max_tokens=options.max_tokens)
+        prepared, params = self._prepare(segments, user_id, options=options)
         yield from self._stream(prepared, params)
 
-    async def agenerate(self, prompt_or_messages: str | Messages, *, user_id: str = DEFAULT_USER, **kwargs: Any) -> GenerationResult:
+    async def agenerate(
+        self, prompt_or_messages: str | Messages, *, user_id: str = DEFAULT_USER,
+        tools: Sequence[dict[str, Any]] | None = None, options: GenerationOptions | None = None, **kwargs: Any,
+    ) -> GenerationResult:
+        """Async :meth:`generate` (options as :meth:`stream` takes them)."""
         result = None
-        async for delta in self.astream(prompt_or_messages, user_id=user_id, **kwargs):
+        async for delta in self.astream(prompt_or_messages, user_id=user_id, tools=tools,
+                                        options=_options(options, kwargs)):
             result = delta.result
         assert result is not None
         return result
 
     async def astream(
         self, prompt_or_messages: str | Messages, *, user_id: str = DEFAULT_USER,
-        tools: Sequence[dict[str, Any]] | None = None, **kwargs: Any,
+        tools: Sequence[dict[str, Any]] | None = None, options: GenerationOptions | None = None, **kwargs: Any,
     ) -> AsyncIterator[StreamDelta]:
+        """Async :meth:`stream`."""
         import asyncio
 
+        options = _options(options, kwargs)
         # Handle resolution may wait on the store or encode a new head: keep it off the event loop.
         segments = await asyncio.to_thread(self.resolve, prompt_or_messages, user_id=user_id, tools=tools,
-                                           max_tokens=kwargs.get("max_tokens"))
-        async for delta in self.astream_segments(segments, user_id=user_id, **kwargs):
+                                           max_tokens=options.max_tokens)
+        async for delta in self._astream(segments, user_id, options):
             yield delta
 
     async def astream_segments(
-        self, segments: Sequence[Segment], *, user_id: str = DEFAULT_USER, **kwargs: Any
+        self, segments: Sequence[Segment], *, user_id: str = DEFAULT_USER, options: GenerationOptions | None = None,
+        **kwargs: Any,
     ) -> AsyncIterator[StreamDelta]:
         """Async :meth:`generate_segments`, yielding text as it is produced."""
-        import asyncio
+        async for delta in self._astream(segments, user_id, _options(options, kwargs)):
+            yield delta
 
-        prepared, params = await asyncio.to_thread(self._prepare, segments, user_id, **kwargs)
-        try:
-            state = _Accumulator(prepared)
-            async for out, t in self.loop.aiterate(prepared.prompt, params, prepared.started):
-                delta = state.update(out, t)
-                if delta is not None:
-                    yield delta
-        finally:
-            self._unstage(prepared.staged)
-
-    async def agenerate_segments(self, segments: Sequence[Segment], *, user_id: str = DEFAULT_USER, **kwargs: Any) -> GenerationResult:
+    async def agenerate_segments(
+        self, segments: Sequence[Segment], *, user_id: str = DEFAULT_USER, options: GenerationOptions | None = None,
+        **kwargs: Any,
+    ) -> GenerationResult:
+        """Async :meth:`generate_segments`."""
         result = None
-        async for delta in self.astream_segments(segments, user_id=user_id, **kwargs):
+        async for delta in self._astream(segments, user_id, _options(options, kwargs)):
             result = delta.result
         assert result is not None
         return result
@@ -558,9 +565,13 @@ class InferScaleEngine:
             segments.extend([span, piece_ids])
         return segments
 
-    def generate_segments(self, segments: Sequence[Segment], *, user_id: str = DEFAULT_USER, **kwargs: Any) -> GenerationResult:
-        """Generate from already-resolved segments (token id lists and spans)."""
-        prepared, params = self._prepare(segments, user_id, **kwargs)
+    def generate_segments(
+        self, segments: Sequence[Segment], *, user_id: str = DEFAULT_USER, options: GenerationOptions | None = None,
+        **kwargs: Any,
+    ) -> GenerationResult:
+        """Generate from already-resolved segments (token id lists and spans); options as
+        :meth:`stream` takes them."""
+        prepared, params = self._prepare(segments, user_id, options=_options(options, kwargs))
         result = None
         for delta in self._stream(prepared, params):
             result = delta.result
@@ -573,44 +584,44 @@ class InferScaleEngine:
         if self._closed:
             raise EngineClosedError("this InferScaleEngine was closed")
 
-    def _prepare(self, segments: Sequence[Segment], user_id: str, **kwargs: Any) -> tuple[_Prepared, Any]:
-        """The vLLM prompt and sampling parameters of a request, its spans staged."""
-        started = time.perf_counter()
+    async def _astream(self, segments: Sequence[Segment], user_id: str, options: GenerationOptions) -> AsyncIterator[StreamDelta]:
+        import asyncio
+
+        prepared, params = await asyncio.to_thread(self._prepare, segments, user_id, options=options)
         try:
-            return self._prepare_once(segments, user_id, started, **kwargs)
+            state = _Accumulator(prepared)
+            async for out, t in self.loop.aiterate(prepared.prompt, params, prepared.started):
+                delta = state.update(out, t)
+                if delta is not None:
+                    yield delta
+        finally:
+            self._unstage(prepared.staged)
+
+    def _prepare(
+        self, segments: Sequence[Segment], user_id: str, options: GenerationOptions | None = None, **kwargs: Any
+    ) -> tuple[_Prepared, Any]:
+        """The vLLM prompt and sampling parameters of a request, its spans staged. Called with
+        ``options=`` by keyword (the tests' probes wrap it, and call it with keywords)."""
+        started = time.perf_counter()
+        options = _options(options, kwargs)
+        try:
+            return self._prepare_once(segments, user_id, started, options)
         except NotHeldError:
             # Another request's staging gave up spans this one found held when it was resolved.
             # Read every held span's KV (a fact may have changed since: new tokens, or text) and
             # lay the request out again; without held spans, staging cannot refuse it twice.
             segments = [s.with_kv() if isinstance(s, Span) else s for s in segments]
-            return self._prepare_once(segments, user_id, started, **kwargs)
+            return self._prepare_once(segments, user_id, started, options)
 
     def _prepare_once(
-        self,
-        segments: Sequence[Segment],
-        user_id: str,
-        started: float,
-        *,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        mode: Mode = "inject",
-        recompute: int | None = None,
-        first_logprobs: int | None = None,
-        structured: dict[str, Any] | None = None,
-        **sampling: Any,
+        self, segments: Sequence[Segment], user_id: str, started: float, options: GenerationOptions
     ) -> tuple[_Prepared, Any]:
         from vllm import SamplingParams
 
         self._check_open()
-        if mode not in ("inject", "prompt"):
-            raise ValueError(f"mode must be 'inject' or 'prompt', got {mode!r}")
-        recompute = self.config.recompute if recompute is None else check_recompute(recompute)
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        if sampling.get("seed") is not None:
-            # vLLM does not check the range; torch would raise inside the engine step and fail
-            # every request in flight, not just this one.
-            _check_seed(sampling["seed"])
+        # The engine's default, read per request: config.recompute may be changed while serving.
+        recompute = self.config.recompute if options.recompute is None else options.recompute
+        max_tokens, mode = options.max_tokens, options.mode
         # Checked before the layout, which may encode heads and separators: a prompt that cannot
         # run costs no engine work.
         n = sum(len(s.token_ids) if isinstance(s, Span) else len(s) for s in segments)
@@ -654,14 +665,14 @@ class InferScaleEngine:
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
-                temperature=temperature,
-                logprobs=first_logprobs,
+                temperature=options.temperature,
+                logprobs=options.first_logprobs,
                 extra_args=extra or None,
                 # One request's own object: vLLM would otherwise deep-copy it, plan included
                 # (~0.4 ms at k=200 on a CPU core, on the request's critical path).
                 skip_clone=True,
-                **(compat.structured_output(structured) if structured else {}),
-                **sampling,
+                **(compat.structured_output(dict(options.structured)) if options.structured else {}),
+                **options.sampling,
             )
         except BaseException:
             self._unstage(staged)
@@ -771,13 +782,14 @@ def _logged(fn: Callable[[], None], what: str) -> None:
         logger.exception("%s failed", what)
 
 
-def _check_seed(seed: Any) -> None:
-    try:
-        ok = not isinstance(seed, bool) and -(2**63) <= operator.index(seed) < 2**64
-    except TypeError:
-        ok = False
-    if not ok:
-        raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {seed!r}")
+def _options(options: GenerationOptions | None, kwargs: dict[str, Any]) -> GenerationOptions:
+    """A request's options: given built, or built (and so checked) once from its keywords."""
+    if options is None:
+        return GenerationOptions.from_kwargs(**kwargs)
+    if kwargs:
+        raise TypeError(f"generation options come as options= or as keywords, not both (got options= and "
+                        f"{', '.join(sorted(kwargs))})")
+    return options
 
 
 def _check_vllm_options(options: dict[str, Any], known: set[str]) -> None:

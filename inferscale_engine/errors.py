@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class InferScaleError(Exception):
     """Base class of InferScale's own errors."""
@@ -34,6 +36,22 @@ class ContextOverflowError(InferScaleError, ValueError):
 class InvalidSchemaError(InferScaleError, ValueError):
     """A JSON schema to constrain output with (``response_format``) that is not one: its metaschema
     refuses it, or a ``$ref`` in it leads nowhere."""
+
+
+class InvalidOptionError(InferScaleError, ValueError):
+    """A generation option the engine does not take: an unknown name (the closest known one is
+    suggested) or a bad value (``max_tokens=0``, ``recompute=-1``). ``option`` names it."""
+
+    def __init__(self, message: str, *, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable across processes, option included
+        return _invalid_option, (str(self), self.option)
+
+
+def _invalid_option(message: str, option: str | None) -> InvalidOptionError:
+    return InvalidOptionError(message, option=option)
 
 
 class EngineSettingsError(InferScaleError, ValueError):

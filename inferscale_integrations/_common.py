@@ -28,8 +28,11 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Self, TypeVar, cast
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self, TypeVar, cast
 
+from pydantic import AfterValidator
+
+from inferscale_engine.config import check_recompute
 from inferscale_engine.prompting import EncodeStyle, encode_context
 from inferscale_engine.types import DEFAULT_USER
 
@@ -51,6 +54,10 @@ SESSION_KEY = "session_id"  # conversation (thread) the fact was said in
 SOURCE_KEY = "source"  # "langchain" | "llamaindex"
 
 _WARNED_SHARED: set[str] = set()
+
+#: A ``recompute`` field of an LLM class: the engine's one rule (``check_recompute``), applied
+#: when the class is built, so a bad default fails there, in the words a bad per-call value gets.
+Recompute = Annotated[int | None, AfterValidator(lambda value: value if value is None else check_recompute(value))]
 
 
 def check_user_id(user_id: Any) -> str:

@@ -70,6 +70,7 @@ def test_every_engine_error_class_has_its_response():
         "StaleKVError": (409, "stale_kv"),
         "ContextOverflowError": (400, "context_length_exceeded"),
         "InvalidSchemaError": (400, "invalid_json_schema"),
+        "InvalidOptionError": (400, "invalid_value"),
         "EngineSettingsError": (500, "internal_error"),
         "EngineClosedError": (503, "engine_closed"),
         "KVNotReadyError": (503, "kv_not_ready"),

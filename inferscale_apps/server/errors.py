@@ -30,6 +30,7 @@ from inferscale_engine.errors import (
     HandleError,
     HandleOwnerError,
     InferScaleError,
+    InvalidOptionError,
     InvalidSchemaError,
     KVMissingError,
     KVNotReadyError,
@@ -123,6 +124,7 @@ _ERRORS: tuple[tuple[type[Exception], int, str, str | None, str], ...] = (
     (HandleError, 400, "invalid_request_error", "messages", "invalid_handle"),
     (ContextOverflowError, 400, "invalid_request_error", "max_tokens", "context_length_exceeded"),
     (InvalidSchemaError, 400, "invalid_request_error", "response_format", "invalid_json_schema"),
+    (InvalidOptionError, 400, "invalid_request_error", None, "invalid_value"),  # param: the option it names
     (MissingUserError, 400, "invalid_request_error", "user", "user_required"),
     (TooLargeError, 413, "invalid_request_error", None, "too_large"),
     (KVNotReadyError, 503, "server_error", None, "kv_not_ready"),
@@ -164,7 +166,7 @@ def api_error(exc: BaseException) -> APIError:
     for cls, status, kind, param, code in _ERRORS:
         if isinstance(exc, cls):
             if status < 500:
-                return APIError(status, msg, kind, param, code)
+                return APIError(status, msg, kind, param or getattr(exc, "option", None), code)
             if code != "internal_error":
                 logger.error("%s: %s", type(exc).__name__, msg)
                 return APIError(status, msg, kind, param, code)

@@ -8,6 +8,7 @@ or ``X-User-Id``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -27,10 +28,11 @@ from inferscale_apps.server.schemas import (
 )
 from inferscale_apps.server.state import ServerState, State, header_user
 from inferscale_apps.server.tools import ToolRequestError, chat_messages, openai_tool_calls, tool_use
-from inferscale_engine.errors import ContextOverflowError, InvalidSchemaError
+from inferscale_engine.errors import ContextOverflowError, InvalidOptionError, InvalidSchemaError
 from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_engine.memory.validation import RESERVED_USER_PREFIXES
 from inferscale_engine.prompting import openai_usage, structured_options, total_usage, with_memories
+from inferscale_engine.request import GenerationOptions
 from inferscale_engine.tool_calls import ToolUse, template_renders_tools
 from inferscale_engine.types import DEFAULT_USER
 
@@ -42,7 +44,9 @@ DISCONNECT_POLL_S = 0.25
 router = APIRouter()
 
 
-def _sampling_of(req: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+def _options_of(req: ChatCompletionRequest | CompletionRequest) -> GenerationOptions:
+    """The request's generation options in the engine's names, checked before any work (a 400
+    naming the option); ``max_tokens`` is settled once the prompt's length is known."""
     typo = misspelled(req)
     if typo:
         raise APIError(400, f"unknown parameter {typo[0]!r}: did you mean {typo[1]!r}? (other unknown parameters are "
@@ -73,7 +77,10 @@ def _sampling_of(req: ChatCompletionRequest | CompletionRequest) -> dict[str, An
             raise APIError(400, str(exc), param="response_format", code="unsupported_parameter") from None
         if structured:
             s["structured"] = structured
-    return s
+    try:
+        return GenerationOptions.from_kwargs(**s)
+    except InvalidOptionError as exc:  # the engine's one check, in its words, naming the option
+        raise api_error(exc) from None
 
 
 def _too_long(state: ServerState, message: str, param: str) -> APIError:
@@ -140,10 +147,11 @@ def _user_of(req: Any, request: Request, uses_memory: bool) -> str:
     return DEFAULT_USER  # nothing in it is scoped by user
 
 
-async def _run_one(state: ServerState, endpoint: str, segments: list[Any], kwargs: dict[str, Any], request: Request) -> Any:
+async def _run_one(state: ServerState, endpoint: str, segments: list[Any], user: str, options: GenerationOptions,
+                   request: Request) -> Any:
     metrics = state.metrics
     metrics.in_flight.inc()
-    task = asyncio.ensure_future(state.engine.agenerate_segments(segments, **kwargs))
+    task = asyncio.ensure_future(state.engine.agenerate_segments(segments, user_id=user, options=options))
     try:
         # A client that hung up gets no answer: stop generating it (cancelling the task
         # aborts the vLLM request), or abandoned requests hold the batch for their full length.
@@ -165,14 +173,13 @@ async def _run_one(state: ServerState, endpoint: str, segments: list[Any], kwarg
     return result
 
 
-async def _generate(state: ServerState, endpoint: str, segments: list[Any], user: str, req: Any, max_tokens: int,
-                    sampling: dict[str, Any], request: Request, use: ToolUse | None = None) -> Response:
+async def _generate(state: ServerState, endpoint: str, segments: list[Any], user: str, req: Any,
+                    options: GenerationOptions, request: Request, use: ToolUse | None = None) -> Response:
     """``use``: a chat's tools, whose calls the answer is read for."""
     rid = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + uuid.uuid4().hex
     now = int(time.time())
-    kwargs = dict(user_id=user, max_tokens=max_tokens, **sampling)
     if not req.stream:
-        result = await _run_one(state, endpoint, segments, kwargs, request)
+        result = await _run_one(state, endpoint, segments, user, options, request)
         if endpoint == "chat":
             text, calls = use.read(result.text) if use is not None else (result.text, [])
             message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -189,7 +196,7 @@ async def _generate(state: ServerState, endpoint: str, segments: list[Any], user
         )
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    agen = state.engine.astream_segments(segments, **kwargs).__aiter__()
+    agen = state.engine.astream_segments(segments, user_id=user, options=options).__aiter__()
     state.metrics.in_flight.inc()
     try:
         first = await agen.__anext__()  # resolution and layout errors become a proper status
@@ -276,7 +283,7 @@ async def _sse(state: ServerState, endpoint: str, rid: str, now: int, first: Any
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request, state: State) -> Response:
     state.check_model(req.model)
-    sampling = _sampling_of(req)
+    options = _options_of(req)
     try:
         messages = chat_messages(req)
     except ToolRequestError as exc:
@@ -293,22 +300,21 @@ async def chat_completions(req: ChatCompletionRequest, request: Request, state: 
     # After the memories: a template without tools lists them after the memories' head, so
     # memories are encoded and served after the same text with tools or without.
     try:
-        use = tool_use(req, messages, structured=sampling.pop("structured", None),
+        use = tool_use(req, messages, structured=dict(options.structured) if options.structured else None,
                        native=template_renders_tools(state.engine.tokenizer))
     except ToolRequestError as exc:
         raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
-    if use.structured:
-        sampling["structured"] = use.structured
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     segments, max_tokens = await _prepare(state, use.messages, user, requested, param, use.tools)
-    return await _generate(state, "chat", segments, user, req, max_tokens, sampling, request, use)
+    options = dataclasses.replace(options, max_tokens=max_tokens, structured=use.structured)
+    return await _generate(state, "chat", segments, user, req, options, request, use)
 
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request, state: State) -> Response:
     state.check_model(req.model)
-    sampling = _sampling_of(req)
+    options = _options_of(req)
     prompts = req.prompt if isinstance(req.prompt, list) else [req.prompt]
     if not prompts:
         raise APIError(400, "prompt is empty", param="prompt", code="invalid_request")
@@ -319,14 +325,15 @@ async def completions(req: CompletionRequest, request: Request, state: State) ->
     user = _user_of(req, request, any(HANDLE_PATTERN.search(p) for p in prompts))
     if len(prompts) == 1:
         segments, max_tokens = await _prepare(state, prompts[0], user, req.max_tokens, "max_tokens")
-        return await _generate(state, "completion", segments, user, req, max_tokens, sampling, request)
+        return await _generate(state, "completion", segments, user, req, dataclasses.replace(options, max_tokens=max_tokens),
+                               request)
     if req.stream:
         raise APIError(400, "streaming is supported for one prompt per request; send a list of prompts without "
                             "stream, or one request per prompt", param="stream", code="unsupported_parameter")
     # Every prompt is checked before any is generated, so a bad one costs no generation.
     prepared = [await _prepare(state, p, user, req.max_tokens, "max_tokens") for p in prompts]
-    results = await asyncio.gather(*(_run_one(state, "completion", seg, dict(user_id=user, max_tokens=mt, **sampling), request)
-                                     for seg, mt in prepared))
+    results = await asyncio.gather(*(_run_one(state, "completion", seg, user, dataclasses.replace(options, max_tokens=mt),
+                                              request) for seg, mt in prepared))
     usage = openai_usage(total_usage(r.usage for r in results))
     return JSONResponse({
         "id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()), "model": state.model_name,

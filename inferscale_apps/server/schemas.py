@@ -103,8 +103,9 @@ class _SamplingRequest(_Lenient):
     safety_identifier: StrictStr | None = None
     logit_bias: dict[str, float] | None = None
     #: InferScale extension, the quality knob: the last N memories of the prompt are prefilled as
-    #: text after the injected ones (default: the server's ``--recompute``).
-    recompute: StrictInt | None = Field(default=None, ge=0)
+    #: text after the injected ones (default: the server's ``--recompute``). Its range is the
+    #: engine's one rule (``GenerationOptions``), so HTTP refuses what Python does, in its words.
+    recompute: StrictInt | None = None
 
     def stop_list(self) -> list[str] | None:
         if self.stop is None:

@@ -38,7 +38,7 @@ from pydantic import BaseModel, Field, SecretStr
 
 from inferscale_engine import tool_calls as tc
 from inferscale_engine.prompting import structured_options
-from inferscale_integrations._common import check_user_id
+from inferscale_integrations._common import Recompute, check_user_id
 from inferscale_integrations.langchain._base import InferScaleModelBase
 from inferscale_integrations.langchain._messages import langchain_call_chunks, openai_message
 
@@ -107,7 +107,7 @@ class ChatInferScale(InferScaleModelBase, BaseChatModel):
     model_name: str = Field(default="smollm2", alias="model")
     """Model alias (``"smollm2"``) or local model folder."""
     mode: Literal["inject", "prompt"] = "inject"
-    recompute: int | None = Field(default=None, ge=0)
+    recompute: Recompute = None
     """The quality knob: the last ``recompute`` memories of a prompt are prefilled as text after
     the injected ones (None: the engine's default). More costs prefill and answers closer to
     pasted memories; at least the prompt's memory count reproduces them exactly."""

@@ -21,6 +21,7 @@ from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 from pydantic import Field
 
 from inferscale_engine.prompting import usage_dict
+from inferscale_integrations._common import Recompute
 from inferscale_integrations.langchain._base import InferScaleModelBase
 from inferscale_integrations.langchain.chat_models import (
     identifying_params,
@@ -50,7 +51,7 @@ class InferScaleLLM(InferScaleModelBase, LLM):
     model_name: str = Field(default="smollm2", alias="model")
     """Model alias (``"smollm2"``) or local model folder."""
     mode: Literal["inject", "prompt"] = "inject"
-    recompute: int | None = Field(default=None, ge=0)
+    recompute: Recompute = None
     """The quality knob: the last ``recompute`` memories of a prompt are prefilled as text after
     the injected ones (None: the engine's default). More costs prefill and answers closer to
     pasted memories; at least the prompt's memory count reproduces them exactly."""

@@ -42,7 +42,7 @@ from inferscale_engine.errors import (
 from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_engine.prompting import engine_role, usage_dict
 from inferscale_engine.types import DEFAULT_USER
-from inferscale_integrations._common import check_user_id, warn_foreign_handles
+from inferscale_integrations._common import Recompute, check_user_id, warn_foreign_handles
 from inferscale_integrations.llamaindex._base import InferScaleComponent
 from inferscale_integrations.llamaindex.retrievers import issued_to
 
@@ -101,8 +101,8 @@ class InferScaleLLM(InferScaleComponent, CustomLLM):
                     "the same engine recalled the prompt's handles for (set it in apps that serve several users).",
     )
     mode: Literal["inject", "prompt"] = Field(default="inject", description="inject KV, or prefill (baseline).")
-    recompute: int | None = Field(
-        default=None, ge=0,
+    recompute: Recompute = Field(
+        default=None,
         description="The quality knob: the last N memories of a prompt are prefilled as text after the injected "
                     "ones (None: the engine's default); at least the prompt's memory count equals pasted memories.",
     )
