@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from inferscale_engine.errors import ContextOverflowError, HandleError
-from inferscale_engine.memory.splitting import split_facts
+from inferscale_engine.memory.text.splitting import split_facts
 from inferscale_engine.prompting import (
     DEFAULT_SYSTEM_PROMPT,
     memory_context,
@@ -93,7 +93,7 @@ class ChatSession:
             ``None`` (default) keeps all ``k``: scores do not separate a user's true facts from
             unrelated ones (measured in docs/cli.md), so a cutoff drops facts it should keep.
         split: store each independent fact of a message as its own memory
-            (:func:`~inferscale_engine.memory.splitting.split_facts`): "My dog is Rex and I
+            (:func:`~inferscale_engine.memory.text.splitting.split_facts`): "My dog is Rex and I
             live in Lisbon." becomes two, each found by its own topic. ``False``: one memory per
             message, as typed.
 

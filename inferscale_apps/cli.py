@@ -521,14 +521,14 @@ def _server_url(args: argparse.Namespace) -> str | None:
 
 
 def _holder(args: argparse.Namespace) -> Any:
-    from inferscale_engine.memory.folder import lock_holder
+    from inferscale_engine.memory.meta.folder import lock_holder
 
     return lock_holder(_store_folder(args))
 
 
 def _refuse_if_held(args: argparse.Namespace, holder: Any) -> None:
     """One line naming the process that holds the store, before any model loads (not after)."""
-    from inferscale_engine.memory.folder import locked_message
+    from inferscale_engine.memory.meta.folder import locked_message
 
     if holder is not None:
         raise InferScaleError(locked_message(_store_folder(args), holder))
@@ -537,7 +537,7 @@ def _refuse_if_held(args: argparse.Namespace, holder: Any) -> None:
 def _refuse_damaged(args: argparse.Namespace) -> None:
     """A store folder whose database is lost or damaged, named in one line before any model loads."""
     from inferscale_engine.config import is_database_url
-    from inferscale_engine.memory.folder import check_database
+    from inferscale_engine.memory.meta.folder import check_database
 
     folder = _store_folder(args)
     if not is_database_url(args.store) and folder.is_dir():
@@ -565,7 +565,7 @@ def _memories(args: argparse.Namespace, *, encode: bool = False) -> Iterator[Any
 
 
 def cmd_memory_add(args: argparse.Namespace) -> int:
-    from inferscale_engine.memory.splitting import split_facts
+    from inferscale_engine.memory.text.splitting import split_facts
 
     metadata = json.loads(args.metadata) if args.metadata else None
     if metadata is not None and not isinstance(metadata, dict):
@@ -616,7 +616,7 @@ def cmd_memory_delete(args: argparse.Namespace) -> int:
 
 def cmd_memory_rotate_secret(args: argparse.Namespace) -> int:
     from inferscale_engine.config import default_store_path, is_database_url
-    from inferscale_engine.memory.folder import SECRET_FILE, rotate_secret
+    from inferscale_engine.memory.meta.folder import SECRET_FILE, rotate_secret
 
     if is_database_url(args.store):
         raise ValueError("rotate-secret works on a store folder; a postgresql:// store keeps its secret in the "

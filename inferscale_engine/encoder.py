@@ -2,7 +2,7 @@
 
 An encode request is an ordinary one-token prefill of ``[context][fact]...`` whose capture
 ranges tell the connector which rows to keep. What goes in front of a fact (its context, or
-the facts before it in a sliding chunk) is decided by :mod:`inferscale_engine.memory.context`.
+the facts before it in a sliding chunk) is decided by :mod:`inferscale_engine.memory.text.context`.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ tier: the next request injects them.
 
 Rates are measured, never assumed: prefill time of this engine at a few prompt lengths and what
 injecting costs it per token (cached per engine and machine, since it takes seconds on a CPU), and
-the store's disk and host-to-device speeds (:mod:`inferscale_engine.memory.bandwidth`, measured
+the store's disk and host-to-device speeds (:mod:`inferscale_engine.memory.kv.bandwidth`, measured
 when the store is attached). What reads on requests' paths then really take corrects the read
 estimates (:class:`ObservedReads`).
 """
@@ -52,7 +52,7 @@ from inferscale_engine.types import ColdFact, ColdRead, GenerationResult, Memory
 if TYPE_CHECKING:
     from inferscale_engine.config import EngineConfig
     from inferscale_engine.kv import FactKV
-    from inferscale_engine.memory.bandwidth import TierSpeeds
+    from inferscale_engine.memory.kv.bandwidth import TierSpeeds
 
 logger = logging.getLogger(__name__)
 
@@ -340,7 +340,7 @@ class Calibration:
 
 def measure_rates(engine: MeasuredEngine, speeds: TierSpeeds, *, refresh: bool = False) -> Rates:
     """:class:`Rates` of ``engine`` (:func:`engine_costs`) with a store's measured tier
-    ``speeds`` (:class:`~inferscale_engine.memory.bandwidth.TierSpeeds`)."""
+    ``speeds`` (:class:`~inferscale_engine.memory.kv.bandwidth.TierSpeeds`)."""
     prefill, inject_token_s = engine_costs(engine, refresh=refresh)
     return Rates(prefill, speeds.disk_bytes_per_s, speeds.disk_latency_s, speeds.host_to_device_bytes_per_s,
                  speeds.disk_file_s, inject_token_s)

@@ -25,8 +25,8 @@ from collections import defaultdict
 import torch
 
 from inferscale_engine.connector.worker import ConnectorWorker
-from inferscale_engine.memory import dma
-from inferscale_engine.memory.tiers import KVTiers
+from inferscale_engine.memory.kv import dma
+from inferscale_engine.memory.kv.tiers import KVTiers
 
 timings: dict[str, list[float]] = defaultdict(list)
 

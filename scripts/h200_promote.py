@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from inferscale_engine.kv import FactKV
-from inferscale_engine.memory import dma
-from inferscale_engine.memory.tiers import KVTiers
+from inferscale_engine.memory.kv import dma
+from inferscale_engine.memory.kv.tiers import KVTiers
 
 
 def median(xs):
@@ -115,7 +115,7 @@ def main(k: int) -> None:
 
 def split(t: KVTiers, keys: list, fp: str) -> None:
     """Host time of ``get_many`` per method of the tiers (and of the copier), per request."""
-    from inferscale_engine.memory import tiers as tiers_module
+    from inferscale_engine.memory.kv import tiers as tiers_module
 
     spent: dict[str, float] = {}  # seconds per method over the timed requests
     timing = False  # the untimed moves between requests call the same methods

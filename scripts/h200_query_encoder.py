@@ -9,7 +9,7 @@ import time
 import torch
 from transformers import BertConfig, BertModel
 
-from inferscale_engine.memory.query_graph import GraphedQueryEncoder, _embed
+from inferscale_engine.memory.text.query_graph import GraphedQueryEncoder, _embed
 
 cfg = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
 torch.manual_seed(0)

@@ -11,8 +11,8 @@ import torch
 from transformers import BertConfig, BertModel
 
 from inferscale_apps.bench.common import median
-from inferscale_engine.memory.index import ExactIndex
-from inferscale_engine.memory.query_graph import GraphedQueryEncoder
+from inferscale_engine.memory.meta.index import ExactIndex
+from inferscale_engine.memory.text.query_graph import GraphedQueryEncoder
 
 
 def timed(fn, reps=100):

@@ -22,8 +22,8 @@ import time
 import torch
 
 from inferscale_engine.kv import FactKV, check_finite
-from inferscale_engine.memory.disk_tier import _digest
-from inferscale_engine.memory.tiers import KVTiers
+from inferscale_engine.memory.kv.disk_tier import _digest
+from inferscale_engine.memory.kv.tiers import KVTiers
 
 
 def main() -> None:

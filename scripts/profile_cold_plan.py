@@ -48,7 +48,7 @@ import numpy as np
 from inferscale_engine import InferScaleEngine, planner
 from inferscale_engine.config import MemoryConfig
 from inferscale_engine.memory import MemoryStore
-from inferscale_engine.memory.embedder import Embedder
+from inferscale_engine.memory.text.embedder import Embedder
 from inferscale_engine.types import MemoryMix
 
 USER = "cold-user"

@@ -63,7 +63,7 @@ PAIRS: list[tuple[str, str, tuple[str, ...]]] = [
 
 
 def _split(said: str) -> list[str]:
-    from inferscale_engine.memory.splitting import split_facts
+    from inferscale_engine.memory.text.splitting import split_facts
 
     return split_facts(said)
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from inferscale_engine.kv import FactKV
-from inferscale_engine.memory.tiers import KVTiers
+from inferscale_engine.memory.kv.tiers import KVTiers
 
 LAYERS, HEADS, DIM, TOKENS, PAGE_TOKENS = 30, 3, 64, 28, 16
 

@@ -13,7 +13,7 @@ from contextlib import closing, contextmanager
 from typing import Any, NamedTuple
 
 from inferscale_engine.handles import HANDLE_PATTERN, HandleCodec
-from inferscale_engine.memory.folder import DB_FILE, SECRET_FILE, load_secret
+from inferscale_engine.memory.meta.folder import DB_FILE, SECRET_FILE, load_secret
 
 # ---------------------------------------------------------------------------------- store
 

@@ -62,7 +62,7 @@ ZYGOTE = textwrap.dedent(
     import uvicorn, fastapi  # noqa: F401
     import inferscale_engine.engine, inferscale_engine.memory, inferscale_apps.server.app  # noqa: F401
     import inferscale_apps.cli
-    from inferscale_engine.memory import embedder as _embedder  # noqa: F401
+    from inferscale_engine.memory.text import embedder as _embedder  # noqa: F401
 
 
     def ingest(model, store, round_no, seed, engine_args):
@@ -228,7 +228,7 @@ def engine(tiny_llama, zygote, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def embedder():
-    from inferscale_engine.memory.embedder import Embedder
+    from inferscale_engine.memory.text.embedder import Embedder
 
     emb = Embedder()
     emb.embed(["warm up"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from inferscale_engine.memory.encode_queue import EncodeQueue
+from inferscale_engine.memory.kv.encode_queue import EncodeQueue
 
 
 def test_no_batch_is_encoded_while_paused_and_the_running_one_finishes_first():

@@ -9,7 +9,7 @@ import torch
 
 from inferscale_engine import InferScaleEngine
 from inferscale_engine.errors import ContextOverflowError, MalformedHandleError
-from inferscale_engine.memory.context import Chunk, ContextBuilder
+from inferscale_engine.memory.text.context import Chunk, ContextBuilder
 from inferscale_engine.types import EncodeWindow
 
 TURNS = [

@@ -51,7 +51,7 @@ def test_builtin_bases_kept(name: str, builtin: type[BaseException]) -> None:
 
 def test_reexported_where_they_were_defined() -> None:
     from inferscale_engine import models
-    from inferscale_engine.memory import tiers
+    from inferscale_engine.memory.kv import tiers
 
     assert tiers.KVMissingError is errors.KVMissingError
     assert models.ModelNotFoundError is errors.ModelNotFoundError

@@ -246,7 +246,7 @@ def test_huge_bodies_are_refused_early(http):
 def test_full_or_read_only_disk_is_a_typed_error(http, engine, monkeypatch):
     # The database's own failures become these in the store (test_hardening_store.py).
     from inferscale_engine.errors import StorageFullError, StorageUnavailableError
-    from inferscale_engine.memory.db import SQLiteDB
+    from inferscale_engine.memory.meta.db import SQLiteDB
 
     user = uid("disk")
 
@@ -272,7 +272,7 @@ def test_a_kv_write_that_fails_never_fails_the_handle(http, engine, monkeypatch,
     import errno
     import os
 
-    from inferscale_engine.memory.disk_tier import DiskTier
+    from inferscale_engine.memory.kv.disk_tier import DiskTier
 
     def no_space(self, *a, **k):
         raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))

@@ -10,7 +10,7 @@ from inferscale_engine.memory import MemoryStore
 
 @pytest.fixture(scope="module")
 def embedder():
-    from inferscale_engine.memory.embedder import Embedder
+    from inferscale_engine.memory.text.embedder import Embedder
 
     return Embedder(None, device="cpu")
 
@@ -67,7 +67,7 @@ def _store_with_kv(path, embedder):
 @pytest.mark.parametrize("damage", ["deleted", "emptied", "overwritten", "truncated", "deleted, -wal left"])
 def test_a_store_whose_database_is_lost_refuses_to_open_and_keeps_its_files(tmp_path, embedder, damage):
     from inferscale_engine.errors import StoreDamagedError
-    from inferscale_engine.memory.folder import lock_holder
+    from inferscale_engine.memory.meta.folder import lock_holder
 
     path = tmp_path / "store"
     item, kv = _store_with_kv(path, embedder)
@@ -161,7 +161,7 @@ def test_a_full_or_read_only_database_is_a_typed_storage_error(tmp_path):
     """SQLite's own full-disk and read-only failures reach callers as StorageFullError and
     StorageUnavailableError (the server's 507 and 503), and leave no transaction open."""
     from inferscale_engine.errors import StorageFullError, StorageUnavailableError
-    from inferscale_engine.memory.db import SQLiteDB
+    from inferscale_engine.memory.meta.db import SQLiteDB
 
     db = SQLiteDB(tmp_path / "memory.sqlite3")
     try:

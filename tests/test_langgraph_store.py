@@ -26,7 +26,7 @@ from langgraph.store.memory import InMemoryStore
 from inferscale_engine.errors import ForgedHandleError
 from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_engine.memory import MemoryStore
-from inferscale_engine.memory.embedder import Embedder
+from inferscale_engine.memory.text.embedder import Embedder
 from inferscale_integrations.langgraph import InferScaleStore
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -94,7 +94,7 @@ def test_device_tier_was_exhausted_under_load(report):
 
 
 def test_answers_with_exhausted_tiers_equal_answers_with_ample_tiers(engine, report):
-    from inferscale_engine.memory.tiers import KVTiers
+    from inferscale_engine.memory.kv.tiers import KVTiers
 
     store = engine.memory
     store.wait_for_encoding(120)

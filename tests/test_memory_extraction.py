@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from probes import logged
 
-from inferscale_engine.memory.extraction import (
+from inferscale_engine.memory.text.extraction import (
     Action,
     Extraction,
     extract_actions,
@@ -55,7 +55,7 @@ def test_memory_text_keeps_real_facts_also_when_they_read_like_the_example():
 
 def test_facts_copied_from_the_prompt_make_the_reply_unusable():
     talk = "User: I moved to Rome."
-    with logged("inferscale_engine.memory.extraction") as messages:
+    with logged("inferscale_engine.memory.text.extraction") as messages:
         assert parse_facts('{"facts": ["first fact", "second fact"]}', talk) is None
         assert parse_facts('{"facts": ["...", "Name is John", "Works as a nurse", "Is vegetarian"]}', talk) is None
         assert parse_facts('{"facts": ["...", "Lives in Rome"]}', talk) == ["Lives in Rome"]
@@ -102,7 +102,7 @@ IDS = {"0": "aaaaaaaaaaaaaaaa"}
     '"junk"',
 ])
 def test_parse_actions_refuses_placeholders_and_unshown_ids(entry):
-    with logged("inferscale_engine.memory.extraction") as messages:
+    with logged("inferscale_engine.memory.text.extraction") as messages:
         assert parse_actions('{"memory": [' + entry + ']}', IDS, "- Lives in Rome") is None  # nothing valid left
         # beside a valid action, the bad one is dropped and the valid one kept
         reply = '{"memory": [' + entry + ', {"id": "new", "text": "Likes tea", "event": "ADD"}]}'
@@ -151,7 +151,7 @@ def test_extract_actions_without_existing_memories_adds_everything():
 
 
 def test_extract_actions_on_garbage_stores_nothing():
-    with logged("inferscale_engine.memory.extraction") as messages:
+    with logged("inferscale_engine.memory.text.extraction") as messages:
         assert extract_actions(lambda m: "lorem ipsum {", ["User: hi"], lambda f: []) == Extraction([], "lorem ipsum {")
     assert any("storing nothing" in m for m in messages)
     replies = iter(['{"facts": ["A"]}', "not json"])

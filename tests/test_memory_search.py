@@ -11,8 +11,8 @@ from probes import share_embedder_weights
 
 from inferscale_engine.errors import FactNotFoundError, InferScaleError
 from inferscale_engine.memory import MemoryStore
-from inferscale_engine.memory.embedder import DEFAULT_EMBEDDER, Embedder
-from inferscale_engine.memory.index import ExactIndex, FaissIndex, UserIndex, faiss_available
+from inferscale_engine.memory.meta.index import ExactIndex, FaissIndex, UserIndex, faiss_available
+from inferscale_engine.memory.text.embedder import DEFAULT_EMBEDDER, Embedder
 
 FACTS = [
     "My dog is called Rex.",

@@ -32,8 +32,8 @@ from inferscale_engine.errors import (
 from inferscale_engine.handles import Handle, find_handles
 from inferscale_engine.kv import FactKV
 from inferscale_engine.memory import MemoryItem, MemoryStore
-from inferscale_engine.memory.embedder import Embedder
 from inferscale_engine.memory.encoding import engine_generate
+from inferscale_engine.memory.text.embedder import Embedder
 from inferscale_engine.types import EncodeWindow, Span, as_fact_source
 
 REPO = Path(__file__).resolve().parent.parent
@@ -672,7 +672,7 @@ _CHILD = textwrap.dedent(
     from inferscale_engine import InferScaleEngine
     from inferscale_engine.handles import find_handles
     from inferscale_engine.memory import MemoryStore
-    from inferscale_engine.memory.embedder import Embedder
+    from inferscale_engine.memory.text.embedder import Embedder
 
     if __name__ == "__main__":
         model, path, out = sys.argv[1:4]
@@ -821,7 +821,7 @@ def test_import_conversation(make_store, engine, group):
 def test_infer_with_garbage_model_output_stores_nothing(make_store, engine):
     store = make_store(generate=engine_generate(engine, max_tokens=24))
     before = store.add("I like tea.", user_id="u")
-    with logged("inferscale_engine.memory.extraction") as messages:
+    with logged("inferscale_engine.memory.text.extraction") as messages:
         assert store.add("User: I moved to Rome last week.", user_id="u", infer=True) == []
     assert [i.id for i in store.get_all(user_id="u")] == [before[0].id]
     assert any("not the JSON asked for" in m for m in messages)

@@ -13,7 +13,7 @@ from probes import out_stream, slab_of
 
 from inferscale_engine.errors import StaleKVError
 from inferscale_engine.kv import FactKV
-from inferscale_engine.memory.tiers import KVMissingError, KVTiers
+from inferscale_engine.memory.kv.tiers import KVMissingError, KVTiers
 
 LAYERS, HEADS, DIM, PT = 3, 2, 8, 4
 FP = "fp-current"
@@ -159,7 +159,7 @@ def test_promotion_never_evicts_a_fact_its_own_batch_serves(tmp_path):
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
 def test_host_tier_pins_chunks_as_it_fills_and_facts_may_span_them(tmp_path, monkeypatch, device):
-    from inferscale_engine.memory import tiers as tiers_mod
+    from inferscale_engine.memory.kv import tiers as tiers_mod
 
     monkeypatch.setattr(tiers_mod, "HOST_CHUNK_BYTES", 2 * page_bytes())  # two pages a chunk
     tiers = KVTiers(tmp_path, device=device, device_bytes=page_bytes() * 3, host_bytes=1 << 30, page_tokens=PT)
@@ -179,7 +179,7 @@ def test_host_tier_pins_chunks_as_it_fills_and_facts_may_span_them(tmp_path, mon
 def test_page_runs_merge_only_pages_that_follow_each_other_on_both_sides():
     import numpy as np
 
-    from inferscale_engine.memory.tiers import page_runs
+    from inferscale_engine.memory.kv.tiers import page_runs
 
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -207,8 +207,8 @@ def test_page_ranges_one_range_or_many_cover_every_page_once():
     pass; either way the ranges are what pages one after the other in one tensor make."""
     import random
 
-    from inferscale_engine.memory.dma import Sources
-    from inferscale_engine.memory.tiers import _page_ranges
+    from inferscale_engine.memory.kv.dma import Sources
+    from inferscale_engine.memory.kv.tiers import _page_ranges
 
     rng = random.Random(0)
     slab = Sources.of([torch.empty(40, 2)])
@@ -236,7 +236,7 @@ def test_a_facts_pages_and_a_batchs_pages_lie_one_after_the_other(tmp_path):
     range per fact rather than one per page (the copies' count is what costs host time)."""
     import numpy as np
 
-    from inferscale_engine.memory.tiers import page_runs
+    from inferscale_engine.memory.kv.tiers import page_runs
 
     tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 64, host_bytes=page_bytes() * 64, page_tokens=PT)
     keys = [key(i) for i in range(6)]
@@ -334,7 +334,7 @@ def test_cuda_promotion_waits_for_a_queued_read_of_the_pages_it_reuses(tmp_path)
 def test_cuda_byte_copier_lands_every_range(path):
     import numpy as np
 
-    from inferscale_engine.memory.dma import ByteCopier, Sources
+    from inferscale_engine.memory.kv.dma import ByteCopier, Sources
 
     copier = ByteCopier(torch.cuda.Stream(), path=path)
     srcs = Sources.of([torch.randint(0, 255, (n,), dtype=torch.uint8).pin_memory() for n in (4096, 100, 7)])
@@ -516,7 +516,7 @@ def test_disk_file_is_atomic_private_and_self_describing(tmp_path):
     assert path.exists() and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert not list(tmp_path.rglob("*.tmp"))
     meta = tiers.read_metadata(key(4))
-    from inferscale_engine.memory.disk_tier import _digest
+    from inferscale_engine.memory.kv.disk_tier import _digest
 
     assert meta.pop("sha256") == _digest(kv.k.cpu(), kv.v.cpu())  # checked on every read from disk
     assert meta == {

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from inferscale_engine.memory.embedder import Embedder
-from inferscale_engine.memory.query_graph import BUCKETS, GraphedQueryEncoder
+from inferscale_engine.memory.text.embedder import Embedder
+from inferscale_engine.memory.text.query_graph import BUCKETS, GraphedQueryEncoder
 
 
 @pytest.fixture(scope="module")

@@ -77,7 +77,7 @@ def test_replica_stores_follow_each_other(url, tmp_path, monkeypatch):
 def test_concurrent_updates_get_distinct_versions(url, tmp_path):
     """Two replicas updating one fact each write their own version: neither's KV can pass for the other's."""
     from inferscale_engine.memory import MemoryStore
-    from inferscale_engine.memory.pg import PostgresDB
+    from inferscale_engine.memory.meta.pg import PostgresDB
 
     a = MemoryStore(None, url, kv_path=tmp_path / "a")
     b = MemoryStore(None, url, kv_path=tmp_path / "b")
@@ -213,7 +213,7 @@ def test_database_that_stays_down_is_a_clear_error_after_the_retries(tmp_path):
     import time
 
     from inferscale_engine.errors import DatabaseUnavailableError
-    from inferscale_engine.memory.pg import PostgresDB
+    from inferscale_engine.memory.meta.pg import PostgresDB
 
     with throwaway_cluster() as own:  # stopped and started here: not the module's cluster
         url = own.new_database()
@@ -245,7 +245,7 @@ def _eventually(call, error: type[Exception], seconds: float = 10.0) -> None:
 def test_replicas_of_another_model_are_refused_while_one_runs(url):
     """The claim a serving replica records (the backend's API; the servers' is tested below)."""
     from inferscale_engine.errors import ReplicaMismatchError
-    from inferscale_engine.memory.pg import PostgresDB
+    from inferscale_engine.memory.meta.pg import PostgresDB
 
     first, same, other = PostgresDB(url), PostgresDB(url), PostgresDB(url)
     try:

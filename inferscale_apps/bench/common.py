@@ -152,8 +152,8 @@ class SyntheticRetriever:
         import torch
         from transformers import BertConfig, BertModel
 
-        from inferscale_engine.memory.index import ExactIndex
-        from inferscale_engine.memory.query_graph import GraphedQueryEncoder
+        from inferscale_engine.memory.meta.index import ExactIndex
+        from inferscale_engine.memory.text.query_graph import GraphedQueryEncoder
 
         torch.manual_seed(seed)
         self.device, self.k = device, k

@@ -171,7 +171,7 @@ def bench_tiers(engine: Any, embedder: Any, turns: list[tuple[str, str]], root: 
 
 def bench_search(minilm: Any, root: Path, sizes: tuple[int, ...], repeats: int = 50) -> dict:
     from inferscale_engine.memory import MemoryStore
-    from inferscale_engine.memory.embedder import Embedder
+    from inferscale_engine.memory.text.embedder import Embedder
 
     res: dict[str, Any] = {}
     queries = [f"what did we talk about on day {i}?" for i in range(repeats)]
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     skip = set(filter(None, args.skip.split(",")))
 
     from inferscale_engine import InferScaleEngine
-    from inferscale_engine.memory.embedder import Embedder
+    from inferscale_engine.memory.text.embedder import Embedder
 
     root = Path(tempfile.mkdtemp(prefix="inferscale-memory-bench-"))
     results: dict[str, Any] = {"model": args.model, "cpu_count": os.cpu_count()}

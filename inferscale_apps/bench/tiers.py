@@ -1,5 +1,5 @@
 """``bench tiers``: time to first token at ``k`` facts whose KV comes from the device, host or
-disk tier of a memory store's :class:`~inferscale_engine.memory.tiers.KVTiers`.
+disk tier of a memory store's :class:`~inferscale_engine.memory.kv.tiers.KVTiers`.
 
 Per repeat and tier: every fact is moved down to the tier under test, then the clock runs over
 ``tiers.get_many`` of the ``k`` facts (what a store's ``resolve_many`` does: host facts copied
@@ -42,7 +42,7 @@ from tqdm.auto import tqdm
 
 from inferscale_apps.bench.common import SyntheticWorkload, median, percentile
 from inferscale_engine.kv import FactKV
-from inferscale_engine.memory.tiers import KVTiers
+from inferscale_engine.memory.kv.tiers import KVTiers
 from inferscale_engine.types import Span
 
 if TYPE_CHECKING:
@@ -131,7 +131,7 @@ def run_tiers(
     import torch
 
     from inferscale_engine import planner
-    from inferscale_engine.memory.bandwidth import measure
+    from inferscale_engine.memory.kv.bandwidth import measure
     from inferscale_engine.types import ColdFact, TextFact
 
     kmax = max(ks)

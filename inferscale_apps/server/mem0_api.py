@@ -45,7 +45,7 @@ from inferscale_apps.server.errors import APIError, api_error
 from inferscale_apps.server.state import ServerState, State, header_user
 from inferscale_engine.errors import check_utf8
 from inferscale_engine.memory.encoding import engine_generate
-from inferscale_engine.memory.extraction import extract_actions
+from inferscale_engine.memory.text.extraction import extract_actions
 from inferscale_engine.memory.validation import RESERVED_USER_PREFIXES
 
 ENTITY_KEYS = ("user_id", "agent_id", "run_id", "app_id")

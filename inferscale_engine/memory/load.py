@@ -7,11 +7,11 @@ import logging
 
 import numpy as np
 
-from inferscale_engine.memory.context import ContextBuilder
-from inferscale_engine.memory.db import FactRow, MetaDB
-from inferscale_engine.memory.embedder import Embedder
-from inferscale_engine.memory.facts import FactTable
-from inferscale_engine.memory.tiers import KVTiers
+from inferscale_engine.memory.text.context import ContextBuilder
+from inferscale_engine.memory.meta.db import FactRow, MetaDB
+from inferscale_engine.memory.text.embedder import Embedder
+from inferscale_engine.memory.meta.facts import FactTable
+from inferscale_engine.memory.kv.tiers import KVTiers
 
 logger = logging.getLogger(__name__)
 

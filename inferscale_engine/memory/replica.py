@@ -1,7 +1,7 @@
 """Following the other replicas of a shared store: their writes, applied to this process's facts.
 
 A store in PostgreSQL is written by several processes. Each keeps the live facts in memory (its
-:class:`~inferscale_engine.memory.facts.FactTable`, what reads are answered from) and its own KV;
+:class:`~inferscale_engine.memory.meta.facts.FactTable`, what reads are answered from) and its own KV;
 before a read it applies what the others changed (:meth:`MetaDB.changes`): new facts join the
 table (this replica encodes them on a miss), a newer version replaces the row and retires the
 KV of the old one, a delete removes the fact and its KV. A :class:`Follower` looks every second
@@ -18,12 +18,12 @@ from collections.abc import Callable
 import numpy as np
 
 from inferscale_engine.errors import EngineClosedError
-from inferscale_engine.memory.context import ContextBuilder
-from inferscale_engine.memory.db import Changes, FactRow
-from inferscale_engine.memory.embedder import Embedder
-from inferscale_engine.memory.facts import FactTable
-from inferscale_engine.memory.kv_keeper import KVKeeper
-from inferscale_engine.memory.tiers import KVKey
+from inferscale_engine.memory.text.context import ContextBuilder
+from inferscale_engine.memory.meta.db import Changes, FactRow
+from inferscale_engine.memory.text.embedder import Embedder
+from inferscale_engine.memory.meta.facts import FactTable
+from inferscale_engine.memory.kv.kv_keeper import KVKeeper
+from inferscale_engine.memory.kv.tiers import KVKey
 
 logger = logging.getLogger(__name__)
 

@@ -52,12 +52,12 @@ from inferscale_engine.errors import (
     check_utf8,
 )
 from inferscale_engine.handles import Handle, HandleCodec
-from inferscale_engine.memory.backends import open_db
-from inferscale_engine.memory.bandwidth import TierSpeeds
-from inferscale_engine.memory.bandwidth import measure as measure_tiers
-from inferscale_engine.memory.context import Chunk, Context, ContextBuilder
-from inferscale_engine.memory.db import FactRow, utc_now
-from inferscale_engine.memory.embedder import Embedder
+from inferscale_engine.memory.meta.backends import open_db
+from inferscale_engine.memory.kv.bandwidth import TierSpeeds
+from inferscale_engine.memory.kv.bandwidth import measure as measure_tiers
+from inferscale_engine.memory.text.context import Chunk, Context, ContextBuilder
+from inferscale_engine.memory.meta.db import FactRow, utc_now
+from inferscale_engine.memory.text.embedder import Embedder
 from inferscale_engine.memory.encoding import (
     ChatGenerate,
     Encoder,
@@ -67,9 +67,9 @@ from inferscale_engine.memory.encoding import (
     engine_generate,
     kv_fingerprint,
 )
-from inferscale_engine.memory.extraction import infer_facts
-from inferscale_engine.memory.facts import FactTable, retexted
-from inferscale_engine.memory.folder import (
+from inferscale_engine.memory.text.extraction import infer_facts
+from inferscale_engine.memory.meta.facts import FactTable, retexted
+from inferscale_engine.memory.meta.folder import (
     DB_FILE,
     KV_DIR,
     LOCK_FILE,
@@ -81,12 +81,12 @@ from inferscale_engine.memory.folder import (
     record_url,
     release_lock,
 )
-from inferscale_engine.memory.index import IndexKind
+from inferscale_engine.memory.meta.index import IndexKind
 from inferscale_engine.memory.item import MemoryItem
-from inferscale_engine.memory.kv_keeper import KVKeeper
+from inferscale_engine.memory.kv.kv_keeper import KVKeeper
 from inferscale_engine.memory.load import load_facts
 from inferscale_engine.memory.replica import Follower, apply_changes
-from inferscale_engine.memory.tiers import KVTiers
+from inferscale_engine.memory.kv.tiers import KVTiers
 from inferscale_engine.types import Room, Span, TextFact
 from inferscale_engine.memory.validation import (
     check_store_options,

@@ -26,7 +26,7 @@ failed before its COMMIT was sent was rolled back by the server, so running it a
 So is one the server rolled back itself (SQLSTATE class 40: a serialization failure, a deadlock).
 One that failed during its COMMIT may have been written: that one is not repeated, the caller
 gets a :class:`~inferscale_engine.errors.DatabaseUnavailableError` saying so. Every public
-method, those :class:`~inferscale_engine.memory.db.SQLMetaDB` writes for both backends too, is
+method, those :class:`~inferscale_engine.memory.meta.db.SQLMetaDB` writes for both backends too, is
 run this way (:func:`_retrying`).
 
 Search runs over the embeddings each replica holds in its in-memory index: pgvector is not
@@ -54,7 +54,7 @@ from inferscale_engine.errors import (
     InferScaleError,
     ReplicaMismatchError,
 )
-from inferscale_engine.memory.db import Changes, FactRow, SQLMetaDB
+from inferscale_engine.memory.meta.db import Changes, FactRow, SQLMetaDB
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The metadata of a memory store (users, facts, history, embeddings) behind one small
 interface, :class:`MetaDB`, with one class per backend: :class:`SQLiteDB` here (embedded, the
-default) and :class:`~inferscale_engine.memory.pg.PostgresDB` (shared by replicas).
-:func:`~inferscale_engine.memory.backends.open_db` picks one from the store's location.
+default) and :class:`~inferscale_engine.memory.meta.pg.PostgresDB` (shared by replicas).
+:func:`~inferscale_engine.memory.meta.backends.open_db` picks one from the store's location.
 
 All SQL lives behind methods named for what they record, written once in
 :class:`SQLMetaDB` (what the backends share) and, where a backend differs, in its class; each

@@ -14,7 +14,7 @@
   Nothing waits on the host for either; the slab's readers and writers on the caller's stream
   wait for the side stream's last copy on the device, a copy waits for their last access
   (:meth:`KVTiers._copy`), and a promotion waits for the eviction still writing its host pages.
-* **Disk tier** (:class:`~inferscale_engine.memory.disk_tier.DiskTier`) – one safetensors file
+* **Disk tier** (:class:`~inferscale_engine.memory.kv.disk_tier.DiskTier`) – one safetensors file
   per fact version, written atomically and carrying the model fingerprint. Disk is
   write-through and unbounded: every encoded fact has its file before it enters memory, so the
   memory tiers are pure caches.
@@ -49,8 +49,8 @@ import numpy as np
 import torch
 
 from inferscale_engine.kv import FactKV
-from inferscale_engine.memory.disk_tier import DiskTier, KVKey, KVMissingError, check_fingerprint
-from inferscale_engine.memory.dma import ByteCopier, Sources
+from inferscale_engine.memory.kv.disk_tier import DiskTier, KVKey, KVMissingError, check_fingerprint
+from inferscale_engine.memory.kv.dma import ByteCopier, Sources
 
 __all__ = ["KVKey", "KVMissingError", "KVTiers", "Tier"]
 

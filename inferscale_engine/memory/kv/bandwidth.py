@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from inferscale_engine.kv import FactKV
-from inferscale_engine.memory.disk_tier import CALIBRATION_PREFIX, DiskTier
+from inferscale_engine.memory.kv.disk_tier import CALIBRATION_PREFIX, DiskTier
 
 if TYPE_CHECKING:
-    from inferscale_engine.memory.tiers import KVTiers
+    from inferscale_engine.memory.kv.tiers import KVTiers
 
 _FINGERPRINT = "calibration"
 

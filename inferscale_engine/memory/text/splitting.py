@@ -17,7 +17,7 @@ itself:
 * a piece that fails these tests is joined back to its neighbour: no text is ever dropped.
 
 No model is involved (fast, deterministic, testable); Mem0-style model extraction is
-``add(..., infer=True)`` in :mod:`inferscale_engine.memory.extraction`.
+``add(..., infer=True)`` in :mod:`inferscale_engine.memory.text.extraction`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 SQLite is written through and read only at open, so the store keeps each live fact's row by
 id, each user's facts in insertion order (the window a fact is encoded after), and each
 user's vector index. One lock guards all of it, and the encoding state of the facts too
-(:class:`~inferscale_engine.memory.kv_keeper.KVKeeper` takes the same lock), so a fact
+(:class:`~inferscale_engine.memory.kv.kv_keeper.KVKeeper` takes the same lock), so a fact
 changes atomically whether the API or the encoder changes it.
 """
 
@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from inferscale_engine.errors import FactNotFoundError, ForgedHandleError
-from inferscale_engine.memory.context import Context, ContextBuilder
-from inferscale_engine.memory.db import FactRow
-from inferscale_engine.memory.index import IndexKind, UserIndex
+from inferscale_engine.memory.text.context import Context, ContextBuilder
+from inferscale_engine.memory.meta.db import FactRow
+from inferscale_engine.memory.meta.index import IndexKind, UserIndex
 from inferscale_engine.memory.validation import check_user
 
 

@@ -27,7 +27,7 @@ DB_COMPANIONS = ("-wal", "-shm", "-journal")
 _SQLITE_HEADER = b"SQLite format 3\x00"
 
 if TYPE_CHECKING:
-    from inferscale_engine.memory.db import MetaDB
+    from inferscale_engine.memory.meta.db import MetaDB
 
 #: Key, in the database's meta table, of a digest of the secret the store's handles were made with.
 SECRET_CHECK = "secret_check"
@@ -108,7 +108,7 @@ def _store_marks(folder: Path) -> list[str]:
 def rotate_secret(folder: Path) -> int:
     """Give the store in ``folder`` a new handle secret; returns how many live memories get new
     handles (the old ones stop working). The store must not be open elsewhere."""
-    from inferscale_engine.memory.db import SQLiteDB
+    from inferscale_engine.memory.meta.db import SQLiteDB
 
     lock = acquire_lock(folder / LOCK_FILE)
     try:
@@ -222,7 +222,7 @@ def locked_message(folder: Path, holder: LockHolder) -> str:
 def record_url(fd: int, url: str) -> None:
     """Note in the held lock file the URL of the HTTP API that serves this store, so a command
     refused by the lock can use that API instead (``inferscale memory ... `` does)."""
-    from inferscale_engine.memory.pg import redact
+    from inferscale_engine.memory.meta.pg import redact
 
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n{process_summary(sys.argv)}\n{redact(url)}\n".encode(errors="replace"), 0)

@@ -6,7 +6,7 @@ encoder thread, an import, or a ``resolve`` that cannot wait) encodes it, and ev
 waits for its event. KV is written to the tiers before the fact is marked encoded, and KV made
 under another fingerprint is re-encoded under a new KV version, never served.
 
-:class:`KVKeeper` shares the store's :class:`~inferscale_engine.memory.facts.FactTable` and its
+:class:`KVKeeper` shares the store's :class:`~inferscale_engine.memory.meta.facts.FactTable` and its
 lock (a fact changes under that one lock whether the API or the encoder changes it); it owns
 the encoding state and the encode queue.
 """
@@ -28,12 +28,12 @@ from tqdm.auto import tqdm
 
 from inferscale_engine.errors import EngineClosedError, FactNotFoundError, InferScaleError, KVNotReadyError, StaleKVError
 from inferscale_engine.kv import FactKV
-from inferscale_engine.memory.context import Chunk, ContextBuilder
-from inferscale_engine.memory.db import FactRow, MetaDB
-from inferscale_engine.memory.encode_queue import EncodeQueue, Job
+from inferscale_engine.memory.text.context import Chunk, ContextBuilder
+from inferscale_engine.memory.meta.db import FactRow, MetaDB
+from inferscale_engine.memory.kv.encode_queue import EncodeQueue, Job
 from inferscale_engine.memory.encoding import Encoder
-from inferscale_engine.memory.facts import FactTable
-from inferscale_engine.memory.tiers import KVKey, KVMissingError, KVTiers
+from inferscale_engine.memory.meta.facts import FactTable
+from inferscale_engine.memory.kv.tiers import KVKey, KVMissingError, KVTiers
 from inferscale_engine.types import ColdFact, EncodeWindow, Span, TextFact
 
 logger = logging.getLogger(__name__)

@@ -113,7 +113,7 @@ class Embedder:
         return modes == {"pooling_mode_mean_tokens"}
 
     def _embed_query(self, model: Any, text: str) -> np.ndarray:
-        from inferscale_engine.memory.query_graph import GraphedQueryEncoder
+        from inferscale_engine.memory.text.query_graph import GraphedQueryEncoder
 
         if self._query_encoder is None:
             self._query_encoder = GraphedQueryEncoder(model[0].auto_model)
