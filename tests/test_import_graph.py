@@ -196,3 +196,27 @@ def test_the_store_never_imports_the_engine_layer() -> None:
         if not target.startswith("inferscale_engine.memory") and target not in below
     )
     assert not found, f"memory modules importing above the store: {found}"
+
+
+def test_memory_subpackages_import_one_way() -> None:
+    """Inside ``memory/``, imports go one way: ``text`` ← ``meta`` ← ``kv`` ← the top-level
+    modules (the store and what opens and follows it); each subpackage may also use the front
+    door's leaf modules (``item``, ``validation``, ``encoding``), which import nothing of
+    ``memory/``. Counts ``TYPE_CHECKING`` imports too, so a concept's package never knows one above."""
+    memory = "inferscale_engine.memory"
+    leaves = {f"{memory}.{m}" for m in ("item", "validation", "encoding")}
+    below = {"text": {"text"}, "meta": {"text", "meta"}, "kv": {"text", "meta", "kv"}}
+    graph = import_graph(type_checking=True)
+    found = []
+    for name, targets in graph.items():
+        parts = name.split(".")
+        for target in targets:
+            if not target.startswith(f"{memory}."):
+                continue
+            inside = target.split(".")[2]
+            if name in leaves:
+                found.append((name, target))
+            elif len(parts) > 3 and parts[:2] == ["inferscale_engine", "memory"] and parts[2] in below:
+                if target not in leaves and inside not in below[parts[2]]:
+                    found.append((name, target))
+    assert not found, f"memory modules importing a layer above their own: {sorted(found)}"
