@@ -22,7 +22,7 @@ from inferscale_engine.memory.text.context import ContextBuilder
 from inferscale_engine.memory.meta.db import Changes, FactRow
 from inferscale_engine.memory.text.embedder import Embedder
 from inferscale_engine.memory.meta.facts import FactTable
-from inferscale_engine.memory.kv.kv_keeper import KVKeeper
+from inferscale_engine.memory.kv.keeper import KVKeeper
 from inferscale_engine.memory.kv.tiers import KVKey
 
 logger = logging.getLogger(__name__)

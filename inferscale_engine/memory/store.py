@@ -6,12 +6,12 @@ What happens to a fact (module doing it in brackets)::
           ──▶ searchable, handle ready (add returns here)
                                                         ▼
           bounded queue [encode_queue] ──▶ encoder thread: one batched encoder.encode() of
-          whatever is queued, each fact after its context [context] ──▶ [kv_keeper]
+          whatever is queued, each fact after its context [context] ──▶ [keeper]
                                                         ▼
           KV tiers [tiers]: disk file (atomic, fingerprinted) ──▶ device slab (LRU ▶ host ▶ disk)
 
     resolve(handle, user) ── MAC, owner, existence ──▶ KV from the fastest tier (promoted),
-          waiting for a queued/in-flight encode (bounded), or encoding on demand [kv_keeper] ──▶ Span
+          waiting for a queued/in-flight encode (bounded), or encoding on demand [keeper] ──▶ Span
 
 Decisions (see ``docs/memory.md``):
 
@@ -83,7 +83,7 @@ from inferscale_engine.memory.meta.folder import (
 )
 from inferscale_engine.memory.meta.index import IndexKind
 from inferscale_engine.memory.item import MemoryItem
-from inferscale_engine.memory.kv.kv_keeper import KVKeeper
+from inferscale_engine.memory.kv.keeper import KVKeeper
 from inferscale_engine.memory.load import load_facts
 from inferscale_engine.memory.replica import Follower, apply_changes
 from inferscale_engine.memory.kv.tiers import KVTiers

@@ -3,7 +3,7 @@
 SQLite is written through and read only at open, so the store keeps each live fact's row by
 id, each user's facts in insertion order (the window a fact is encoded after), and each
 user's vector index. One lock guards all of it, and the encoding state of the facts too
-(:class:`~inferscale_engine.memory.kv.kv_keeper.KVKeeper` takes the same lock), so a fact
+(:class:`~inferscale_engine.memory.kv.keeper.KVKeeper` takes the same lock), so a fact
 changes atomically whether the API or the encoder changes it.
 """
 
