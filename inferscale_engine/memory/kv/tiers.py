@@ -29,6 +29,20 @@ only use room the host would otherwise leave free. ``get_many`` returns its fact
 *one copy* gathered from the slab for all of them (one kernel whatever ``k``), so a span in
 flight never sees its pages reused. Bytes are never converted: KV read back from any tier is
 ``torch.equal`` to what was put.
+
+Every tier answers the same small interface (LMCache's storage backends have its shape):
+
+* ``contains(key)`` – whether the tier holds ``key`` (memory tiers: an entry; disk: a file);
+* ``put(key, kv, fingerprint)`` – store ``kv`` there if the tier has room for it, saying whether it
+  did (the memory tiers never make room on their own: moving a fact down is the coordinator's);
+* ``get(key, fingerprint)`` – the KV, ``torch.equal`` to what was put, from that tier alone (no
+  promotion); :class:`KVMissingError` when the tier lacks ``key``, :class:`StaleKVError` when it
+  was made under another fingerprint;
+* ``remove(key)`` – free what the tier holds of ``key``, saying whether it held any;
+* ``close()`` and ``stats()``.
+
+What is not per tier stays with the coordinator: promotion and eviction between tiers, their
+order (LRU, kept host pages), the budgets, the disk readers and the lock.
 """
 
 from __future__ import annotations
