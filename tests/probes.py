@@ -1,11 +1,13 @@
-"""Named ways for tests to look where no public API does (and should not) look.
+"""The tests' shared helpers: ways to look at a store's files and rows, to catch log messages,
+to record what reached an engine and to check that a tiny model's answer is decisive.
 
-Tests call these instead of reaching into private attributes, so the internals they depend on
-are listed in one place, under a name that says what the test needs.
+Built on public names only; what needs the library's internals (a request's preparation, the
+spans staged for it, the tiers' pages...) is :mod:`inferscale_engine.testing`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sqlite3
 from collections.abc import Iterator, Sequence
@@ -14,6 +16,7 @@ from typing import Any, NamedTuple
 
 from inferscale_engine.handles import HANDLE_PATTERN, HandleCodec
 from inferscale_engine.memory.meta.folder import DB_FILE, SECRET_FILE, load_secret
+from inferscale_engine.testing import prepared
 
 # ---------------------------------------------------------------------------------- store
 
@@ -39,17 +42,7 @@ def fact_rows(store: Any) -> list[Any]:
     return list(store.table.by_id.values())
 
 
-def share_embedder_weights(source: Any, target: Any) -> None:
-    """``target`` embeds with ``source``'s loaded model (no second load)."""
-    target._model = source.model
-
-
 # ---------------------------------------------------------------------------------- engine
-
-
-def staged_refs(engine: Any) -> dict[str, int]:
-    """Spans the engine holds staged in shared memory for requests in flight (key → count)."""
-    return {key: staged.refs for key, staged in engine.exchange._staged.items()}
 
 
 def shm_segments() -> set[str]:
@@ -57,38 +50,6 @@ def shm_segments() -> set[str]:
     import os
 
     return {name for name in os.listdir("/dev/shm") if name.startswith("inferscale-")}
-
-
-def prepare(engine: Any, segments: Sequence[Any], user_id: str, **kw: Any) -> tuple[Any, Any]:
-    """The engine's request preparation alone: ``(prepared, sampling params)``, spans staged;
-    release them with :func:`unstage`."""
-    return engine._prepare(segments, user_id, **kw)
-
-
-def unstage(engine: Any, spans: Sequence[Any]) -> None:
-    engine._unstage(spans)
-
-
-def spy_on_prepare(engine: Any, record: Any) -> None:
-    """From now on ``record(user_id, prepared)`` sees every request ``engine`` prepares (refused
-    ones never get there); :func:`stop_spying_on_prepare` undoes it."""
-    prepare_ = engine._prepare
-
-    def spy(segments: Any, user_id: str, **kw: Any) -> Any:
-        prepared, params = prepare_(segments, user_id, **kw)
-        record(user_id, prepared)
-        return prepared, params
-
-    engine._prepare = spy
-
-
-def stop_spying_on_prepare(engine: Any) -> None:
-    engine.__dict__.pop("_prepare", None)
-
-
-def reset_prefix_cache(engine: Any) -> bool:
-    """Empty vLLM's prefix cache (True when nothing held it)."""
-    return bool(engine._vllm.reset_prefix_cache())
 
 
 # ---------------------------------------------------------------------------------- tiers
@@ -102,6 +63,9 @@ def slab_of(tiers: Any) -> Any:
 def out_stream(tiers: Any) -> Any:
     """The CUDA stream evictions copy to the host on."""
     return tiers._out_stream()
+
+
+# ---------------------------------------------------------------------------------- logs
 
 
 @contextmanager
@@ -145,14 +109,11 @@ def segment_margins(engine: Any, segments: Any, *, user_id: str = "default", max
     """The greedy answer to resolved ``segments`` (``generate_segments``' input), token by token
     with each token's log-probability lead over the runner-up. A lead near 0 means another CPU's
     float rounding can pick the other token and send the answer elsewhere."""
-    prepared, params = engine._prepare(segments, user_id, max_tokens=max_tokens, **kwargs)
-    params.logprobs = 2
     out = None
-    try:
-        for step, _ in engine.loop.iterate(prepared.prompt, params, prepared.started):
+    with prepared(engine, segments, user_id, max_tokens=max_tokens, **kwargs) as request:
+        request.params.logprobs = 2
+        for step, _ in engine.loop.iterate(request.prompt, request.params, request.started):
             out = step
-    finally:
-        engine._unstage(prepared.staged)
     assert out is not None
     steps = []
     for token_id, ranked in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
@@ -259,5 +220,9 @@ def check_margin(engine: Any, rec: Recorder, word: str) -> None:
     prompt, kw = rec.calls[i]
     kw = dict(kw)
     user_id = kw.pop("user_id")
+    options = kw.pop("options", None)
+    if options is not None:  # sent built (the integrations do): as the keywords it was built from
+        kw |= {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name != "sampling"}
+        kw |= options.sampling
     segments = engine.resolve(prompt, user_id=user_id, tools=kw.pop("tools", None))
     assert_decisive(engine, segments, word, user_id=user_id, **kw)

@@ -29,9 +29,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from probes import mint_handle, read_db, staged_refs
+from probes import mint_handle, read_db
 
-from inferscale_engine.engine import _fingerprint
 from inferscale_engine.errors import (
     ContextOverflowError,
     FactNotFoundError,
@@ -46,6 +45,7 @@ from inferscale_engine.handles import (
     find_handles,
     split_on_handles,
 )
+from inferscale_engine.testing import model_fingerprint, staged_refs
 from inferscale_engine.types import ColdFact, Span
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -105,7 +105,7 @@ def snapshot(store: Any) -> dict[str, Any]:
 
 
 def assert_nothing_staged(engine: Any) -> None:
-    assert not staged_refs(engine)
+    assert not staged_refs(engine.exchange)
 
 
 # ------------------------------------------------------------------------------ facts
@@ -285,7 +285,7 @@ def test_fingerprint_covers_model_dtype_rope_and_window(tiny_llama, tmp_path, en
         hf_config = SimpleNamespace(**{**{k: v for k, v in cfg.items() if k.startswith("rope")}, **hf})
         vc = SimpleNamespace(model_config=SimpleNamespace(dtype=dtype, hf_config=hf_config),
                              cache_config=SimpleNamespace(cache_dtype=cache))
-        return _fingerprint(str(path), vc)
+        return model_fingerprint(path, vc)
 
     base = variant("base")
     prints = {

@@ -16,12 +16,11 @@ import asyncio
 import secrets
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Self
 
 import httpx
 import pytest
-from probes import prepare, spy_on_prepare, staged_refs, stop_spying_on_prepare, unstage
 
 from inferscale_engine.errors import (
     FactNotFoundError,
@@ -29,6 +28,7 @@ from inferscale_engine.errors import (
     MalformedHandleError,
 )
 from inferscale_engine.handles import HandleCodec
+from inferscale_engine.testing import prepared, staged_refs, watching_prepare
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -48,9 +48,9 @@ def engine(tiny_llama, tmp_path_factory):
     eng = InferScaleEngine(model=tiny_llama, store_path=tmp_path_factory.mktemp("iso-store"),
                            device="cpu", dtype="float32", max_model_len=1024, recompute=0)
     yield eng
-    from inferscale_integrations import _common
+    from inferscale_integrations.testing import forget_engines
 
-    _common.forget_engines()
+    forget_engines()
     eng.close()
 
 
@@ -99,13 +99,14 @@ class PromptSpy:
             self.submitted += 1
             return submit(*args, **kw)
 
-        spy_on_prepare(eng, lambda user_id, prepared: self.prompts.append(
-            (user_id, list(prepared.prompt["prompt_token_ids"]))))
+        self.watching = watching_prepare(eng, lambda user_id, request: self.prompts.append(
+            (user_id, request.prompt_token_ids)))
+        self.watching.__enter__()
         eng.loop.submit = spy_submit
         return self
 
     def __exit__(self, *exc: object) -> None:
-        stop_spying_on_prepare(self.engine)
+        self.watching.__exit__(None, None, None)
         self.engine.loop.__dict__.pop("submit", None)
 
     def of(self, user: str) -> list[list[int]]:
@@ -209,14 +210,12 @@ def test_cache_salt_is_per_user_and_per_kv(engine, people, monkeypatch):
     store = engine.memory
     span, other = (store.resolve(item.handle, people["a"]) for item in people["a_items"][:2])
     head, tail = engine.tokenize("Memory:"), engine.tokenize("\nQ:")
-    prepared = []
+    held = ExitStack()
 
     def salt(user: str, spans=(span,), **kw: Any) -> str | None:
-        p, _ = prepare(engine, [head, *spans, tail], user, max_tokens=1, **kw)
-        prepared.append(p)
-        return p.prompt.get("cache_salt")
+        return held.enter_context(prepared(engine, [head, *spans, tail], user, max_tokens=1, **kw)).cache_salt
 
-    try:
+    with held:  # the spans stay staged for requests that never run, until the block ends
         # Injected prompts that bypass vLLM's prefix cache (the default) have no blocks to salt.
         assert salt(people["a"]) is None
         # Salted where their blocks are cached.
@@ -229,10 +228,7 @@ def test_cache_salt_is_per_user_and_per_kv(engine, people, monkeypatch):
         # Other KV, or the same KV at other positions: another salt.
         both, swapped = salt(people["a"], (span, other)), salt(people["a"], (other, span))
         assert len({a1, both, swapped}) == 3
-    finally:  # _prepare staged the spans for requests that will not run: release them
-        for p in prepared:
-            unstage(engine, p.staged)
-    assert not staged_refs(engine)
+    assert not staged_refs(engine.exchange)
 
 
 def test_injected_kv_in_the_prefix_cache_never_serves_another_user_or_a_plain_request(engine, monkeypatch):

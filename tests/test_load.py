@@ -25,7 +25,8 @@ from typing import Any
 
 import pytest
 import torch
-from probes import reset_prefix_cache
+
+from inferscale_engine.testing import reset_prefix_cache
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
