@@ -14,6 +14,7 @@ import torch
 from inferscale_engine.connector.exchange import ExchangeReader, Geometry, KVExchange, Location, NotHeldError
 from inferscale_engine.errors import ConnectorError
 from inferscale_engine.kv import FactKV
+from inferscale_engine.testing import segment_free_ranges, staged_refs
 
 GEOMETRY = Geometry(layers=3, heads=2, head_dim=8, dtype="bfloat16")
 
@@ -85,7 +86,7 @@ def test_staging_counts_references_and_frees_room_for_reuse():
         assert exchange.stage([("b", _fact(10, 1))]).at["b"] != first  # "a" still staged once
         exchange.unstage(["a", "b"])
         # Everything freed and merged: one range as large as the segment again.
-        assert [seg.free for seg in exchange._segments.values()] == [[(0, 1 << 16)]]
+        assert list(segment_free_ranges(exchange).values()) == [[(0, 1 << 16)]]
         with pytest.raises(ConnectorError, match="does not fit the served model"):
             exchange.stage([("x", FactKV(torch.zeros(3, 2, 1, 8), torch.zeros(3, 2, 1, 8), 0))])
     finally:
@@ -109,10 +110,10 @@ def test_spans_no_request_uses_stay_staged_until_their_room_is_needed():
         for key in "bcd":
             exchange.stage([(key, _fact(5, 2))])
             exchange.unstage([key])
-        assert len(exchange._segments) == 1 and span_bytes <= 1024
+        assert len(segment_free_ranges(exchange)) == 1 and span_bytes <= 1024
         # The segment is full of retained spans and may not grow: "a", the oldest, makes room.
         e = exchange.stage([("e", _fact(5, 3))]).at["e"]
-        assert e.offset == a.offset and len(exchange._segments) == 1
+        assert e.offset == a.offset and len(segment_free_ranges(exchange)) == 1
         assert exchange.stage([("b", _fact(5, 4))]).at["b"].segment == a.segment  # still retained
     finally:
         exchange.close()
@@ -141,7 +142,7 @@ def test_held_keys_stage_without_kv_until_given_up():
         with pytest.raises(NotHeldError) as refused:
             exchange.stage([("f", _fact(5, 3)), ("a", None), ("b", None)])
         assert refused.value.keys == ["b"]
-        assert set(exchange._staged) == {"e"} and not exchange.holds("f")  # nothing of it counted
+        assert set(staged_refs(exchange)) == {"e"} and not exchange.holds("f")  # nothing of it counted
     finally:
         exchange.close()
 
@@ -168,7 +169,7 @@ def test_an_owner_in_the_workers_process_hands_spans_over_by_reference():
         fact = _fact(6, 0, position=4)
         shared = exchange.stage([("a", fact), ("a", fact)])
         loc = shared.at["a"]
-        assert not exchange._segments and (loc.position, loc.tokens) == (4, 6)
+        assert not segment_free_ranges(exchange) and (loc.position, loc.tokens) == (4, 6)
         assert not exchange.holds("a")  # staged, but every stage of a local owner needs the KV itself
         reader = ExchangeReader()
         reader.map(shared.segments)
@@ -263,6 +264,6 @@ def test_a_capture_kept_as_a_span_is_staged_for_its_first_request():
             _in_worker(exchange.descriptors({room.segment}), [], room, slice(0, 2))
             exchange.take_capture(room, position=0, keep_as="fact:b:1")
             assert not exchange.holds("fact:b:1")
-            assert [seg.free for seg in exchange._segments.values()] == [[(0, 1 << 16)]]  # the room is free
+            assert list(segment_free_ranges(exchange).values()) == [[(0, 1 << 16)]]  # the room is free
         finally:
             exchange.close()
