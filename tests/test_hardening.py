@@ -11,6 +11,8 @@ import uuid
 
 import pytest
 
+from inferscale_engine.testing import cached_static_spans, encoder_replaced, has_unfinished_requests
+
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 PRIVATE = ("Alice's bank PIN is 4471. " + "She banks with the northern cooperative and keeps her records on paper. " * 12)
@@ -65,15 +67,15 @@ def test_head_cache_is_per_user(engine, monkeypatch):
     store.wait_for_encoding(60)
     head = f"Private: Alice was born on 3 May 1990 [{uuid.uuid4().hex[:6]}]. Memory: "
     engine.generate(head + ha + "\nQ: drink? A:", user_id=a, max_tokens=1)
-    before = len(engine._static)
+    before = cached_static_spans(engine)
     engine.generate(head + ha + "\nQ: drink? A:", user_id=a, max_tokens=1)
-    assert len(engine._static) == before  # control: A's own head is reused
+    assert cached_static_spans(engine) == before  # control: A's own head is reused
     engine.generate(head + hb + "\nQ: drink? A:", user_id=b, max_tokens=1)
-    assert len(engine._static) == before + 1  # B's copy is B's own
+    assert cached_static_spans(engine) == before + 1  # B's copy is B's own
     monkeypatch.setattr(engine.config, "shared_prefix_cache", True)  # negative control: shared again
     engine.generate(head + "x" + ha + "\nQ: drink? A:", user_id=a, max_tokens=1)
     engine.generate(head + "x" + hb + "\nQ: drink? A:", user_id=b, max_tokens=1)
-    assert len(engine._static) == before + 2
+    assert cached_static_spans(engine) == before + 2
 
 
 # ------------------------------------------------------------------------------ integrity of stored KV
@@ -317,7 +319,7 @@ def test_abandoned_non_streaming_requests_stop_generating(http, engine):
     for t in threads:
         t.join()
     gone = time.perf_counter()
-    while engine._vllm.has_unfinished_requests() and time.perf_counter() - gone < 30:
+    while has_unfinished_requests(engine) and time.perf_counter() - gone < 30:
         time.sleep(0.05)
     stopped = time.perf_counter() - gone
     # Six together would have run at least as long as one alone; aborted, they stop within a poll or two.
@@ -334,40 +336,40 @@ def test_chats_do_not_wait_behind_ingestion(engine, fact_store):
     import time
 
     store = fact_store["store"]
-    keeper = store._keeper
     release, entered = threading.Event(), threading.Event()
-    real = keeper.encoder
 
     class Stuck:
+        def __init__(self, real):
+            self.real = real
+
         def __getattr__(self, name):
-            return getattr(real, name)
+            return getattr(self.real, name)
 
         def encode(self, windows, **kw):
             if threading.current_thread().name != threading.main_thread().name and not release.is_set():
                 entered.set()
                 release.wait(120)
-            return real.encode(windows, **kw)
+            return self.real.encode(windows, **kw)
 
-    keeper.encoder = Stuck()
     store.serve_as_text_after = 0.5  # what the server sets (create_app); the library waits by default
-    try:
-        user = uid("chat")
-        items = store.add("The gate code is 5512.", user_id=user) + store.add("Parking is on level 3.", user_id=user)
-        for i in range(40):
-            store.add(f"Ingested fact number {i}.", user_id=uid("ingest"))
-        assert entered.wait(30)  # the encoder thread holds the first batch, the rest is queued
-        latencies = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            out = engine.generate(f"Memory: {items[0].handle} {items[1].handle}\nQ: gate code? A:",
-                                  user_id=user, max_tokens=4)
-            latencies.append(time.perf_counter() - t0)
-            assert out.usage.memories_as_text >= 1
-            as_text = out.text
-        assert sorted(latencies)[-1] < 10, latencies  # p95 of 3 = the worst; waited 60 s before
-    finally:
-        release.set()
-        keeper.encoder = real
+    with encoder_replaced(store, Stuck):
+        try:
+            user = uid("chat")
+            items = store.add("The gate code is 5512.", user_id=user) + store.add("Parking is on level 3.", user_id=user)
+            for i in range(40):
+                store.add(f"Ingested fact number {i}.", user_id=uid("ingest"))
+            assert entered.wait(30)  # the encoder thread holds the first batch, the rest is queued
+            latencies = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                out = engine.generate(f"Memory: {items[0].handle} {items[1].handle}\nQ: gate code? A:",
+                                      user_id=user, max_tokens=4)
+                latencies.append(time.perf_counter() - t0)
+                assert out.usage.memories_as_text >= 1
+                as_text = out.text
+            assert sorted(latencies)[-1] < 10, latencies  # p95 of 3 = the worst; waited 60 s before
+        finally:
+            release.set()
     store.wait_for_encoding(120)
     prompt = f"Memory: {items[0].handle} {items[1].handle}\nQ: gate code? A:"
     out = engine.generate(prompt, user_id=user, max_tokens=4)

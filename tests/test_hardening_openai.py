@@ -13,6 +13,7 @@ import uuid
 import pytest
 
 from inferscale_engine.errors import ContextOverflowError
+from inferscale_engine.testing import memory_swapped_out
 
 pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
@@ -153,18 +154,17 @@ def test_a_chat_with_a_handle_while_the_store_cannot_open_is_503(engine, tmp_pat
     from inferscale_apps.server import create_app
 
     monkeypatch.setattr(engine.config, "store_path", tmp_path / "store")
-    monkeypatch.setattr(engine, "_memory", None)
-    monkeypatch.setattr(engine, "_calibration", None)
     user = uid("secret")
-    store = engine.memory  # a store of its own in tmp_path
-    handle = store.add("The locker code is 2231.", user_id=user)[0].handle
-    store.wait_for_encoding(60)
-    store.close()
-    engine._memory = None
+    with memory_swapped_out(engine):
+        store = engine.memory  # a store of its own in tmp_path
+        handle = store.add("The locker code is 2231.", user_id=user)[0].handle
+        store.wait_for_encoding(60)
+        store.close()
     (tmp_path / "store" / "secret.key").write_bytes(b"\x01" * 32)
-    client = TestClient(create_app(engine, served_model_name="tiny"))
-    r = client.post("/v1/chat/completions", json={"model": "tiny", "user": user, "max_tokens": 2,
-                                                  "messages": [{"role": "user", "content": f"Memory: {handle}. Code?"}]})
+    with memory_swapped_out(engine):  # the next use opens the store again
+        client = TestClient(create_app(engine, served_model_name="tiny"))
+        r = client.post("/v1/chat/completions", json={"model": "tiny", "user": user, "max_tokens": 2,
+                                                      "messages": [{"role": "user", "content": f"Memory: {handle}. Code?"}]})
     assert r.status_code == 503 and error_of(r)["code"] == "memory_unavailable", r.text
     assert "secret" in error_of(r)["message"]
 

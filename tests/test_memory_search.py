@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from probes import share_embedder_weights
 
 from inferscale_engine.errors import FactNotFoundError, InferScaleError
 from inferscale_engine.memory import MemoryStore
 from inferscale_engine.memory.meta.index import ExactIndex, FaissIndex, UserIndex, faiss_available
 from inferscale_engine.memory.text.embedder import DEFAULT_EMBEDDER, Embedder
+from inferscale_engine.testing import share_embedder_weights
 
 FACTS = [
     "My dog is called Rex.",
