@@ -61,7 +61,6 @@ from inferscale_engine.types import (
     GenerationResult,
     MemoryMix,
     Messages,
-    Mode,
     Room,
     Segment,
     Span,
@@ -435,31 +434,23 @@ class InferScaleEngine:
     # ------------------------------------------------------------------ generation
 
     def generate(
-        self,
-        prompt_or_messages: str | Messages,
-        *,
-        user_id: str = DEFAULT_USER,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        mode: Mode = "inject",
-        recompute: int | None = None,
-        tools: Sequence[dict[str, Any]] | None = None,
-        **sampling: Any,
+        self, prompt_or_messages: str | Messages, *, user_id: str = DEFAULT_USER,
+        tools: Sequence[dict[str, Any]] | None = None, options: GenerationOptions | None = None, **kwargs: Any,
     ) -> GenerationResult:
         """Generate from a prompt string or chat messages; handles in it are injected as KV.
 
-        ``mode="prompt"`` sends the very same token ids without injection (the baseline of
-        pasting facts as text). ``recompute`` (default: the engine's ``config.recompute``) is the
-        quality knob: the last ``recompute`` memories of the prompt are prefilled as text after
-        the injected ones, so they attend to everything before them; list the most relevant
-        memories last. At least as many as the prompt holds gives prompt injection's output.
-        Extra keyword arguments are vLLM ``SamplingParams`` fields, or ``first_logprobs`` and
-        ``structured`` (:class:`~inferscale_engine.request.GenerationOptions`); every option is
-        checked before any work (:class:`~inferscale_engine.errors.InvalidOptionError`).
-        ``tools`` as :meth:`render` takes them.
+        The options come built as ``options=`` or as keywords, the fields of
+        :class:`~inferscale_engine.request.GenerationOptions`: ``max_tokens`` (256),
+        ``temperature`` (0.0), ``mode``, ``recompute``, ``first_logprobs``, ``structured``, and
+        any other vLLM ``SamplingParams`` field; every option is checked before any work
+        (:class:`~inferscale_engine.errors.InvalidOptionError`). ``mode="prompt"`` sends the very
+        same token ids without injection (the baseline of pasting facts as text). ``recompute``
+        (default: the engine's ``config.recompute``) is the quality knob: the last ``recompute``
+        memories of the prompt are prefilled as text after the injected ones, so they attend to
+        everything before them; list the most relevant memories last. At least as many as the
+        prompt holds gives prompt injection's output. ``tools`` as :meth:`render` takes them.
         """
-        options = GenerationOptions.from_kwargs(max_tokens=max_tokens, temperature=temperature, mode=mode,
-                                                recompute=recompute, **sampling)
+        options = _options(options, kwargs)
         segments = self.resolve(prompt_or_messages, user_id=user_id, tools=tools, max_tokens=options.max_tokens)
         return self.generate_segments(segments, user_id=user_id, options=options)
 
