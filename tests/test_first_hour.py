@@ -117,10 +117,10 @@ def test_a_missing_user_id_warns_once_per_class():
 
     from inferscale_engine.errors import SharedUserWarning
     from inferscale_engine.types import DEFAULT_USER
-    from inferscale_integrations import _common
     from inferscale_integrations.langchain import ChatInferScale, InferScaleChatMessageHistory
+    from inferscale_integrations.testing import forget_shared_user_warnings
 
-    _common._WARNED_SHARED.clear()
+    forget_shared_user_warnings()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ChatInferScale(model="smollm2")

@@ -12,6 +12,7 @@ import torch
 
 from inferscale_engine import InferScaleEngine, Span
 from inferscale_engine.kv import FactKV
+from inferscale_engine.testing import spin_gpu
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -32,7 +33,7 @@ def test_injection_waits_for_kv_still_being_copied(tiny_llama):
         side = torch.cuda.Stream()
         k, v = torch.zeros_like(kv.k), torch.zeros_like(kv.v)
         with torch.cuda.stream(side):
-            torch.cuda._sleep(1_000_000_000)
+            spin_gpu(1_000_000_000)
             k.copy_(kv.k)
             v.copy_(kv.v)
             ready = torch.cuda.Event()

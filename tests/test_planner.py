@@ -253,16 +253,16 @@ class CountedRead(Read):
 
     def __init__(self, span: Span, nbytes: int) -> None:
         super().__init__(span, nbytes)
-        self._nbytes, self.asked = nbytes, 0
+        self.size, self.asked = nbytes, 0
 
     @property  # type: ignore[override]
     def nbytes(self) -> int:
         self.asked += 1
-        return self._nbytes
+        return self.size
 
     @nbytes.setter
     def nbytes(self, value: int) -> None:
-        self._nbytes = value
+        self.size = value
 
 
 def _exhaustive(segs: list, facts: list[int], limit: int, rates: Rates) -> tuple[int, float]:
@@ -272,7 +272,7 @@ def _exhaustive(segs: list, facts: list[int], limit: int, rates: Rates) -> tuple
         return sum(len(s.token_ids) if isinstance(s, Span) else len(s) for s in part)
 
     for j in range(1, limit + 1):
-        cold = [segs[i].read._nbytes for i in facts[:j] if isinstance(segs[i], ColdFact)]
+        cold = [segs[i].read.size for i in facts[:j] if isinstance(segs[i], ColdFact)]
         disk = rates.disk_s(sum(cold), len(cold)) if cold else 0.0
         head, tail = segs[: facts[j - 1] + 1], segs[facts[j - 1] + 1 :]
         cost = disk + rates.inject_s(tokens(head)) + rates.prefill_s(tokens(tail))

@@ -9,6 +9,7 @@ import torch
 
 from inferscale_engine.memory.text.embedder import Embedder
 from inferscale_engine.memory.text.query_graph import BUCKETS, GraphedQueryEncoder
+from inferscale_engine.testing import takes_graphed_path
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +32,10 @@ def test_padded_query_path_matches_sentence_transformers(embedder):
 
 def test_only_mean_pooled_transformers_on_cuda_take_the_graphed_path(embedder):
     model = embedder.model
-    assert not embedder._graphable(model)  # CPU: ordinary batched path
+    assert not takes_graphed_path(embedder, model)  # CPU: ordinary batched path
     on_gpu = Embedder(model, device="cuda")
-    assert on_gpu._graphable(model)
-    assert not on_gpu._graphable(object())
+    assert takes_graphed_path(on_gpu, model)
+    assert not takes_graphed_path(on_gpu, object())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the half-precision query graph runs on CUDA only")

@@ -9,11 +9,11 @@ import json
 import pytest
 
 from inferscale_engine.errors import InferScaleError
-from inferscale_engine.remote import _events
+from inferscale_engine.testing import sse_events
 
 
 class _Content:
-    """aiohttp's ``StreamReader`` as ``_events`` reads it: ``iter_any()`` yields what arrived."""
+    """aiohttp's ``StreamReader`` as ``sse_events`` reads it: ``iter_any()`` yields what arrived."""
 
     def __init__(self, pieces: list[bytes]) -> None:
         self.pieces = pieces
@@ -25,7 +25,7 @@ class _Content:
 
 def _read(pieces: list[bytes]) -> list[dict]:
     async def collect() -> list[dict]:
-        return [event async for event in _events(_Content(pieces))]
+        return [event async for event in sse_events(_Content(pieces))]
 
     return asyncio.run(collect())
 

@@ -10,7 +10,7 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, Tool
 
 from inferscale_engine import tool_calls as tc
 from inferscale_integrations.langchain import ChatInferScale
-from inferscale_integrations.langchain._messages import openai_message
+from inferscale_integrations.testing import langchain_openai_message
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.",
        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
@@ -111,11 +111,11 @@ def test_messages_for_templates_with_and_without_tools() -> None:
         AIMessage("", tool_calls=[{"name": "add", "args": {"a": 2, "b": 3}, "id": "c1", "type": "tool_call"}]),
         ToolMessage("5", tool_call_id="c1"),
     ]
-    native = tc.template_messages([openai_message(m) for m in history], [ADD], native=True)
+    native = tc.template_messages([langchain_openai_message(m) for m in history], [ADD], native=True)
     assert native[0] == {"role": "system", "content": "Be brief."}  # the template adds the tools
     assert native[2]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}
     assert native[3] == {"role": "tool", "content": "5", "tool_call_id": "c1"}  # templates that pair them need it
-    text = tc.template_messages([openai_message(m) for m in history], [ADD], native=False)
+    text = tc.template_messages([langchain_openai_message(m) for m in history], [ADD], native=False)
     assert text[0]["content"].startswith("Be brief.\n\nYou can call tools.") and '"name": "add"' in text[0]["content"]
     assert json.loads(text[2]["content"].split("\n")[1]) == {"name": "add", "arguments": {"a": 2, "b": 3}}
     assert text[3]["content"] == "<tool_response>\n5\n</tool_response>"
