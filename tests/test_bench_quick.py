@@ -16,8 +16,8 @@ import pytest
 
 from inferscale_apps.bench.locomo import (
     CATEGORIES,
+    AnswerCache,
     LocomoBench,
-    _AnswerCache,
     agreement,
     default_data_path,
     f1_multi,
@@ -298,10 +298,10 @@ def test_locomo_data_and_retrieval_split():
 
 def test_answer_cache_resumes(tmp_path):
     path = tmp_path / "answers.jsonl"
-    cache = _AnswerCache(path)
+    cache = AnswerCache(path)
     cache.put({"key": "a", "answer": "x"})
     cache.put({"key": "b", "answer": "y"})
     with path.open("a") as f:
         f.write('{"key": "c", "ans')  # a line cut short by an interruption
-    again = _AnswerCache(path)
+    again = AnswerCache(path)
     assert again.get("a") == {"key": "a", "answer": "x"} and again.get("b") and again.get("c") is None

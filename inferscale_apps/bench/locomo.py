@@ -202,7 +202,7 @@ class _Job:
     segments: tuple[Any, ...] | None = None  # resolved segments, sent as they are (exact control)
 
 
-class _AnswerCache:
+class AnswerCache:
     """Answers already computed (JSONL, append-only), so a run can resume."""
 
     def __init__(self, path: Path | None) -> None:
@@ -281,7 +281,7 @@ class LocomoBench:
         # Answers with recomputed memories depend on the order; the stores and the rest do not.
         self.order_tag = "" if order == "relevance" else f"-{order}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.cache = _AnswerCache(self.run_dir / f"answers-t{max_tokens}.jsonl")
+        self.cache = AnswerCache(self.run_dir / f"answers-t{max_tokens}.jsonl")
         self.embedder = _cached_embedder(str(engine.config.device))
         self.stores: dict[int, MemoryStore] = {}
         self.tier_bytes = (device_kv_bytes, host_kv_bytes)
