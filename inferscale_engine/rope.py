@@ -49,7 +49,7 @@ class RopeTable:
 #: CPU: elements of keys rotated per pass. A whole ``[layers, n, heads, dim]`` tensor makes every
 #: elementwise op a trip through memory; layer chunks whose fp32 copy fits the cache ran 12x
 #: faster on a 2-core box (30 layers x 1,488 rows x 3 heads x 64: 6-8 ms instead of 77-92 ms).
-_CPU_CHUNK_ELEMS = 1 << 16
+CPU_CHUNK_ELEMS = 1 << 16
 
 
 def rotate(keys: torch.Tensor, deltas: torch.Tensor, table: RopeTable) -> torch.Tensor:
@@ -71,7 +71,7 @@ def rotate(keys: torch.Tensor, deltas: torch.Tensor, table: RopeTable) -> torch.
     stacked = keys.reshape(-1, *keys.shape[-3:])  # [layers (or 1), n, heads, head_dim]
     out = torch.empty_like(stacked) if rd == keys.shape[-1] else stacked.clone()
     # A GPU runs each op over everything at once; a CPU goes a cache-sized chunk at a time.
-    per = stacked.shape[0] if keys.is_cuda else max(1, _CPU_CHUNK_ELEMS // stacked[0].numel())
+    per = stacked.shape[0] if keys.is_cuda else max(1, CPU_CHUNK_ELEMS // stacked[0].numel())
     for first in range(0, stacked.shape[0], per):
         x = stacked[first : first + per, ..., :rd].to(torch.float32, copy=True)  # rotated in place
         if table.is_neox_style:

@@ -76,7 +76,7 @@ def test_rotation_by_layer_chunks_equals_one_pass_and_leaves_the_input_alone(sty
     before = keys.clone()
     deltas = torch.randint(-300, 300, (40,))
     whole = rotate(keys, deltas, table)
-    monkeypatch.setattr(rope_module, "_CPU_CHUNK_ELEMS", 2 * keys[0].numel())  # chunks of 2, 2, 2, 1
+    monkeypatch.setattr(rope_module, "CPU_CHUNK_ELEMS", 2 * keys[0].numel())  # chunks of 2, 2, 2, 1
     assert torch.equal(rotate(keys, deltas, table), whole)
     assert torch.equal(keys, before)  # rotated in a copy: stored KV is read, never written
     assert torch.equal(rotate(keys[3], deltas, table), whole[3])  # one layer, no layer axis
