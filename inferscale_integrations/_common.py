@@ -34,6 +34,7 @@ from pydantic import AfterValidator
 
 from inferscale_engine.config import check_recompute
 from inferscale_engine.prompting import EncodeStyle, encode_context
+from inferscale_engine.request import GenerationOptions
 from inferscale_engine.types import DEFAULT_USER
 
 if TYPE_CHECKING:
@@ -66,6 +67,23 @@ def check_user_id(user_id: Any) -> str:
     from inferscale_engine.memory.validation import check_person
 
     return check_person(user_id)
+
+
+def generation_options(
+    fields: Mapping[str, Any], extra: Mapping[str, Any], call: Mapping[str, Any], *, stop: Sequence[str] | None
+) -> GenerationOptions:
+    """One call's options, built (and so checked) once, before any work: an LLM class's fields
+    (``fields``, a None one unset), then its extra ``SamplingParams`` (``model_kwargs``,
+    ``sampling_kwargs``), then the call's keywords. Stop sequences: the extra's or the call's,
+    else the class's ``stop``. A bad option raises ``InvalidOptionError`` naming it, in the
+    words the engine and the HTTP server use."""
+    options = {name: value for name, value in fields.items() if value is not None}
+    options.update(extra)
+    options.update(call)
+    stops = options.pop("stop", None) or stop
+    if stops:
+        options["stop"] = list(stops)
+    return GenerationOptions.from_kwargs(**options)
 
 
 def user_of(cls: type, user_id: Any) -> str:

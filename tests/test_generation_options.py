@@ -122,3 +122,57 @@ def test_one_options_object_serves_many_requests_and_cannot_change(engine):
         options.max_tokens = 4  # type: ignore[misc]
     with pytest.raises(TypeError, match="not both"):
         engine.generate_segments(segments, user_id=USER, options=options, max_tokens=4)
+
+
+def _integration_calls(model: str, option: str, value: Any) -> dict[str, Any]:
+    """Each generating entry point of the integrations, called with ``{option: value}`` (as a
+    per-call keyword, or as the class's extra ``SamplingParams``), on ``model``."""
+    import asyncio
+
+    from langchain_core.messages import HumanMessage
+    from llama_index.core.base.llms.types import ChatMessage
+
+    from inferscale_integrations.langchain import ChatInferScale
+    from inferscale_integrations.langchain import InferScaleLLM as LangChainLLM
+    from inferscale_integrations.llamaindex import InferScaleLLM
+
+    bad = {option: value}
+    chat, llm = ChatInferScale(model=model, user_id=USER), LangChainLLM(model=model, user_id=USER)
+    # context_window given: LlamaIndex's callbacks read the LLM's metadata, else the engine's window.
+    index = InferScaleLLM(model=model, user_id=USER, context_window=256)
+    hi, messages = [HumanMessage(content="Hi")], [ChatMessage(role="user", content="Hi")]
+
+    async def drain(stream: Any) -> None:
+        async for _ in await stream if asyncio.iscoroutine(stream) else stream:
+            pass
+
+    return {
+        "langchain chat invoke": lambda: chat.invoke(hi, **bad),
+        "langchain chat stream": lambda: list(chat.stream(hi, **bad)),
+        "langchain chat ainvoke": lambda: asyncio.run(chat.ainvoke(hi, **bad)),
+        "langchain chat model_kwargs": lambda: ChatInferScale(model=model, user_id=USER, model_kwargs=bad).invoke(hi),
+        "langchain chat bind": lambda: chat.bind(**bad).invoke(hi),
+        "langchain llm invoke": lambda: llm.invoke("Hi", **bad),
+        "langchain llm astream": lambda: asyncio.run(drain(llm.astream("Hi", **bad))),
+        "llamaindex complete": lambda: index.complete("Hi", **bad),
+        "llamaindex chat": lambda: index.chat(messages, **bad),
+        "llamaindex stream_complete": lambda: index.stream_complete("Hi", **bad),
+        "llamaindex acomplete": lambda: asyncio.run(index.acomplete("Hi", **bad)),
+        "llamaindex astream_chat": lambda: asyncio.run(drain(index.astream_chat(messages, **bad))),
+        "llamaindex sampling_kwargs": lambda: InferScaleLLM(model=model, user_id=USER, context_window=256,
+                                                               sampling_kwargs=bad).complete("Hi"),
+    }
+
+
+@pytest.mark.parametrize("option, value, message",
+                         [*BAD, ("temprature", 0.5, "unknown generation option 'temprature' (did you mean 'temperature'?)")])
+def test_every_integration_entry_refuses_a_bad_option_before_it_takes_an_engine(tmp_path, option, value, message):
+    """The model named does not exist: an entry point that reached for its engine before checking
+    the options would fail with ``ModelNotFoundError`` instead of the option's own error."""
+    for entry, call in _integration_calls(str(tmp_path / "no-such-model"), option, value).items():
+        # LlamaIndex answers "Empty Response" for a ValueError: the refusal comes as RefusedRequestError.
+        with pytest.raises((InvalidOptionError, RefusedRequestError)) as refused:
+            call()
+        error = refused.value.__cause__ if isinstance(refused.value, RefusedRequestError) else refused.value
+        assert isinstance(error, InvalidOptionError), f"{entry}: {refused.value!r}"
+        assert (str(error).split(";")[0], error.option) == (message, option), entry

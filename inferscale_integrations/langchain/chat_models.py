@@ -9,6 +9,7 @@ messages are resolved for ``user_id`` and their facts' KV is injected instead of
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
@@ -38,7 +39,8 @@ from pydantic import BaseModel, Field, SecretStr
 
 from inferscale_engine import tool_calls as tc
 from inferscale_engine.prompting import structured_options
-from inferscale_integrations._common import Recompute, check_user_id
+from inferscale_engine.request import GenerationOptions
+from inferscale_integrations._common import Recompute, check_user_id, generation_options
 from inferscale_integrations.langchain._base import InferScaleModelBase
 from inferscale_integrations.langchain._messages import langchain_call_chunks, openai_message
 
@@ -158,14 +160,15 @@ class ChatInferScale(InferScaleModelBase, BaseChatModel):
         tool_choice = kwargs.pop("tool_choice", None)
         parallel = kwargs.pop("parallel_tool_calls", None) is not False
         structured = structured_options(kwargs.pop("response_format", None))
-        sampling = sampling_options(self, stop, kwargs)  # first: a bad per-call user_id builds no engine
+        user, options = call_options(self, stop, kwargs)  # first: a bad option builds no engine
         engine = self.get_engine(model)
         native = tc.template_renders_tools(engine.tokenizer)
         use = tc.use_tools([openai_message(m) for m in messages], tools, tool_choice, parallel=parallel,
                            structured=structured, native=native)
-        if use.structured:
-            sampling["structured"] = use.structured
-        return _Request(engine=engine, use=use, sampling=sampling, model_name=model or self._engine.model_name)
+        if use.structured:  # the tools' constraint (a forced call, a response format)
+            options = dataclasses.replace(options, structured=use.structured)
+        return _Request(engine=engine, use=use, user_id=user, options=options,
+                        model_name=model or self._engine.model_name)
 
     def _generate(
         self,
@@ -195,7 +198,7 @@ class ChatInferScale(InferScaleModelBase, BaseChatModel):
     ) -> Iterator[ChatGenerationChunk]:
         req = self._request(messages, stop, kwargs)
         chunks = _Chunker(req)
-        for delta in req.engine.stream(req.use.messages, tools=req.use.tools, **req.sampling):
+        for delta in req.engine.stream(req.use.messages, tools=req.use.tools, user_id=req.user_id, options=req.options):
             chunk = chunks.chunk(delta)
             if chunk is None:
                 continue
@@ -212,7 +215,7 @@ class ChatInferScale(InferScaleModelBase, BaseChatModel):
     ) -> AsyncIterator[ChatGenerationChunk]:
         req = await asyncio.to_thread(self._request, messages, stop, kwargs)
         chunks = _Chunker(req)
-        async for delta in req.engine.astream(req.use.messages, tools=req.use.tools, **req.sampling):
+        async for delta in req.engine.astream(req.use.messages, tools=req.use.tools, user_id=req.user_id, options=req.options):
             chunk = chunks.chunk(delta)
             if chunk is None:
                 continue
@@ -296,7 +299,8 @@ class _Request:
 
     engine: InferScaleEngine
     use: tc.ToolUse  # the messages, tools and output constraint; how the answer is read for calls
-    sampling: dict[str, Any]
+    user_id: str
+    options: GenerationOptions
     model_name: str
 
 
@@ -371,27 +375,15 @@ def ls_params(model: Any, model_type: Literal["chat", "llm"], model_name: str, s
     return params
 
 
-def sampling_options(model: Any, stop: list[str] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Engine keyword arguments: the model's fields, then ``model_kwargs``, then per-call kwargs;
-    an explicit ``stop`` wins over both."""
-    sampling: dict[str, Any] = {
-        "temperature": model.temperature,
-        "max_tokens": model.max_tokens if model.max_tokens is not None else 256,
-        "user_id": model.user_id,
-        "mode": model.mode,
-    }
-    if model.recompute is not None:
-        sampling["recompute"] = model.recompute
-    if model.top_p is not None:
-        sampling["top_p"] = model.top_p
-    if model.seed is not None:
-        sampling["seed"] = model.seed
-    sampling.update(model.model_kwargs)
-    sampling.update(kwargs)
-    if "user_id" in kwargs:  # per call: the rule the model's own user_id was held to
-        sampling["user_id"] = check_user_id(kwargs["user_id"])
-    stops = stop if stop is not None else sampling.pop("stop", None) or model.stop
-    sampling.pop("stop", None)
-    if stops:
-        sampling["stop"] = list(stops)
-    return sampling
+def call_options(model: Any, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[str, GenerationOptions]:
+    """The user and the options of one call of a LangChain InferScale model: its fields, then
+    ``model_kwargs``, then per-call kwargs; an explicit ``stop`` wins over both. Both are checked
+    here, before any engine is built or looked up."""
+    call = dict(kwargs)
+    # per call: the rule the model's own user_id was held to
+    user = check_user_id(call.pop("user_id")) if "user_id" in call else model.user_id
+    if stop is not None:
+        call["stop"] = stop
+    fields = {"temperature": model.temperature, "max_tokens": model.max_tokens, "mode": model.mode,
+              "recompute": model.recompute, "top_p": model.top_p, "seed": model.seed}
+    return user, generation_options(fields, model.model_kwargs, call, stop=model.stop)

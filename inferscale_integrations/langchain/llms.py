@@ -24,14 +24,15 @@ from inferscale_engine.prompting import usage_dict
 from inferscale_integrations._common import Recompute
 from inferscale_integrations.langchain._base import InferScaleModelBase
 from inferscale_integrations.langchain.chat_models import (
+    call_options,
     identifying_params,
     ls_params,
-    sampling_options,
     usage_metadata,
 )
 
 if TYPE_CHECKING:
     from inferscale_engine import InferScaleEngine, StreamDelta
+    from inferscale_engine.request import GenerationOptions
 
 
 class InferScaleLLM(InferScaleModelBase, LLM):
@@ -81,13 +82,14 @@ class InferScaleLLM(InferScaleModelBase, LLM):
         """The engine this model generates with (built or shared on first use)."""
         return self._engine.get(model)
 
-    def _request(self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]) -> tuple[Any, Any, dict[str, Any]]:
+    def _request(self, prompt: str, stop: list[str] | None,
+                 kwargs: dict[str, Any]) -> tuple[InferScaleEngine, Any, str, GenerationOptions]:
+        """The engine, the payload, the user and the options of one prompt."""
         kwargs = dict(kwargs)
         model = kwargs.pop("model", None)
-        sampling = sampling_options(self, stop, kwargs)  # first: a bad per-call user_id builds no engine
-        engine = self.get_engine(model)
+        user, options = call_options(self, stop, kwargs)  # first: a bad option builds no engine
         payload: Any = [{"role": "user", "content": prompt}] if self.chat_template else prompt
-        return engine, payload, sampling
+        return self.get_engine(model), payload, user, options
 
     def _chunk(self, delta: StreamDelta) -> GenerationChunk | None:
         """A streamed piece; the last one carries the generation info, empty pieces are skipped."""
@@ -163,8 +165,8 @@ class InferScaleLLM(InferScaleModelBase, LLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        engine, payload, sampling = self._request(prompt, stop, kwargs)
-        for delta in engine.stream(payload, **sampling):
+        engine, payload, user, options = self._request(prompt, stop, kwargs)
+        for delta in engine.stream(payload, user_id=user, options=options):
             chunk = self._chunk(delta)
             if chunk is None:
                 continue
@@ -179,8 +181,8 @@ class InferScaleLLM(InferScaleModelBase, LLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        engine, payload, sampling = await asyncio.to_thread(self._request, prompt, stop, kwargs)
-        async for delta in engine.astream(payload, **sampling):
+        engine, payload, user, options = await asyncio.to_thread(self._request, prompt, stop, kwargs)
+        async for delta in engine.astream(payload, user_id=user, options=options):
             chunk = self._chunk(delta)
             if chunk is None:
                 continue

@@ -41,8 +41,9 @@ from inferscale_engine.errors import (
 )
 from inferscale_engine.handles import HANDLE_PATTERN
 from inferscale_engine.prompting import engine_role, usage_dict
+from inferscale_engine.request import GenerationOptions
 from inferscale_engine.types import DEFAULT_USER
-from inferscale_integrations._common import Recompute, check_user_id, warn_foreign_handles
+from inferscale_integrations._common import Recompute, check_user_id, generation_options, warn_foreign_handles
 from inferscale_integrations.llamaindex._base import InferScaleComponent
 from inferscale_integrations.llamaindex.retrievers import issued_to
 
@@ -170,22 +171,15 @@ class InferScaleLLM(InferScaleComponent, CustomLLM):
             "user by an InferScale retriever or memory of this engine: pass InferScaleLLM(user_id=...)"
         )
 
-    def _sampling(self, kwargs: dict[str, Any], payload: Any) -> dict[str, Any]:
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("formatted", "tools", "tool_choice")}
-        user = self._user_for(payload, kwargs.pop("user_id", None))
-        sampling: dict[str, Any] = {
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-            "user_id": user,
-            "mode": self.mode,
-            **({"recompute": self.recompute} if self.recompute is not None else {}),
-            **self.sampling_kwargs,
-            **kwargs,
-        }
-        stop = sampling.pop("stop", None) or self.stop
-        if stop:
-            sampling["stop"] = list(stop)
-        return sampling
+    def _request(self, kwargs: dict[str, Any], payload: Any) -> tuple[str, GenerationOptions]:
+        """The user and the options of one call: the options first, so a bad one is refused
+        before the store is read for the prompt's handles."""
+        call = {k: v for k, v in kwargs.items() if k not in ("formatted", "tools", "tool_choice")}
+        user_id = call.pop("user_id", None)
+        fields = {"temperature": self.temperature, "max_tokens": self.max_tokens, "mode": self.mode,
+                  "recompute": self.recompute}
+        options = generation_options(fields, self.sampling_kwargs, call, stop=self.stop)
+        return self._user_for(payload, user_id), options
 
     def _completion_payload(self, prompt: str, formatted: bool) -> Any:
         if self.raw_completion or formatted:
@@ -215,20 +209,22 @@ class InferScaleLLM(InferScaleComponent, CustomLLM):
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         payload = to_engine_messages(messages)
-        sampling = self._sampling(kwargs, payload)
         with _refusals_raised():
-            result = self.get_engine().generate(payload, **sampling)
+            user, options = self._request(kwargs, payload)
+            result = self.get_engine().generate(payload, user_id=user, options=options)
         return self._chat_response(result.text, result)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        engine, payload = self.get_engine(), to_engine_messages(messages)
-        sampling = self._sampling(kwargs, payload)
+        payload = to_engine_messages(messages)
+        with _refusals_raised():
+            user, options = self._request(kwargs, payload)
+        engine = self.get_engine()
 
         def gen() -> ChatResponseGen:
             text = ""
             with _refusals_raised():
-                for delta in engine.stream(payload, **sampling):
+                for delta in engine.stream(payload, user_id=user, options=options):
                     text += delta.text
                     yield self._chat_response(text, delta.result, delta.text)
 
@@ -236,23 +232,24 @@ class InferScaleLLM(InferScaleComponent, CustomLLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        engine = await asyncio.to_thread(self.get_engine)
         payload = to_engine_messages(messages)
-        sampling = self._sampling(kwargs, payload)
         with _refusals_raised():
-            result = await engine.agenerate(payload, **sampling)
+            user, options = await asyncio.to_thread(self._request, kwargs, payload)
+            engine = await asyncio.to_thread(self.get_engine)
+            result = await engine.agenerate(payload, user_id=user, options=options)
         return self._chat_response(result.text, result)
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        engine = await asyncio.to_thread(self.get_engine)
         payload = to_engine_messages(messages)
-        sampling = self._sampling(kwargs, payload)
+        with _refusals_raised():
+            user, options = await asyncio.to_thread(self._request, kwargs, payload)
+        engine = await asyncio.to_thread(self.get_engine)
 
         async def gen() -> ChatResponseAsyncGen:
             text = ""
             with _refusals_raised():
-                async for delta in engine.astream(payload, **sampling):
+                async for delta in engine.astream(payload, user_id=user, options=options):
                     text += delta.text
                     yield self._chat_response(text, delta.result, delta.text)
 
@@ -263,20 +260,22 @@ class InferScaleLLM(InferScaleComponent, CustomLLM):
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         payload = self._completion_payload(prompt, formatted)
-        sampling = self._sampling(kwargs, payload)
         with _refusals_raised():
-            result = self.get_engine().generate(payload, **sampling)
+            user, options = self._request(kwargs, payload)
+            result = self.get_engine().generate(payload, user_id=user, options=options)
         return self._completion_response(result.text, result)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
-        engine, payload = self.get_engine(), self._completion_payload(prompt, formatted)
-        sampling = self._sampling(kwargs, payload)
+        payload = self._completion_payload(prompt, formatted)
+        with _refusals_raised():
+            user, options = self._request(kwargs, payload)
+        engine = self.get_engine()
 
         def gen() -> CompletionResponseGen:
             text = ""
             with _refusals_raised():
-                for delta in engine.stream(payload, **sampling):
+                for delta in engine.stream(payload, user_id=user, options=options):
                     text += delta.text
                     yield self._completion_response(text, delta.result, delta.text)
 
@@ -284,23 +283,24 @@ class InferScaleLLM(InferScaleComponent, CustomLLM):
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        engine = await asyncio.to_thread(self.get_engine)
         payload = self._completion_payload(prompt, formatted)
-        sampling = self._sampling(kwargs, payload)
         with _refusals_raised():
-            result = await engine.agenerate(payload, **sampling)
+            user, options = await asyncio.to_thread(self._request, kwargs, payload)
+            engine = await asyncio.to_thread(self.get_engine)
+            result = await engine.agenerate(payload, user_id=user, options=options)
         return self._completion_response(result.text, result)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        engine = await asyncio.to_thread(self.get_engine)
         payload = self._completion_payload(prompt, formatted)
-        sampling = self._sampling(kwargs, payload)
+        with _refusals_raised():
+            user, options = await asyncio.to_thread(self._request, kwargs, payload)
+        engine = await asyncio.to_thread(self.get_engine)
 
         async def gen() -> CompletionResponseAsyncGen:
             text = ""
             with _refusals_raised():
-                async for delta in engine.astream(payload, **sampling):
+                async for delta in engine.astream(payload, user_id=user, options=options):
                     text += delta.text
                     yield self._completion_response(text, delta.result, delta.text)
 
