@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from inferscale_engine.memory import MemoryStore
     from inferscale_engine.memory.encoding import Encoder
     from inferscale_engine.memory.text.embedder import Embedder
+    from inferscale_engine.memory.text.query_graph import GraphedQueryEncoder
 
 __all__ = [
     "PreparedRequest",
@@ -40,6 +41,8 @@ __all__ = [
     "memory_swapped_out",
     "model_fingerprint",
     "preempted_requests",
+    "query_embedding_eager",
+    "query_graph_buckets",
     "prepared",
     "reset_prefix_cache",
     "segment_free_ranges",
@@ -223,6 +226,25 @@ def share_embedder_weights(source: Embedder, target: Embedder) -> None:
 def takes_graphed_path(embedder: Embedder, model: Any) -> bool:
     """Whether ``embedder`` embeds a search's one query with ``model`` through a CUDA graph."""
     return embedder._graphable(model)
+
+
+def query_embedding_eager(model: Any, token_ids: list[int]) -> torch.Tensor:
+    """One query's embedding by the query path's own computation, run eagerly on ``model``'s
+    device (no graph): what a graphed replay of
+    :class:`~inferscale_engine.memory.text.query_graph.GraphedQueryEncoder` must match."""
+    import torch
+
+    from inferscale_engine.memory.text import query_graph
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([token_ids], device=device)
+    with torch.inference_mode():
+        return query_graph._embed(model, ids, torch.ones_like(ids))
+
+
+def query_graph_buckets(encoder: GraphedQueryEncoder) -> list[int]:
+    """The query lengths (buckets) ``encoder`` holds a captured CUDA graph for, ascending."""
+    return sorted(bucket for bucket, graph in encoder._graphs.items() if graph is not None)
 
 
 # ---------------------------------------------------------------------------------- KV files, GPU

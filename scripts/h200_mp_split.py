@@ -15,22 +15,20 @@ import time
 
 from inferscale_apps.bench.common import SyntheticWorkload
 from inferscale_engine.engine import InferScaleEngine
+from inferscale_engine.testing import prepared
 
 PARTS = ("prepare", "to_queue", "to_schedule", "step", "back", "total")
 
 
 def timed(engine: InferScaleEngine, segments: list, mode: str) -> dict[str, float]:
     t0 = time.monotonic()
-    prepared, params = engine._prepare(segments, "default", max_tokens=1, mode=mode)
-    t1 = time.monotonic()
-    try:
-        for out, _ in engine.loop.iterate(prepared.prompt, params, prepared.started):
+    with prepared(engine, segments, "default", max_tokens=1, mode=mode) as request:
+        t1 = time.monotonic()
+        for out, _ in engine.loop.iterate(request.prompt, request.params, request.started):
             t_back = time.monotonic()
             m = out.metrics
             if out.finished:
                 break
-    finally:
-        engine._unstage(prepared.staged)
     return {"prepare": t1 - t0, "to_queue": m.queued_ts - t1, "to_schedule": m.scheduled_ts - m.queued_ts,
             "step": m.first_token_ts - m.scheduled_ts, "back": t_back - m.first_token_ts, "total": t_back - t0}
 

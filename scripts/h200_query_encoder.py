@@ -9,7 +9,8 @@ import time
 import torch
 from transformers import BertConfig, BertModel
 
-from inferscale_engine.memory.text.query_graph import GraphedQueryEncoder, _embed
+from inferscale_engine.memory.text.query_graph import GraphedQueryEncoder
+from inferscale_engine.testing import query_embedding_eager, query_graph_buckets
 
 cfg = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
 torch.manual_seed(0)
@@ -18,8 +19,7 @@ graphed = GraphedQueryEncoder(model)
 rows = []
 for n in (12, 24, 60):
     ids = torch.randint(1000, 30000, (n,)).tolist()
-    with torch.inference_mode():
-        eager = _embed(model, torch.tensor([ids], device="cuda"), torch.ones(1, n, dtype=torch.long, device="cuda"))
+    eager = query_embedding_eager(model, ids)
     got = graphed(ids)
 
     def timed(fn, reps=50):
@@ -32,9 +32,8 @@ for n in (12, 24, 60):
         return (time.perf_counter() - t) / reps * 1e3
 
     def eager_fn():
-        with torch.inference_mode():
-            return _embed(model, torch.tensor([ids], device="cuda"), torch.ones(1, n, dtype=torch.long, device="cuda"))  # noqa: B023  (timed in this iteration)
+        return query_embedding_eager(model, ids)  # noqa: B023  (timed in this iteration)
 
     rows.append({"tokens": n, "eager_ms": timed(eager_fn), "graphed_ms": timed(lambda: graphed(ids)),  # noqa: B023
-                 "max_abs_diff": (got - eager.cpu()).abs().max().item(), "graphs": sorted(k for k, g in graphed._graphs.items() if g)})
+                 "max_abs_diff": (got - eager.cpu()).abs().max().item(), "graphs": query_graph_buckets(graphed)})
     print(json.dumps(rows[-1]), flush=True)

@@ -28,7 +28,7 @@ host = vec.cpu().numpy()
 print(f"whole retrieval      {timed(lambda: r(ids)):.3f} ms")
 print(f"encode (graph, to host) {timed(lambda: r.encoder(ids)):.3f} ms")
 print(f"search from numpy    {timed(lambda: r.index.search(host, 50)):.3f} ms")
-mat = r.index._mat[: len(r.index)]
+mat = torch.as_tensor(r.index.items()[1], device="cuda")  # the index's vectors, on the device as it keeps them
 torch.cuda.synchronize()  # the index writes on its own stream
 print(f"matmul+topk on device {timed(lambda: torch.topk(mat @ vec.cuda(), 50).indices.cpu()):.3f} ms")
 print(f"as_tensor.to(device) {timed(lambda: torch.as_tensor(host).to('cuda')):.3f} ms")

@@ -38,7 +38,6 @@ for name in ("fp32", "tf32", "fp16", "bf16"):
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(name, torch.float32)
     enc = GraphedQueryEncoder(BertModel(cfg).eval().to("cuda", dtype).requires_grad_(False))
     enc.model.load_state_dict({k: v.to(dtype) for k, v in base.state_dict().items()})
-    enc._graphs.clear()
     vec = enc(ids)
     top = [s for s, _ in index.search(vec.numpy(), 50)]
     if ref is None:

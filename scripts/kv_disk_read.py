@@ -22,8 +22,8 @@ import time
 import torch
 
 from inferscale_engine.kv import FactKV, check_finite
-from inferscale_engine.memory.kv.disk_tier import _digest
 from inferscale_engine.memory.kv.tiers import KVTiers
+from inferscale_engine.testing import kv_digest
 
 
 def main() -> None:
@@ -61,7 +61,7 @@ def main() -> None:
             for key in keys:
                 with safe_open(str(tiers.path(key)), framework="pt", device="cpu") as f:
                     k, v = f.get_tensor("k"), f.get_tensor("v")
-                _digest(k, v)  # what every read checks
+                kv_digest(k, v)  # what every read checks
                 check_finite(k, v, "KV")
                 FactKV(k.to(device), v.to(device), 0)
 

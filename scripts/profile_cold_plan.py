@@ -49,6 +49,7 @@ from inferscale_engine import InferScaleEngine, planner
 from inferscale_engine.config import MemoryConfig
 from inferscale_engine.memory import MemoryStore
 from inferscale_engine.memory.text.embedder import Embedder
+from inferscale_engine.testing import prepared
 from inferscale_engine.types import MemoryMix
 
 USER = "cold-user"
@@ -201,16 +202,15 @@ def _run(engine: InferScaleEngine, k: int, cold_prompt: str, text_prompt: str, a
     def cold() -> tuple[float, MemoryMix | None]:
         t0 = time.perf_counter()
         segments = engine.resolve(cold_prompt, user_id=USER)
-        prepared, _ = engine._prepare(segments, USER, max_tokens=1)
-        elapsed = time.perf_counter() - t0
-        engine._unstage(prepared.staged)
-        return elapsed, prepared.memory_mix
+        with prepared(engine, segments, USER, max_tokens=1) as request:
+            elapsed = time.perf_counter() - t0
+        return elapsed, request.memory_mix
 
     def prompt() -> float:
         t0 = time.perf_counter()
         segments = engine.resolve(text_prompt, user_id=USER)
-        prepared, _ = engine._prepare(segments, USER, max_tokens=1, mode="prompt")
-        return time.perf_counter() - t0
+        with prepared(engine, segments, USER, max_tokens=1, mode="prompt"):
+            return time.perf_counter() - t0
 
     times: dict[str, list[float]] = {"cold": [], "prompt": []}
     mixes = set()
