@@ -8,8 +8,8 @@ listed in one module, under names that say what the test needs, and change with 
 look at. Nothing here is needed to serve, and none of it is part of the serving API's promises
 (``tests/test_public_api.py`` keeps tests and scripts to this module and the public names).
 
-Heavy modules (vLLM, the engine, the store) are imported by the functions that need them, so
-importing this module costs nothing.
+The engine, the store and vLLM are imported by the functions that need them: importing this
+module starts none of them.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ __all__ = [
     "memory_swapped_out",
     "model_fingerprint",
     "preempted_requests",
+    "prepared",
     "query_embedding_eager",
     "query_graph_buckets",
-    "prepared",
     "reset_prefix_cache",
     "segment_free_ranges",
     "share_embedder_weights",
@@ -73,7 +73,7 @@ class PreparedRequest:
     started: float
     memory_mix: MemoryMix | None
     #: Span keys staged in the engine's KV exchange for this request (released when
-    #: :func:`prepared`'s block ends, or when the request runs to the end).
+    #: :func:`prepared`'s block ends; a request the engine runs itself, when it ends).
     staged: tuple[str, ...]
 
     @property
