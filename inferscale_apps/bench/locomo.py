@@ -167,7 +167,7 @@ def agreement(a: Sequence[str], b: Sequence[str]) -> dict[str, float] | None:
 def _cached_embedder(device: str) -> Any:
     """One embedder for every store of the run, remembering each text's vector: turns are
     embedded once for all ``w`` (and questions once for all ``k``)."""
-    from inferscale_engine.memory.embedder import Embedder
+    from inferscale_engine.memory.text.embedder import Embedder
 
     class CachedEmbedder(Embedder):
         def __init__(self, *a: Any, **kw: Any) -> None:

@@ -20,5 +20,6 @@ Where each concept lives (imports go down this list, never up; the front door's 
 
 from inferscale_engine.memory.item import MemoryItem
 from inferscale_engine.memory.store import MemoryStore
+from inferscale_engine.memory.text.splitting import split_facts
 
-__all__ = ["MemoryItem", "MemoryStore"]
+__all__ = ["MemoryItem", "MemoryStore", "split_facts"]
