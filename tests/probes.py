@@ -8,7 +8,6 @@ spans staged for it, the tiers' pages...) is :mod:`inferscale_engine.testing`.
 from __future__ import annotations
 
 import dataclasses
-import dataclasses
 import logging
 import sqlite3
 from collections.abc import Iterator, Sequence
@@ -221,10 +220,6 @@ def check_margin(engine: Any, rec: Recorder, word: str) -> None:
     prompt, kw = rec.calls[i]
     kw = dict(kw)
     user_id = kw.pop("user_id")
-    options = kw.pop("options", None)
-    if options is not None:  # sent built (the integrations do): as the keywords it was built from
-        kw |= {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name != "sampling"}
-        kw |= options.sampling
     options = kw.pop("options", None)
     if options is not None:  # sent built (the integrations do): as the keywords it was built from
         kw |= {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name != "sampling"}
