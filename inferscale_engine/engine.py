@@ -40,7 +40,7 @@ from inferscale_engine import cuda_graphs, planner
 from inferscale_engine.config import EngineConfig
 from inferscale_engine.connector import compat
 from inferscale_engine.connector.exchange import Geometry, KVExchange, NotHeldError
-from inferscale_engine.connector.plan import InjectionPlan, SpanRef, injected_tokens
+from inferscale_engine.connector.plan import InjectionPlan, injected_tokens
 from inferscale_engine.encoder import encode_windows
 from inferscale_engine.errors import (
     EngineClosedError,
@@ -634,10 +634,9 @@ class InferScaleEngine:
         staged = spans if mode == "inject" and spans else []
         if staged:
             keys = [s.key for s in spans]
-            lengths = [len(s.token_ids) for s in spans]
-            kv = self.exchange.stage([(s.key, s.kv) for s in spans])
-            plan = InjectionPlan(tuple(map(SpanRef, keys, itertools.accumulate(lengths, initial=0), lengths)), kv,
-                                 keep_cached=self.config.prefix_cache_injected)
+            kv = self.exchange.stage(list(zip(keys, [s.kv for s in spans])))
+            plan = InjectionPlan.tiling(keys, [len(s.token_ids) for s in spans], kv,
+                                        keep_cached=self.config.prefix_cache_injected)
             # In-process, the plan travels as itself, not as JSON.
             extra["kv_transfer_params"] = plan.to_params(inline=not self.config.multiprocess)
             # Where injected blocks enter vLLM's prefix cache (prefix_cache_injected, or a vLLM
@@ -708,7 +707,7 @@ class InferScaleEngine:
         return spans, tail
 
     def _unstage(self, spans: list[Span]) -> None:
-        if spans:
+        if spans and not self.exchange.local:  # a local exchange staged nothing: the plan held them
             self.exchange.unstage([s.key for s in spans])
 
     def _stream(self, prepared: _Prepared, params: Any) -> Iterator[StreamDelta]:

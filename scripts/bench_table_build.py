@@ -7,9 +7,11 @@ Times, at ``--spans`` retrieved facts of ``--tokens`` tokens each (k=200 by defa
   request's first step, since tiers hand out new views per read), made as the tiers make them
   (:meth:`FactKV.rows_of`, no views) or as views one by one;
 * ``tier views``: making those 200 FactKVs, in bulk or one by one;
-* ``worker _inject``: the connector's worker half (piece loop, slots, table build), cold and warm
-  (spans in shared memory) and local (spans by reference, an in-process owner);
-* ``scheduler alloc``: the scheduler half's ``update_state_after_alloc`` (LoadPiece per span).
+* ``exchange stage``: staging those spans for a request, copied into shared memory (``cold``) or
+  by reference (``local``, an in-process owner: stage and unstage);
+* ``worker _inject``: the connector's worker half (pieces' columns, slots, table build), cold and
+  warm (spans in shared memory) and local (spans by reference, carried by the plan);
+* ``scheduler alloc``: the scheduler half's ``update_state_after_alloc`` (the plan's pieces).
 
 FactKVs are rows of one ``[2, layers, rows, heads, dim]`` block, as the tiers hand them out.
 With ``--device cpu`` (the default) the table is built for the CPU, so the pinned upload is
@@ -31,9 +33,7 @@ import torch
 from inferscale_engine.connector.exchange import ExchangeReader, Geometry, KVExchange
 from inferscale_engine.connector.plan import (
     InjectionPlan,
-    LoadPiece,
     LoadRequest,
-    SpanRef,
 )
 from inferscale_engine.connector.scheduler import ConnectorScheduler
 from inferscale_engine.connector.table import InjectionTable, SpanRows
@@ -127,10 +127,10 @@ def main() -> None:
                                             lambda: exchange.unstage(keys), args.repeat))
     shared = exchange.stage(list(zip(keys, _facts(block, spans, tokens))))
     at = shared.at
-    plan = InjectionPlan(tuple(SpanRef(key, i * tokens, tokens) for i, key in enumerate(keys)), shared)
+    plan = InjectionPlan.tiling(keys, [tokens] * spans, shared)
     bs = args.block_size
     block_ids = list(range((rows + bs - 1) // bs))
-    load = LoadRequest(block_ids, 0, rows, [LoadPiece(key, 0, i * tokens, tokens) for i, key in enumerate(keys)])
+    load = LoadRequest(block_ids, 0, rows, plan.pieces(0, rows))
     worker = ConnectorWorker(bs, fused=False)
     worker._reader.map(shared.segments)
     worker._geometry, worker._heads, worker._at = geometry, (0, args.heads), at
@@ -146,13 +146,24 @@ def main() -> None:
     # The same views from here on, as for spans staged at the offsets they had before
     _report("worker _inject (warm)", _timed(lambda: worker._inject([load], forward_context), lambda: None, args.repeat))
 
-    # An in-process owner: spans by reference, never cut again.
+    # An in-process owner: spans by reference, carried by the plan.
     local = KVExchange(geometry, device, local=True)
-    shared_local = local.stage(list(zip(keys, _facts(block, spans, tokens))))
-    worker._reader = ExchangeReader()
-    worker._reader.map(shared_local.segments)
-    worker._at, worker._spans = shared_local.at, {}
-    _report("worker _inject (local)", _timed(lambda: worker._inject([load], forward_context), lambda: None, args.repeat))
+
+    pairs: list[tuple[str, FactKV | None]] = []
+
+    def fresh_pairs() -> None:
+        pairs[:] = zip(keys, _facts(block, spans, tokens))
+
+    def stage_local() -> None:
+        local.stage(pairs)
+        local.unstage(keys)
+
+    _report("exchange stage (local)", _timed(stage_local, fresh_pairs, args.repeat))
+    plan_local = InjectionPlan.tiling(keys, [tokens] * spans, local.stage(list(zip(keys, _facts(block, spans, tokens)))))
+    load_local = LoadRequest(block_ids, 0, rows, plan_local.pieces(0, rows))
+    worker._reader, worker._at, worker._spans = ExchangeReader(), {}, {}
+    _report("worker _inject (local)", _timed(lambda: worker._inject([load_local], forward_context), lambda: None,
+                                             args.repeat))
 
     # Scheduler half: claim everything but the last token, as get_num_new_matched_tokens does.
     request = SimpleNamespace(request_id="r")

@@ -13,12 +13,14 @@ import torch
 from inferscale_engine.connector.exchange import Geometry, Location
 from inferscale_engine.connector.plan import (
     InjectionPlan,
-    LoadPiece,
+    LoadPieces,
     LoadRequest,
     SharedKV,
     SpanRef,
+    parse_params,
 )
 from inferscale_engine.connector.table import InjectionTable, SpanColumns, SpanRows
+from inferscale_engine.errors import ConnectorError
 from inferscale_engine.kv import FactKV
 
 L, H, D = 3, 2, 4
@@ -200,13 +202,13 @@ def test_keys_and_values_of_different_dtypes_are_refused():
         InjectionTable.build([SpanRows(kv(2), 0, 2, 0), SpanRows(mixed, 0, 2, 0)], np.arange(4), torch.device("cpu"))
 
 
-def reference_pieces(plan: InjectionPlan, start: int, stop: int) -> list[LoadPiece]:
-    """Every span scanned, as the scheduler did before bisecting."""
+def reference_pieces(plan: InjectionPlan, start: int, stop: int) -> list[tuple[str, int, int, int]]:
+    """Every span scanned, as the scheduler did before bisecting: (key, row, position, count)."""
     pieces = []
     for span in plan.spans:
         lo, hi = max(span.position, start), min(span.end, stop)
         if lo < hi:
-            pieces.append(LoadPiece(span.key, lo - span.position, lo, hi - lo))
+            pieces.append((span.key, lo - span.position, lo, hi - lo))
     return pieces
 
 
@@ -227,17 +229,55 @@ def test_plan_pieces_cover_every_range_as_a_scan_would():
         for i, n in enumerate(lengths):
             spans.append(SpanRef(f"s{i}", position, n))
             position += n
-        plan = InjectionPlan(tuple(spans), shared(*(s.key for s in spans)))
+        plan = InjectionPlan.of_spans(spans, shared(*(s.key for s in spans)))
+        assert plan.spans == tuple(spans)
         for start in range(plan.end):
             for stop in range(start + 1, plan.end + 1):
                 got = plan.pieces(start, stop)
-                assert got == reference_pieces(plan, start, stop), (lengths, start, stop)
-                assert all(type(p) is LoadPiece for p in got)
-                assert sum(p.count for p in got) == stop - start
+                columns = (got.row, got.position, got.count)
+                assert all(c.dtype == np.int64 for c in columns) and got.kvs is None
+                rows = list(zip(got.keys, *(c.tolist() for c in columns)))
+                assert rows == reference_pieces(plan, start, stop), (lengths, start, stop)
+                assert int(got.count.sum()) == stop - start
     with pytest.raises(ValueError, match="not inside"):
         plan.pieces(0, plan.end + 1)
     with pytest.raises(ValueError, match="not inside"):
         plan.pieces(3, 3)
+
+
+def test_plans_refuse_spans_that_do_not_tile_the_prefix():
+    for spans in ([SpanRef("a", 1, 3)], [SpanRef("a", 0, 3), SpanRef("b", 4, 2)], [SpanRef("a", 0, 0)],
+                  [SpanRef("a", 0, 3), SpanRef("b", 3, -1)]):
+        with pytest.raises(ValueError, match="tile"):
+            InjectionPlan.of_spans(spans, shared(*(s.key for s in spans)))
+    with pytest.raises(ValueError, match="tile"):  # bounds of another dtype, or one too few
+        InjectionPlan(("a",), np.array([0, 3], dtype=np.int32), shared("a"))
+    with pytest.raises(ValueError, match="tile"):
+        InjectionPlan(("a", "b"), np.array([0, 3], dtype=np.int64), shared("a", "b"))
+    plan = InjectionPlan.tiling(["a"], [3], shared("a"))
+    with pytest.raises(ValueError, match="read-only"):  # a plan's spans never move once planned
+        plan.bounds[1] = 5
+
+
+def test_a_plan_that_carries_its_kv_hands_each_piece_its_spans_own():
+    """An owner in the workers' process stages nothing: the plan carries the FactKVs, and the
+    pieces of any range get exactly those of their spans, by reference."""
+    facts = (kv(4), kv(3, position=9), kv(5, position=2))
+    carried = SharedKV(Geometry(L, H, D, "float32"), {}, {}, spans=facts)
+    plan = InjectionPlan.tiling(["a", "b", "c"], [4, 3, 5], carried)
+    got = plan.pieces(2, 10)
+    assert got.kvs is not None and [id(f) for f in got.kvs] == [id(f) for f in facts]
+    assert (got.row.tolist(), got.position.tolist(), got.count.tolist()) == ([2, 0, 0], [2, 4, 7], [2, 3, 3])
+    got = plan.pieces(5, 6)
+    assert got.kvs is not None and len(got.kvs) == 1 and got.kvs[0] is facts[1]
+    assert parse_params(plan.to_params(inline=True)) is plan
+    with pytest.raises(ConnectorError, match="cannot leave its process"):
+        plan.to_params()
+    with pytest.raises(ValueError, match="3 spans but KV for 2"):
+        InjectionPlan.tiling(["a", "b", "c"], [4, 3, 5], SharedKV(carried.geometry, {}, {}, spans=facts[:2]))
+
+
+NO_PIECES = LoadPieces((), np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64))
 
 
 def test_load_slots_are_block_times_size_plus_offset():
@@ -248,12 +288,12 @@ def test_load_slots_are_block_times_size_plus_offset():
         ranges = [(0, 1), (0, capacity), (block_size, 5 * block_size), (3, 3 + 2 * block_size + 1)]
         ranges += [sorted(rng.choice(capacity + 1, 2, replace=False).tolist()) for _ in range(20)]
         for start, stop in ranges:
-            load = LoadRequest(block_ids, start, stop, [])
+            load = LoadRequest(block_ids, start, stop, NO_PIECES)
             want = [block_ids[p // block_size] * block_size + p % block_size for p in range(start, stop)]
             got = load.slots(block_size)
             assert got.dtype == np.int64 and got.tolist() == want
     with pytest.raises(ValueError, match="need 3 blocks"):
-        LoadRequest([4, 9], 0, 9, []).slots(4)
+        LoadRequest([4, 9], 0, 9, NO_PIECES).slots(4)
 
 
 def test_plans_travel_as_json_or_inline():
@@ -261,7 +301,7 @@ def test_plans_travel_as_json_or_inline():
 
     from inferscale_engine.connector.plan import CapturePlan, CaptureRange, parse_params
 
-    plan = InjectionPlan((SpanRef("head", 0, 4), SpanRef("fact", 4, 3)), shared("head", "fact"))
+    plan = InjectionPlan.tiling(["head", "fact"], [4, 3], shared("head", "fact"))
     capture = CapturePlan((CaptureRange("c1", 2, 5),), shared("c1"))
     for p in (plan, capture):
         assert parse_params(p.to_params()) == p  # JSON: rebuilt and validated

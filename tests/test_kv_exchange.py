@@ -162,31 +162,24 @@ def test_a_request_does_not_give_up_its_own_held_spans():
 
 
 def test_an_owner_in_the_workers_process_hands_spans_over_by_reference():
-    """In-process (``local=True``): nothing is copied; the worker half gets the staged FactKV
-    itself, its heads sliced for a tensor-parallel rank, until the last unstage."""
+    """In-process (``local=True``): nothing is copied and nothing is booked per span; the plan
+    carries the FactKVs themselves, in order (a key twice, twice), and cannot leave the process.
+    A span without its KV is refused: a local owner holds nothing."""
     exchange = KVExchange(GEOMETRY, "cpu", local=True)
     try:
-        fact = _fact(6, 0, position=4)
-        shared = exchange.stage([("a", fact), ("a", fact)])
-        loc = shared.at["a"]
-        assert not segment_free_ranges(exchange) and (loc.position, loc.tokens) == (4, 6)
-        assert not exchange.holds("a")  # staged, but every stage of a local owner needs the KV itself
-        reader = ExchangeReader()
-        reader.map(shared.segments)
-        assert reader.is_local(loc)
-        whole = reader.span(loc, GEOMETRY, (0, 2))
-        assert whole is fact
-        head = reader.span(loc, GEOMETRY, (1, 2))
-        assert head.k.data_ptr() == fact.k[:, :, 1:].data_ptr() and torch.equal(head.v, fact.v[:, :, 1:])
-        exchange.unstage(["a"])
-        assert reader.span(loc, GEOMETRY, (0, 2)) is fact  # still staged once
-        exchange.unstage(["a"])
-        with pytest.raises(ConnectorError, match="no longer staged"):
-            reader.span(loc, GEOMETRY, (0, 2))
+        fact, other = _fact(6, 0, position=4), _fact(2, 1)
+        shared = exchange.stage([("a", fact), ("b", other), ("a", fact)])
+        assert shared.spans is not None and [id(kv) for kv in shared.spans] == [id(fact), id(other), id(fact)]
+        assert not shared.at and not shared.segments and not segment_free_ranges(exchange)
+        assert not exchange.holds("a") and not staged_refs(exchange)
+        with pytest.raises(ConnectorError, match="cannot leave its process"):
+            shared.to_json()
+        exchange.unstage(["a", "b", "a"])  # nothing to drop: the plan held them
+        with pytest.raises(NotHeldError) as refused:
+            exchange.stage([("a", fact), ("c", None)])
+        assert refused.value.keys == ["c"]
     finally:
         exchange.close()
-    with pytest.raises(ConnectorError, match="owner that is gone"):
-        ExchangeReader().map(shared.segments)
 
 
 def test_workers_refuse_segments_they_were_not_given_or_cannot_map():

@@ -15,8 +15,9 @@ named by a random id; a worker opens each one once. Only descriptors travel: nev
 since ``kv_transfer_params`` come from HTTP clients of vLLM's server.
 
 An owner whose vLLM runs in its own process (``KVExchange(local=True)``, the in-process
-engine) copies nothing: spans are handed over by reference, in a table the worker half reads in
-the same process, and the worker waits for each span's ``FactKV.ready`` event on the device.
+engine) copies nothing and keeps no books: the plan, which never leaves the process, carries
+the spans' FactKVs themselves (:attr:`SharedKV.spans`), and the worker waits for each span's
+``FactKV.ready`` event on the device.
 A CUDA owner of another process records one of a ring of interprocess events after its
 staging copies and sends the slot with the plan (:attr:`SharedKV.ready`): the worker's stream
 waits for it, so neither side blocks on the host.
@@ -38,8 +39,8 @@ import threading
 import uuid
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -106,14 +107,19 @@ class Location(NamedTuple):
 class SharedKV:
     """Where a plan's KV lies: a :class:`Location` per span key (or capture id), in segments a
     worker maps from their descriptors; ``ready``: the owner's event (ring, slot) that orders
-    the worker after the copies that staged it, if any."""
+    the worker after the copies that staged it, if any. ``spans``: instead of locations, the
+    spans' KV itself, in the plan's order, from an owner in the workers' process (such a plan
+    travels as itself, never as JSON)."""
 
     geometry: Geometry
     at: dict[str, Location]
     segments: dict[str, dict[str, Any]]
     ready: tuple[str, int] | None = None
+    spans: tuple[FactKV, ...] | None = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
+        if self.spans is not None:
+            raise ConnectorError("KV held by reference cannot leave its process")
         data: dict[str, Any] = {"geometry": list(self.geometry), "at": {k: list(loc) for k, loc in self.at.items()},
                                 "segments": self.segments}
         if self.ready is not None:
@@ -213,9 +219,6 @@ class _Segment:
 _LOCAL: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
 
-#: Span tables of local owners in this process, by name (see ``KVExchange(local=True)``).
-_TABLES: dict[str, dict[int, FactKV]] = {}
-
 #: Event rings of owners in this process, by name (a process cannot open its own IPC handle).
 _LOCAL_RINGS: weakref.WeakValueDictionary[str, _EventRing] = weakref.WeakValueDictionary()
 
@@ -306,7 +309,7 @@ class KVExchange:
         retain_bytes: spans no request uses any more stay staged, least recently used out first,
             while segments hold no more than this: a span served again is neither copied nor
             cut into views again (its location is the same).
-        local: vLLM's workers run in this process: staged spans are handed over by reference
+        local: vLLM's workers run in this process: spans are handed over by reference, in the plan
             (no copy, no wait on the host); captures still go through segments.
     """
 
@@ -323,13 +326,6 @@ class KVExchange:
         self._staged: dict[str, _Staged] = {}
         self._retained: OrderedDict[str, _Staged] = OrderedDict()  # staged, unused, oldest first
         self._lock = threading.Lock()
-        # local: the spans in flight, by slot, in a table the worker half finds by its name.
-        self._table_name = f"inferscale-{os.getpid()}-{uuid.uuid4().hex}"
-        self._table: dict[int, FactKV] = {}
-        self._slots = itertools.count()
-        if local:
-            _TABLES[self._table_name] = self._table
-            weakref.finalize(self, _TABLES.pop, self._table_name, None)  # an owner dropped unclosed
         self._ring: _EventRing | None = None
         self._last_copy: torch.cuda.Event | None = None  # the ring event after the last staging copy
 
@@ -389,7 +385,8 @@ class KVExchange:
         :meth:`stage` is matched by one :meth:`unstage` of the same keys once the request ends.
         A key names one span's KV for good (as :class:`~inferscale_engine.types.Span` keys do):
         a key still staged or retained is not copied again, and its ``kv`` may be ``None`` (see
-        :meth:`holds`); :class:`NotHeldError` when such a key is no longer held (nothing staged)."""
+        :meth:`holds`); :class:`NotHeldError` when such a key is no longer held (nothing staged).
+        A local exchange stages nothing: the plan carries the KV (:attr:`SharedKV.spans`)."""
         if self.local:
             # By reference: nothing is copied, and each span's shape was checked where it
             # entered the engine (encoded for this model, or :meth:`check` on a caller's own).
@@ -430,23 +427,12 @@ class KVExchange:
         return SharedKV(self.geometry, out, segments, ready)
 
     def _stage_local(self, spans: list[tuple[str, FactKV | None]]) -> SharedKV:
-        # On every injected request's path, once per span: no more than a lookup or an insert.
-        out: dict[str, Location] = {}
-        staged_by_key, table, name, slots = self._staged, self._table, self._table_name, self._slots
-        with self._lock:
-            gone = [key for key, kv in spans if kv is None and key not in staged_by_key]
-            if gone:  # holds() said no: only a caller of stage() of its own gets here
-                raise NotHeldError(gone)
-            for key, kv in spans:
-                staged = staged_by_key.get(key)
-                if staged is None:
-                    assert kv is not None  # a key without KV is staged (checked above)
-                    slot = next(slots)
-                    table[slot] = kv
-                    staged = staged_by_key[key] = _Staged(Location(name, slot, kv.position, kv.num_tokens), 0, 0)
-                staged.refs += 1
-                out[key] = staged.location
-        return SharedKV(self.geometry, out, {name: {"name": name, "local": True}})
+        # On every injected request's path: the plan holds the spans until the request ends (no
+        # table to fill, look up and empty again span by span).
+        kvs = tuple(kv for _, kv in spans)
+        if any(kv is None for kv in kvs):  # only a caller of stage() of its own gets here
+            raise NotHeldError([key for key, kv in spans if kv is None])
+        return SharedKV(self.geometry, {}, {}, spans=cast("tuple[FactKV, ...]", kvs))
 
     def _copy_in(self, copies: list[tuple[Location, FactKV]]) -> tuple[str, int] | None:
         """Copy spans into their rooms (lock held); on CUDA, the ring event (name, slot) for the
@@ -494,7 +480,9 @@ class KVExchange:
 
     def unstage(self, keys: list[str]) -> None:
         """Drop one reference to each key; after the last one its room is retained (while
-        ``retain_bytes`` allows) or freed."""
+        ``retain_bytes`` allows) or freed. A local exchange has nothing to drop."""
+        if self.local:
+            return
         with self._lock:
             for key in keys:
                 staged = self._staged.get(key)
@@ -503,9 +491,7 @@ class KVExchange:
                 staged.refs -= 1
                 if staged.refs <= 0:
                     del self._staged[key]
-                    if self.local:
-                        del self._table[staged.location.offset]
-                    elif self.retain_bytes > 0:
+                    if self.retain_bytes > 0:
                         self._retained[key] = staged
                     else:
                         self._release(staged.location, staged.size)
@@ -576,8 +562,6 @@ class KVExchange:
             self._segments.clear()
             self._staged.clear()
             self._retained.clear()
-            self._table.clear()
-            _TABLES.pop(self._table_name, None)
 
 
 def _typed(cache: dict[torch.dtype, torch.Tensor], buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -626,24 +610,18 @@ def span_views(
 
 class ExchangeReader:
     """A worker's side: maps the owners' segments by descriptor (once each) and cuts spans
-    and capture rooms out of them; finds local owners' span tables and opens event rings."""
+    and capture rooms out of them, and opens event rings."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._typed: dict[str, dict[torch.dtype, torch.Tensor]] = {}
-        self._tables: dict[str, dict[int, FactKV]] = {}
         self._rings: dict[str, list[torch.cuda.Event]] = {}
 
     def map(self, descriptors: dict[str, dict[str, Any]]) -> None:
         for name, descriptor in descriptors.items():
-            if name in self._buffers or name in self._tables or name in self._rings:
+            if name in self._buffers or name in self._rings:
                 continue
-            if descriptor.get("local"):
-                table = _TABLES.get(name)
-                if table is None:
-                    raise ConnectorError(f"KV table {name!r} belongs to an owner that is gone or in another process")
-                self._tables[name] = table
-            elif "events" in descriptor:
+            if "events" in descriptor:
                 self._rings[name] = _open_ring(name, descriptor)
             else:
                 local = _LOCAL.get(name)
@@ -652,22 +630,8 @@ class ExchangeReader:
     def views(self, location: Location, g: Geometry, flags: bool = False) -> tuple[torch.Tensor, ...]:
         return span_views(self._buffer(location), location, g, flags=flags)
 
-    def is_local(self, location: Location) -> bool:
-        """Whether the span at ``location`` is held by reference (its owner runs here)."""
-        return location.segment in self._tables
-
     def span(self, location: Location, g: Geometry, heads: tuple[int, int]) -> FactKV:
-        """KV heads ``[first, last)`` of the span at ``location`` (two strided views; a local
-        owner's span itself, with its ``ready`` event)."""
-        table = self._tables.get(location.segment)
-        if table is not None:
-            kv = table.get(location.offset)
-            if kv is None:
-                raise ConnectorError(f"span {location} is no longer staged")
-            if heads == (0, g.heads):
-                return kv
-            first, last = heads
-            return FactKV(kv.k[:, :, first:last], kv.v[:, :, first:last], kv.position, kv.ready)
+        """KV heads ``[first, last)`` of the span at ``location`` (two strided views)."""
         typed = _typed(self._typed.setdefault(location.segment, {}), self._buffer(location), g.torch_dtype)
         k, v = span_views(typed, location, g, typed=True, heads=heads)
         return FactKV(k, v, location.position)

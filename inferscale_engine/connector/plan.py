@@ -11,21 +11,24 @@ where its KV lies in shared memory (:class:`SharedKV`). The scheduler half turns
 
 from __future__ import annotations
 
-import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from inferscale_engine.connector.exchange import Geometry, Location, SharedKV
 
+if TYPE_CHECKING:
+    from inferscale_engine.kv import FactKV
+
 PARAMS_KEY = "inferscale"
 
 
-class SpanRef(NamedTuple):  # a tuple: hundreds are built per request, on the scheduler's path
-    """Stored span ``key`` served at prompt positions ``[position, position + length)``."""
+class SpanRef(NamedTuple):
+    """Stored span ``key`` served at prompt positions ``[position, position + length)``: one span
+    of an :class:`InjectionPlan` as a record (JSON; the plan itself keeps columns)."""
 
     key: str
     position: int
@@ -36,52 +39,88 @@ class SpanRef(NamedTuple):  # a tuple: hundreds are built per request, on the sc
         return self.position + self.length
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class InjectionPlan:
-    """Prompt tokens ``[0, end)`` come from stored spans that tile them exactly."""
+    """Prompt tokens ``[0, end)`` come from stored spans that tile them exactly: span ``i``,
+    stored as ``keys[i]``, at positions ``[bounds[i], bounds[i + 1])``.
 
-    spans: tuple[SpanRef, ...]
+    Columns, not a record per span: hundreds of spans a request go from the engine through the
+    scheduler half to the worker half as arrays, sliced and offset by numpy."""
+
+    keys: tuple[str, ...]
+    #: int64, ``len(keys) + 1`` entries, from 0 and increasing (read-only once planned).
+    bounds: np.ndarray
     kv: SharedKV
     #: Let vLLM's prefix cache keep this request's blocks (``EngineConfig.prefix_cache_injected``).
     keep_cached: bool = False
 
     def __post_init__(self) -> None:
-        cursor = 0
-        for s in self.spans:
-            if s.position != cursor or s.length <= 0:
-                raise ValueError("injected spans must tile the prompt prefix without gaps")
-            cursor = s.end
+        bounds = self.bounds
+        if (bounds.dtype != np.int64 or bounds.shape != (len(self.keys) + 1,) or bounds[0] != 0
+                or not (bounds[1:] > bounds[:-1]).all()):
+            raise ValueError("injected spans must tile the prompt prefix without gaps")
+        if self.kv.spans is not None and len(self.kv.spans) != len(self.keys):
+            raise ValueError(f"{len(self.keys)} spans but KV for {len(self.kv.spans)}")
+        bounds.flags.writeable = False
+
+    @classmethod
+    def tiling(cls, keys: Sequence[str], lengths: Sequence[int], kv: SharedKV, keep_cached: bool = False) -> InjectionPlan:
+        """Spans ``keys`` of ``lengths`` tokens, one after the other from position 0."""
+        bounds = np.zeros(len(keys) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=bounds[1:])
+        return cls(tuple(keys), bounds, kv, keep_cached)
+
+    @classmethod
+    def of_spans(cls, spans: Sequence[SpanRef], kv: SharedKV, keep_cached: bool = False) -> InjectionPlan:
+        """From records (JSON): refused unless they tile the prefix from 0, in order."""
+        plan = cls.tiling([s.key for s in spans], [s.length for s in spans], kv, keep_cached)
+        if [s.position for s in spans] != plan.bounds[:-1].tolist():
+            raise ValueError("injected spans must tile the prompt prefix without gaps")
+        return plan
+
+    @property
+    def spans(self) -> tuple[SpanRef, ...]:
+        """The spans as records (JSON, tests; not on a request's path)."""
+        bounds = self.bounds.tolist()
+        return tuple(map(SpanRef, self.keys, bounds[:-1], [b - a for a, b in zip(bounds, bounds[1:])]))
 
     @property
     def end(self) -> int:
-        return self.spans[-1].end if self.spans else 0
+        return int(self.bounds[-1])
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, InjectionPlan):
+            return NotImplemented
+        return ((self.keys, self.kv, self.keep_cached) == (other.keys, other.kv, other.keep_cached)
+                and np.array_equal(self.bounds, other.bounds))
 
     def to_params(self, inline: bool = False) -> dict[str, Any]:
         """``kv_transfer_params`` for this plan: JSON, or with ``inline`` the plan itself (for a
         request that never leaves this process: nothing to encode or parse again)."""
         if inline:
             return {PARAMS_KEY: self}
-        return {PARAMS_KEY: {"inject": [[s.key, s.position, s.length] for s in self.spans], "kv": self.kv.to_json(),
+        return {PARAMS_KEY: {"inject": [list(s) for s in self.spans], "kv": self.kv.to_json(),
                              "keep_cached": self.keep_cached}}
 
-    def pieces(self, start: int, stop: int) -> list[LoadPiece]:
+    def pieces(self, start: int, stop: int) -> LoadPieces:
         """What loads prompt positions ``[start, stop)`` (``0 <= start < stop <= end``): a piece
         per span they overlap, in order, whole but for the first and the last."""
         if not 0 <= start < stop <= self.end:
             raise ValueError(f"positions [{start}, {stop}) are not inside the injected [0, {self.end})")
-        spans = self.spans
+        bounds = self.bounds
         # Spans tile the prefix in order: bisection finds the two ends, with no scan of them all.
-        first = bisect.bisect_right(spans, start, key=_position) - 1
-        last = bisect.bisect_left(spans, stop, key=_position) - 1
-        pieces = [LoadPiece(key, 0, position, length) for key, position, length in spans[first : last + 1]]
-        head, tail = spans[first], spans[last]
-        pieces[0] = LoadPiece(head.key, start - head.position, start, min(head.end, stop) - start)
-        if last > first:
-            pieces[-1] = LoadPiece(tail.key, 0, tail.position, stop - tail.position)
-        return pieces
-
-
-_position = attrgetter("position")
+        first = int(bounds.searchsorted(start, "right")) - 1
+        last = int(bounds.searchsorted(stop, "left")) - 1
+        position = bounds[first : last + 1].copy()
+        count = bounds[first + 1 : last + 2] - position
+        row = np.zeros_like(position)
+        row[0] = start - position[0]
+        position[0] = start
+        count[0] -= row[0]
+        count[-1] -= bounds[last + 1] - stop
+        spans = self.kv.spans
+        return LoadPieces(self.keys[first : last + 1], row, position, count,
+                          None if spans is None else spans[first : last + 1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +195,8 @@ def _parse(ours: Any) -> InjectionPlan | CapturePlan:
     if not isinstance(ours, dict):
         raise ValueError(f"inferscale kv_transfer_params must be an object, got {type(ours).__name__}")
     if "inject" in ours:
-        spans = tuple(SpanRef(str(k), int(p), int(n)) for k, p, n in ours["inject"])
-        return InjectionPlan(spans, _shared(ours, [s.key for s in spans]), bool(ours.get("keep_cached", False)))
+        spans = [SpanRef(str(k), int(p), int(n)) for k, p, n in ours["inject"]]
+        return InjectionPlan.of_spans(spans, _shared(ours, [s.key for s in spans]), bool(ours.get("keep_cached", False)))
     if "capture" in ours:
         ranges = tuple(CaptureRange(str(c), int(s), int(n)) for c, s, n in ours["capture"])
         return CapturePlan(ranges, _shared(ours, [r.capture_id for r in ranges]))
@@ -177,13 +216,18 @@ def _shared(ours: dict[str, Any], keys: list[str]) -> SharedKV:
     return kv
 
 
-class LoadPiece(NamedTuple):
-    """Rows ``[row, row + count)`` of span ``key`` go to prompt position ``position``."""
+@dataclass(frozen=True, slots=True)
+class LoadPieces:
+    """Rows ``[row[i], row[i] + count[i])`` of span ``keys[i]`` go to prompt positions from
+    ``position[i]`` (int64 arrays, one entry per span). ``kvs``: those spans' KV itself where the
+    plan carries it (:attr:`SharedKV.spans`), else ``None``: it lies where the plan's
+    :attr:`SharedKV.at` says."""
 
-    key: str
-    row: int
-    position: int
-    count: int  # type: ignore[assignment]  # shadows tuple.count: the field reads better
+    keys: Sequence[str]
+    row: np.ndarray
+    position: np.ndarray
+    count: np.ndarray
+    kvs: Sequence[FactKV] | None = None
 
 
 @dataclass(slots=True)
@@ -194,7 +238,7 @@ class LoadRequest:
     block_ids: list[int]
     start: int
     stop: int
-    pieces: list[LoadPiece]
+    pieces: LoadPieces
     #: The owner's event (ring, slot) that orders the writes after the copies staging the KV.
     ready: tuple[str, int] | None = None
 

@@ -98,8 +98,9 @@ class ConnectorScheduler:
         pieces = plan.pieces(start, stop)
         block_ids = compat.single_group_block_ids(blocks.get_block_ids())
         self._loads.append(LoadRequest(block_ids, start, stop, pieces, plan.kv.ready))
-        at = plan.kv.at
-        self._load_at.update((p.key, at[p.key]) for p in pieces)
+        if pieces.kvs is None:  # in shared memory, not carried by the plan: where each span lies
+            at = plan.kv.at
+            self._load_at.update({key: at[key] for key in pieces.keys})
         self._geometry = plan.kv.geometry
         self._injected[request.request_id] = count
 

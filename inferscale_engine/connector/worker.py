@@ -13,6 +13,7 @@ wrapped KV write as vLLM makes it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -20,7 +21,7 @@ import torch
 
 from inferscale_engine.connector import compat
 from inferscale_engine.connector.exchange import ExchangeReader, Geometry, Location
-from inferscale_engine.connector.plan import CaptureSlots, InferScaleConnectorMetadata, LoadRequest
+from inferscale_engine.connector.plan import CaptureSlots, InferScaleConnectorMetadata, LoadPieces, LoadRequest
 from inferscale_engine.connector.table import InjectionTable, SpanColumns
 from inferscale_engine.errors import ConnectorError
 from inferscale_engine.kv import FactKV
@@ -120,14 +121,11 @@ class ConnectorWorker:
         self._spans.clear()
 
     def _span(self, location: Location) -> FactKV:
-        """This rank's heads of the span at ``location`` (views of shared memory, or the span
-        itself from an owner in this process)."""
+        """This rank's heads of the span at ``location`` (views of shared memory)."""
         kv = self._spans.get(location)
         if kv is None:
             assert self._geometry is not None and self._heads is not None
             kv = self._reader.span(location, self._geometry, self._heads)
-            if self._reader.is_local(location):
-                return kv  # kept, a view would keep the owner's whole gathered block alive
             self._spans[location] = kv
             while len(self._spans) > _SPAN_VIEWS:
                 del self._spans[next(iter(self._spans))]
@@ -151,22 +149,20 @@ class ConnectorWorker:
 
 
     def _inject(self, loads: list[LoadRequest], forward_context: ForwardContext) -> None:
-        # Thousands of spans a step with many requests at large k: per span a dict lookup or
-        # two; the arithmetic is numpy's. Shapes need no check per span: the owner checked each
-        # against the geometry (KVExchange.stage), and _check_geometry that against the model.
-        at = self._at
-        pieces = [piece for load in loads for piece in load.pieces]
-        keys, rows, positions, counts = zip(*pieces) if pieces else ((), (), (), ())
-        try:
-            locations = [at[key] for key in keys]
-        except KeyError as exc:
-            raise ConnectorError(f"span {exc.args[0]!r} has no KV location") from None
-        span = self._span
-        kvs = [span(location) for location in locations]
-        encoded_at = [location.position for location in locations]
-        row = np.array(rows, dtype=np.int64)
-        delta = np.array(positions, dtype=np.int64) - np.array(encoded_at, dtype=np.int64) - row
-        spans = SpanColumns(kvs, row, np.array(counts, dtype=np.int64), delta)
+        # Thousands of spans a step with many requests at large k: the plans' columns, sliced
+        # and offset by numpy; per span only its KV is looked up (shared memory) or taken from
+        # the plan (an owner in this process). Shapes need no check per span: the owner checked
+        # each against the geometry (KVExchange.stage, or where a span entered the engine), and
+        # _check_geometry that against the model.
+        pieces = [load.pieces for load in loads]
+        kvs: list[FactKV] = []
+        for p in pieces:
+            kvs.extend(self._load_kvs(p))
+        row = np.concatenate([p.row for p in pieces])
+        position = np.concatenate([p.position for p in pieces])
+        count = np.concatenate([p.count for p in pieces])
+        encoded_at = np.fromiter((kv.position for kv in kvs), dtype=np.int64, count=len(kvs))
+        spans = SpanColumns(kvs, row, count, position - encoded_at - row)
         slots = np.concatenate([load.slots(self._block_size) for load in loads])
         device = compat.layer_kv_cache(self._layers[0][1], forward_context).device
         if device.type == "cuda":
@@ -175,6 +171,21 @@ class ConnectorWorker:
             self._inject_fused(spans, slots, device)
         else:
             self._inject_torch(spans, slots, device, forward_context)
+
+    def _load_kvs(self, pieces: LoadPieces) -> Sequence[FactKV]:
+        """This rank's heads of the KV of every span of ``pieces``."""
+        assert self._geometry is not None and self._heads is not None
+        if pieces.kvs is not None:  # by reference, from an owner in this process
+            if self._heads == (0, self._geometry.heads):
+                return pieces.kvs
+            first, last = self._heads
+            return [FactKV(kv.k[:, :, first:last], kv.v[:, :, first:last], kv.position, kv.ready) for kv in pieces.kvs]
+        at = self._at
+        try:
+            locations = [at[key] for key in pieces.keys]
+        except KeyError as exc:
+            raise ConnectorError(f"span {exc.args[0]!r} has no KV location") from None
+        return [*map(self._span, locations)]
 
     def _wait_ready(self, kvs: list[FactKV], loads: list[LoadRequest], device: torch.device) -> None:
         """Queue the writes behind the copies that made the spans' KV, on the device: the
