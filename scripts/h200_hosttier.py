@@ -26,6 +26,8 @@ import torch
 
 from inferscale_engine.connector.worker import ConnectorWorker
 from inferscale_engine.memory.kv import dma
+from inferscale_engine.memory.kv.device_tier import DeviceTier
+from inferscale_engine.memory.kv.pages import PageMover
 from inferscale_engine.memory.kv.tiers import KVTiers
 
 timings: dict[str, list[float]] = defaultdict(list)
@@ -51,8 +53,8 @@ def patch():
     from inferscale_engine.engine import InferScaleEngine
 
     for owner, name, label in [
-        (KVTiers, "_promote", "tiers.promote"), (KVTiers, "_copy", "tiers.copy"), (KVTiers, "_evict", "tiers.evict"),
-        (KVTiers, "_read_device", "tiers.read_device"), (dma.ByteCopier, "copy", "dma.copy"),
+        (KVTiers, "_promote", "tiers.promote"), (PageMover, "copy", "tiers.copy"), (KVTiers, "_evict", "tiers.evict"),
+        (DeviceTier, "read", "tiers.read_device"), (dma.ByteCopier, "copy", "dma.copy"),
         (ConnectorWorker, "_inject", "conn.inject"),
         (InferScaleEngine, "_prepare", "engine.prepare"), (LLMEngine, "add_request", "add_request"),
         (Scheduler, "schedule", "schedule"), (Worker, "execute_model", "worker.execute"),

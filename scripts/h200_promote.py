@@ -21,6 +21,8 @@ import torch
 
 from inferscale_engine.kv import FactKV
 from inferscale_engine.memory.kv import dma
+from inferscale_engine.memory.kv.device_tier import DeviceTier
+from inferscale_engine.memory.kv.pages import PagedTier, PageMover
 from inferscale_engine.memory.kv.tiers import KVTiers
 
 
@@ -115,7 +117,7 @@ def main(k: int) -> None:
 
 def split(t: KVTiers, keys: list, fp: str) -> None:
     """Host time of ``get_many`` per method of the tiers (and of the copier), per request."""
-    from inferscale_engine.memory.kv import tiers as tiers_module
+    from inferscale_engine.memory.kv import pages as pages_module
 
     spent: dict[str, float] = {}  # seconds per method over the timed requests
     timing = False  # the untimed moves between requests call the same methods
@@ -133,11 +135,13 @@ def split(t: KVTiers, keys: list, fp: str) -> None:
 
         setattr(owner, name, wrapper)
 
-    for name in ("_promote", "_make_room", "_wait_written", "_copy", "_dma", "_read_device", "_gather", "_hand_out",
-                 "_index", "_after_side", "_mark_caller"):
-        timed(KVTiers, name, name)
+    for owner, name in [(KVTiers, "_promote"), (KVTiers, "_make_room"), (PageMover, "wait_written"),
+                        (PageMover, "copy"), (PageMover, "_dma"), (DeviceTier, "read"), (DeviceTier, "_gather"),
+                        (PagedTier, "hand_out"), (PageMover, "index"), (PageMover, "after_side"),
+                        (PageMover, "mark_caller")]:
+        timed(owner, name, f"{owner.__name__}.{name}")
     timed(dma.ByteCopier, "copy", "ByteCopier.copy")
-    timed(tiers_module, "_page_ranges", "_page_ranges")
+    timed(pages_module, "page_ranges", "page_ranges")
     for idle in (0.0, 0.05):
         for tier in ("host", "device"):
             total = []

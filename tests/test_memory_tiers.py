@@ -9,7 +9,6 @@ import time
 
 import pytest
 import torch
-from probes import out_stream, slab_of
 
 from inferscale_engine.errors import StaleKVError
 from inferscale_engine.kv import FactKV
@@ -93,7 +92,7 @@ def test_get_many_reads_every_tier_in_one_batch(tmp_path):
     # Device hits and the promoted host hit are views of one fresh buffer, not of the slab.
     memory_hits = got[1:]
     assert len({kv.k.untyped_storage().data_ptr() for kv in memory_hits}) == 1
-    slab = slab_of(tiers).untyped_storage().data_ptr()
+    slab = tiers.device_tier.slab.untyped_storage().data_ptr()
     assert all(kv.k.untyped_storage().data_ptr() != slab for kv in got)
     # Host and disk hits were promoted on the way.
     assert {tiers.where(k) for k in order} == {"device"}
@@ -159,9 +158,9 @@ def test_promotion_never_evicts_a_fact_its_own_batch_serves(tmp_path):
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
 def test_host_tier_pins_chunks_as_it_fills_and_facts_may_span_them(tmp_path, monkeypatch, device):
-    from inferscale_engine.memory.kv import tiers as tiers_mod
+    from inferscale_engine.memory.kv import host_tier
 
-    monkeypatch.setattr(tiers_mod, "HOST_CHUNK_BYTES", 2 * page_bytes())  # two pages a chunk
+    monkeypatch.setattr(host_tier, "HOST_CHUNK_BYTES", 2 * page_bytes())  # two pages a chunk
     tiers = KVTiers(tmp_path, device=device, device_bytes=page_bytes() * 3, host_bytes=1 << 30, page_tokens=PT)
     kvs = {key(i): make_kv(n, i, position=i) for i, n in enumerate([9, 3, 6, 12, 1])}  # 3, 1, 2, 3, 1 pages
     for k, kv in kvs.items():
@@ -179,7 +178,7 @@ def test_host_tier_pins_chunks_as_it_fills_and_facts_may_span_them(tmp_path, mon
 def test_page_runs_merge_only_pages_that_follow_each_other_on_both_sides():
     import numpy as np
 
-    from inferscale_engine.memory.kv.tiers import page_runs
+    from inferscale_engine.memory.kv.pages import page_runs
 
     rng = np.random.default_rng(0)
     for _ in range(200):
@@ -208,7 +207,7 @@ def test_page_ranges_one_range_or_many_cover_every_page_once():
     import random
 
     from inferscale_engine.memory.kv.dma import Sources
-    from inferscale_engine.memory.kv.tiers import _page_ranges
+    from inferscale_engine.memory.kv.pages import page_ranges
 
     rng = random.Random(0)
     slab = Sources.of([torch.empty(40, 2)])
@@ -219,7 +218,7 @@ def test_page_ranges_one_range_or_many_cover_every_page_once():
         dst, src = list(range(d0, d0 + n)), list(range(s0, s0 + n))
         if rng.random() < 0.5:  # not one range: another order, or a jump
             src = rng.sample(src, n) if rng.random() < 0.5 else src[: n // 2] + [p + 1 for p in src[n // 2 :]]
-        r = _page_ranges(slab, dst, chunks, src)
+        r = page_ranges(slab, dst, chunks, src)
         pages = []
         for dw, d, sw, s_, m in zip(r.dst_which.tolist(), r.dst_index.tolist(), r.src_which.tolist(),
                                     r.src_index.tolist(), r.lengths.tolist()):
@@ -236,19 +235,19 @@ def test_a_facts_pages_and_a_batchs_pages_lie_one_after_the_other(tmp_path):
     range per fact rather than one per page (the copies' count is what costs host time)."""
     import numpy as np
 
-    from inferscale_engine.memory.kv.tiers import page_runs
+    from inferscale_engine.memory.kv.pages import page_runs
 
     tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 64, host_bytes=page_bytes() * 64, page_tokens=PT)
     keys = [key(i) for i in range(6)]
     for i, k in enumerate(keys):
         tiers.put(k, make_kv(3 * PT - 1, i), FP)  # three pages each
     for k in keys:
-        pages = tiers._device[k].pages
+        pages = tiers.device_tier.pages(k)
         assert pages == list(range(pages[0], pages[0] + 3))
         tiers.evict(k, to="host")
-    hosts = [p for k in keys for p in tiers._host[k].pages]
+    hosts = [p for k in keys for p in tiers.host_tier.pages(k)]
     tiers.get_many(keys, FP)  # one promotion of all six
-    slabs = [p for k in keys for p in tiers._device[k].pages]
+    slabs = [p for k in keys for p in tiers.device_tier.pages(k)]
     _, lengths = page_runs(np.zeros(18, dtype=np.int64), np.array(slabs), np.zeros(18, dtype=np.int64), np.array(hosts))
     assert len(lengths) <= len(keys) and lengths.sum() == 18
 
@@ -674,7 +673,7 @@ def test_cuda_eviction_does_not_wait_for_the_callers_queued_work(tmp_path):
 def test_cuda_promotion_into_evicted_pages_does_not_wait_for_their_copy_to_the_host(tmp_path):
     tiers, kvs = _full_slab_and_one_on_host(tmp_path)
     a, b, c = kvs
-    out = out_stream(tiers)
+    out = tiers.mover.out_stream()
     with torch.cuda.stream(out):
         torch.cuda._sleep(100_000_000)  # ~50 ms: the eviction's copy to the host queues behind it
     busy = torch.cuda.Event()

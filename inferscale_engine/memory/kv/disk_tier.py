@@ -7,7 +7,9 @@ rotted on disk (or was edited) fails it, is counted in ``corrupt`` and re-encode
 truncated file, never served. Non-finite values are refused both ways: one NaN injected into
 vLLM's paged cache outlives its request (see :func:`inferscale_engine.kv.check_finite`).
 Disk is write-through and unbounded: every encoded fact has its file
-before it enters memory, so the memory tiers above it are pure caches.
+before it enters memory, so the memory tiers above it are pure caches. :class:`DiskTier` is a
+:class:`~inferscale_engine.memory.kv.backend.TierBackend`, with files' own operations besides
+(``get_blocking``, ``cached``, ``sweep``, ``read_metadata``).
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ from pathlib import Path
 
 import torch
 
-from inferscale_engine.errors import KVMissingError, StaleKVError
-from inferscale_engine.errors import NonFiniteKVError
+from inferscale_engine.errors import KVMissingError, NonFiniteKVError
 from inferscale_engine.kv import FactKV, check_finite
+from inferscale_engine.memory.kv.backend import KVKey, Tier, TierBackend, TierConfig, check_fingerprint
+
+__all__ = ["CALIBRATION_PREFIX", "DiskTier", "KVKey", "check_fingerprint"]
 
 logger = logging.getLogger(__name__)
-
-KVKey = tuple[str, int]  # (fact id, kv version)
 
 FILE_FORMAT = "inferscale-kv/1"
 _FILE_RE = re.compile(r"^([0-9a-f]{16})-(\d+)\.safetensors$")
@@ -49,9 +51,11 @@ _FILE_RE = re.compile(r"^([0-9a-f]{16})-(\d+)\.safetensors$")
 CALIBRATION_PREFIX = ".calibration-"
 
 
-class DiskTier:
+class DiskTier(TierBackend):
     """KV files under ``root`` (``root/<2 hex>/<fact id>-<version>.safetensors``). The caller
     serialises calls that must not interleave (a delete with a sweep)."""
+
+    name: Tier = "disk"
 
     def __init__(self, root: str | os.PathLike, *, pin_memory: bool = False,
                  read_bps: float | None = None) -> None:
@@ -68,6 +72,12 @@ class DiskTier:
         self.reads = 0
         #: Files refused for content: checksum mismatch or non-finite values.
         self.corrupt = 0
+
+    @classmethod
+    def of(cls, config: TierConfig) -> DiskTier:
+        """The disk tier of ``config`` (its files read into pinned memory where the device is CUDA)."""
+        return cls(config.root, pin_memory=config.pin_memory and config.device.type == "cuda",
+                   read_bps=config.disk_read_bps)
 
     def path(self, key: KVKey) -> Path:
         return Path(self._file(key))
@@ -88,8 +98,8 @@ class DiskTier:
         except OSError:
             return 0
 
-    def put(self, key: KVKey, kv: FactKV, fingerprint: str) -> None:
-        """Write ``kv`` atomically: a reader sees the old file, the new one, or none."""
+    def put(self, key: KVKey, kv: FactKV, fingerprint: str) -> bool:
+        """Write ``kv`` atomically: a reader sees the old file, the new one, or none. Always room."""
         from safetensors.torch import save
 
         path = self.path(key)
@@ -121,6 +131,12 @@ class DiskTier:
         os.replace(tmp, path)
         _fsync_dir(path.parent)
         self.writes += 1
+        return True
+
+    def get(self, key: KVKey, fingerprint: str) -> FactKV:
+        """``key``'s KV on the CPU (see :meth:`get_blocking`)."""
+        k, v, position = self.get_blocking(key, fingerprint)
+        return FactKV(k, v, position)
 
     def get_blocking(self, key: KVKey, fingerprint: str) -> tuple[torch.Tensor, torch.Tensor, int]:
         """K, V (on the CPU, views of one buffer, pinned when ``pin``) and position of ``key``;
@@ -201,8 +217,8 @@ class DiskTier:
         if wait > 0:
             time.sleep(wait)
 
-    def remove(self, key: KVKey) -> None:
-        _unlink(self.path(key))
+    def remove(self, key: KVKey) -> bool:
+        return _unlink(self.path(key))
 
     def remove_fact(self, fact_id: str) -> None:
         """Every version of ``fact_id``, and temp files of writes that never finished."""
@@ -251,16 +267,11 @@ class DiskTier:
                         removed += 1
         return kept, removed
 
+    def stats(self) -> dict[str, int]:
+        return {"disk_writes": self.writes, "disk_reads": self.reads, "disk_corrupt": self.corrupt}
+
     def close(self) -> None:
         """Nothing to release: every write is complete (fsynced) when ``put`` returns."""
-
-
-def check_fingerprint(key: KVKey, found: str | None, expected: str, where: str) -> None:
-    if found != expected:
-        raise StaleKVError(
-            f"KV of fact {key[0]} v{key[1]} in {where} was encoded under model fingerprint {found!r}, "
-            f"this store serves {expected!r}; refusing it"
-        )
 
 
 @functools.lru_cache(maxsize=1)
@@ -366,11 +377,13 @@ def _digest(k: torch.Tensor, v: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def _unlink(path: Path) -> None:
+def _unlink(path: Path) -> bool:
+    """Remove ``path``; whether it was there."""
     try:
         path.unlink()
     except FileNotFoundError:
-        pass
+        return False
+    return True
 
 
 def _fsync_dir(path: Path) -> None:
