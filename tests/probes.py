@@ -52,19 +52,6 @@ def shm_segments() -> set[str]:
     return {name for name in os.listdir("/dev/shm") if name.startswith("inferscale-")}
 
 
-# ---------------------------------------------------------------------------------- tiers
-
-
-def slab_of(tiers: Any) -> Any:
-    """The device tier's one buffer (``None`` before the first put)."""
-    return tiers._slab
-
-
-def out_stream(tiers: Any) -> Any:
-    """The CUDA stream evictions copy to the host on."""
-    return tiers._out_stream()
-
-
 # ---------------------------------------------------------------------------------- logs
 
 
