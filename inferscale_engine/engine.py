@@ -23,6 +23,7 @@ import hashlib
 import itertools
 import json
 import logging
+import operator
 import os
 import time
 from collections import OrderedDict
@@ -626,16 +627,16 @@ class InferScaleEngine:
             # Cold memories: wait for their reads or prefill them, whichever the cost model expects
             # to be faster (planner.py); the layout then injects the prefix it leaves as spans.
             segments, mix, promote = planner.plan(segments, recompute, self._rates, self._observed_reads())
-        spans, tail = self._layout(segments, recompute, user_id)
-        token_ids = [*itertools.chain.from_iterable(s.token_ids for s in spans), *tail]
+        spans, tail, as_text = self._layout(segments, recompute, user_id)
+        token_ids = [*itertools.chain.from_iterable(map(_TOKEN_IDS, spans)), *tail]
         extra: dict[str, Any] = {}
         salt = None
         plan = None
         staged = spans if mode == "inject" and spans else []
         if staged:
-            keys = [s.key for s in spans]
-            kv = self.exchange.stage(list(zip(keys, [s.kv for s in spans])))
-            plan = InjectionPlan.tiling(keys, [len(s.token_ids) for s in spans], kv,
+            keys = [*map(_KEY, spans)]
+            kv = self.exchange.stage([*zip(keys, map(_KV, spans))])
+            plan = InjectionPlan.tiling(keys, [*map(len, map(_TOKEN_IDS, spans))], kv,
                                         keep_cached=self.config.prefix_cache_injected)
             # In-process, the plan travels as itself, not as JSON.
             extra["kv_transfer_params"] = plan.to_params(inline=not self.config.multiprocess)
@@ -667,7 +668,6 @@ class InferScaleEngine:
         except BaseException:
             self._unstage(staged)
             raise
-        as_text = sum(isinstance(s, TextFact) for s in segments)
         if mix is not None:
             injected, recomputed = mix.injected + mix.from_disk, mix.recomputed
         else:  # the prompt mode prefills every memory
@@ -683,17 +683,25 @@ class InferScaleEngine:
             pass
 
     def _layout(self, segments: Sequence[Segment], recompute: int = 0,
-                user_id: str = DEFAULT_USER) -> tuple[list[Span], list[int]]:
-        """Spans covering everything up to the last injected fact, and the computed tail after it.
+                user_id: str = DEFAULT_USER) -> tuple[list[Span], list[int], int]:
+        """Spans covering everything up to the last injected fact, the computed tail after it, and
+        how many memories come as text (:class:`TextFact`).
 
         The last ``recompute`` facts belong to the tail: vLLM prefills them, with the separators
         and text around them, after the injected prefix (the connector loads only a prefix).
         """
-        facts = [i for i, s in enumerate(segments) if isinstance(s, (Span, TextFact))]
+        # One pass over the segments (hundreds on an injected request's path).
+        facts: list[int] = []
+        as_text: list[int] = []
+        for i, s in enumerate(segments):
+            if isinstance(s, Span):
+                facts.append(i)
+            elif isinstance(s, TextFact):
+                facts.append(i)
+                as_text.append(i)
         last = facts[len(facts) - recompute - 1] if recompute < len(facts) else -1
-        as_text = next((i for i, s in enumerate(segments) if isinstance(s, TextFact)), None)
-        if as_text is not None and as_text <= last:  # injected KV is a prefix: stop before it
-            last = max((i for i in facts if i < as_text), default=-1)
+        if as_text and as_text[0] <= last:  # injected KV is a prefix: stop before it
+            last = max((i for i in facts if i < as_text[0]), default=-1)
         head: Sequence[int] = ()
         spans: list[Span] = []
         for i, seg in enumerate(segments[: last + 1]):
@@ -704,7 +712,7 @@ class InferScaleEngine:
                 if i == 0:
                     head = seg
         tail = [int(t) for seg in segments[last + 1 :] for t in (seg.token_ids if isinstance(seg, Span) else seg)]
-        return spans, tail
+        return spans, tail, len(as_text)
 
     def _unstage(self, spans: list[Span]) -> None:
         if spans and not self.exchange.local:  # a local exchange staged nothing: the plan held them
@@ -763,6 +771,10 @@ class _Accumulator:
             first_logprobs=first,
         )
         return StreamDelta(text, result)
+
+
+#: A request's spans' fields, read by ``map`` (no Python frame per span).
+_KEY, _KV, _TOKEN_IDS = operator.attrgetter("key"), operator.attrgetter("kv"), operator.attrgetter("token_ids")
 
 
 def _logged(fn: Callable[[], None], what: str) -> None:

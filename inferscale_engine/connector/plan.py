@@ -11,6 +11,7 @@ where its KV lies in shared memory (:class:`SharedKV`). The scheduler half turns
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -66,8 +67,7 @@ class InjectionPlan:
     @classmethod
     def tiling(cls, keys: Sequence[str], lengths: Sequence[int], kv: SharedKV, keep_cached: bool = False) -> InjectionPlan:
         """Spans ``keys`` of ``lengths`` tokens, one after the other from position 0."""
-        bounds = np.zeros(len(keys) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=bounds[1:])
+        bounds = np.fromiter(itertools.accumulate(lengths, initial=0), np.int64, len(keys) + 1)
         return cls(tuple(keys), bounds, kv, keep_cached)
 
     @classmethod
