@@ -13,6 +13,7 @@ import torch
 from inferscale_engine.errors import StaleKVError
 from inferscale_engine.kv import FactKV
 from inferscale_engine.memory.kv.tiers import KVMissingError, KVTiers
+from inferscale_engine.testing import kv_digest, spin_gpu
 
 LAYERS, HEADS, DIM, PT = 3, 2, 8, 4
 FP = "fp-current"
@@ -298,7 +299,7 @@ def test_cuda_promotion_is_exact_without_a_host_wait(tmp_path):
         tiers.put(k, kv, FP)
         tiers.evict(k, to="host")
     torch.cuda.synchronize()
-    torch.cuda._sleep(20_000_000)  # the caller's stream is busy: the promotion must not wait for it
+    spin_gpu(20_000_000)  # the caller's stream is busy: the promotion must not wait for it
     got = tiers.get_many(list(kvs), FP)  # copies queued, not landed: readers wait in stream order
     assert {tiers.where(k) for k in kvs} == {"device"}
     for gkv, kv in zip(got, kvs.values()):
@@ -319,7 +320,7 @@ def test_cuda_promotion_waits_for_a_queued_read_of_the_pages_it_reuses(tmp_path)
     for k in (a, b):
         tiers.put(k, kvs[k], FP)
     torch.cuda.synchronize()
-    torch.cuda._sleep(50_000_000)  # ~25 ms: the gather of a and b below runs after it
+    spin_gpu(50_000_000)  # ~25 ms: the gather of a and b below runs after it
     got = tiers.get_many([a, b], FP)
     tiers.delete_key(a)  # frees their pages without a device sync ...
     tiers.delete_key(b)
@@ -515,9 +516,7 @@ def test_disk_file_is_atomic_private_and_self_describing(tmp_path):
     assert path.exists() and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert not list(tmp_path.rglob("*.tmp"))
     meta = tiers.read_metadata(key(4))
-    from inferscale_engine.memory.kv.disk_tier import _digest
-
-    assert meta.pop("sha256") == _digest(kv.k.cpu(), kv.v.cpu())  # checked on every read from disk
+    assert meta.pop("sha256") == kv_digest(kv.k.cpu(), kv.v.cpu())  # checked on every read from disk
     assert meta == {
         "format": "inferscale-kv/1", "fingerprint": FP, "fact_id": key(4)[0], "kv_version": "1",
         "position": "11", "num_tokens": "7",
@@ -657,7 +656,7 @@ def _full_slab_and_one_on_host(tmp_path):
 def test_cuda_eviction_does_not_wait_for_the_callers_queued_work(tmp_path):
     tiers, kvs = _full_slab_and_one_on_host(tmp_path)
     a, b, c = kvs
-    torch.cuda._sleep(100_000_000)  # ~50 ms of work queued on the caller's stream
+    spin_gpu(100_000_000)  # ~50 ms of work queued on the caller's stream
     slept = torch.cuda.Event()
     slept.record()
     got = tiers.get_many([c], FP)  # evicts a to the host and promotes c into its pages
@@ -675,7 +674,7 @@ def test_cuda_promotion_into_evicted_pages_does_not_wait_for_their_copy_to_the_h
     a, b, c = kvs
     out = tiers.mover.out_stream()
     with torch.cuda.stream(out):
-        torch.cuda._sleep(100_000_000)  # ~50 ms: the eviction's copy to the host queues behind it
+        spin_gpu(100_000_000)  # ~50 ms: the eviction's copy to the host queues behind it
     busy = torch.cuda.Event()
     busy.record(out)
     got = tiers.get_many([c], FP)  # evicts a to the host, promotes c into a's slab pages
