@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -167,3 +168,16 @@ class FactKV:
     def rows(self, start: int, stop: int) -> FactKV:
         """Tokens ``[start, stop)`` of this span (a view)."""
         return FactKV(self.k[:, start:stop], self.v[:, start:stop], self.position + start, self.ready)
+
+
+_CACHED_LAYOUT = operator.attrgetter("_layout")
+
+
+def layouts(kvs: Sequence[FactKV]) -> list[KVLayout]:
+    """:meth:`FactKV.layout` of each of ``kvs``. Those already read (a span served before, or
+    made by :meth:`FactKV.rows_of`: the usual case) come by ``map``, without a Python call each:
+    hundreds of spans a step."""
+    out = list(map(_CACHED_LAYOUT, kvs))
+    if None in out:
+        out = [kv.layout() if layout is None else layout for kv, layout in zip(kvs, out)]
+    return out

@@ -21,7 +21,7 @@ from inferscale_engine.connector.plan import (
 )
 from inferscale_engine.connector.table import InjectionTable, SpanColumns, SpanRows
 from inferscale_engine.errors import ConnectorError
-from inferscale_engine.kv import FactKV
+from inferscale_engine.kv import FactKV, layouts
 
 L, H, D = 3, 2, 4
 
@@ -201,6 +201,18 @@ def test_keys_and_values_of_different_dtypes_are_refused():
     with pytest.raises(ValueError, match="spans of one injection must share a dtype"):
         InjectionTable.build([SpanRows(kv(2), 0, 2, 0), SpanRows(mixed, 0, 2, 0)], np.arange(4), torch.device("cpu"))
 
+
+
+def test_layouts_of_many_spans_read_each_one_once():
+    """``layouts`` hands out the layouts FactKVs cached (rows of a tier's block, spans served
+    before) and reads the others' from torch: each equal to ``FactKV.layout``."""
+    block = torch.randn(2, L, 10, H, D)
+    tier = FactKV.rows_of(block, [(0, 4, 0), (4, 6, 3)])
+    fresh = [kv(3), kv(2, position=5)]
+    mixed = [tier[0], fresh[0], tier[1], fresh[1]]
+    assert layouts(mixed) == [f.layout() for f in mixed]
+    assert layouts(mixed) == layouts(mixed[::-1])[::-1]  # cached now: the same again
+    assert layouts([]) == []
 
 def reference_pieces(plan: InjectionPlan, start: int, stop: int) -> list[tuple[str, int, int, int]]:
     """Every span scanned, as the scheduler did before bisecting: (key, row, position, count)."""

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from inferscale_engine.kv import FactKV
+from inferscale_engine.kv import FactKV, layouts
 
 # Layout of ``InjectionTable.data`` (int64): three row columns of ``rows`` entries (span index,
 # row inside the span, cache slot), then seven span columns of ``spans`` entries (K address,
@@ -75,16 +75,16 @@ class InjectionTable:
     def build_columns(cls, spans: SpanColumns, slots: np.ndarray, device: torch.device) -> InjectionTable:
         """:meth:`build` from spans given as columns."""
         kvs = spans.kv
-        # Per span one FactKV.layout() (torch is read once per FactKV, then it is cached); the
+        # Per span its FactKV's layout (torch is read once per FactKV, then it is cached); the
         # arithmetic is numpy's, over all spans at once.
-        layouts = [kv.layout() for kv in kvs]
-        addresses, dtypes, is_cuda, _ = zip(*layouts) if layouts else ((), (), (), ())
+        read = layouts(kvs)
+        addresses, dtypes, is_cuda, _ = zip(*read) if read else ((), (), (), ())
         on_cuda = device.type == "cuda"
         keepalive: list[torch.Tensor] = []
         if is_cuda.count(not on_cuda):  # sources elsewhere: copied to the device for this launch
             kvs = [kv if there == on_cuda else kv.to(device) for kv, there in zip(kvs, is_cuda)]
             keepalive = [t for kv, old in zip(kvs, spans.kv) if kv is not old for t in (kv.k, kv.v)]
-            addresses, dtypes, _, _ = zip(*[kv.layout() for kv in kvs])
+            addresses, dtypes, _, _ = zip(*layouts(kvs))
         dtype = dtypes[0] if dtypes else torch.float32
         if dtype is None or dtypes.count(dtype) != len(dtypes):
             raise ValueError("spans of one injection must share a dtype")
