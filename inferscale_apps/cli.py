@@ -112,6 +112,9 @@ def _engine_options(p: argparse.ArgumentParser, model: str = "smollm2") -> None:
     g.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length (default: the model's, 8192 for smollm2)")
     g.add_argument("--dtype", default=None, help="weights/activations dtype, e.g. bfloat16, float32 (default: the model's)")
     g.add_argument("--window", type=int, default=None, metavar="W", help="turns of context each memory is encoded after (default 5)")
+    g.add_argument("--resolve-dates", action="store_true", default=None,
+                   help="store memories with the absolute date after each relative one: 'yesterday' becomes "
+                        "'yesterday (7 May 2023)', resolved against the day it is stored (default: off)")
     g.add_argument("--recompute", type=int, default=None, metavar="R",
                    help="the quality knob: the R most relevant memories of a prompt are prefilled as text after the "
                         "injected rest (more: closer to pasted memories, more prefill; default: the engine's)")
@@ -360,7 +363,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's options from the command line: ``--engine-option`` pairs, then the flags
     that name an option themselves (which win)."""
     options: dict[str, Any] = dict(args.engine_option)
-    for name in ("max_model_len", "dtype", "window", "recompute", "vllm_url"):
+    for name in ("max_model_len", "dtype", "window", "recompute", "resolve_dates", "vllm_url"):
         value = getattr(args, name, None)
         if value is not None:
             options[name] = value

@@ -70,6 +70,8 @@ class EngineConfig:
     window: int = 5
     #: A store that replicas share: see :attr:`MemoryConfig.follow_interval`.
     follow_interval: float | None = None
+    #: The store writes absolute dates after relative ones: see :attr:`MemoryConfig.resolve_dates`.
+    resolve_dates: bool = False
     #: CPU only: GiB of host memory for vLLM's paged KV cache.
     cpu_kv_cache_gib: float = 1.0
     #: CUDA only: fraction of GPU memory vLLM may take (weights + paged KV cache).
@@ -217,6 +219,13 @@ class MemoryConfig:
     #: encoder is busy with the fact is served as text (``serve_as_text_after``), which a fact
     #: encoded in the request never is (docs/scaling.md has the measurements).
     follow_interval: float | None = None
+    #: Write the absolute date after each relative one in a fact's text as it is stored
+    #: ("yesterday" -> "yesterday (7 May 2023)"), resolved against the UTC day it is written
+    #: (``created_at``, or ``updated_at`` for a new text); expressions with more than one reading
+    #: are left as they are (:func:`~inferscale_engine.memory.text.dates.resolve_relative_dates`).
+    #: A small model reads such a date back from injected KV more reliably than it works it out
+    #: from the memory's own date. Off by default: stored text never changes unasked.
+    resolve_dates: bool = False
 
     def __post_init__(self) -> None:
         self.path = store_location(self.path)
@@ -226,7 +235,7 @@ class MemoryConfig:
     def for_engine(cls, engine_config: EngineConfig, **overrides: Any) -> MemoryConfig:
         """The store of an engine: its ``store_path``, ``window`` and ``device``, unless overridden."""
         base = {"path": engine_config.store_path, "window": engine_config.window, "device": engine_config.device,
-                "follow_interval": engine_config.follow_interval}
+                "follow_interval": engine_config.follow_interval, "resolve_dates": engine_config.resolve_dates}
         return cls(**{**base, **overrides})
 
 

@@ -1,4 +1,5 @@
-"""Relative dates resolved at write time (inferscale_engine.memory.text.dates; issue 36)."""
+"""Relative dates resolved at write time (inferscale_engine.memory.text.dates; issue 36), and
+the store option that applies it (``resolve_dates``)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import datetime as dt
 
 import pytest
 
+from inferscale_engine.config import EngineConfig, MemoryConfig
+from inferscale_engine.memory import MemoryStore
 from inferscale_engine.memory.text.dates import parse_session_date, resolve_relative_dates
+from inferscale_engine.memory.text.embedder import Embedder
 
 MON_8_MAY_2023 = dt.date(2023, 5, 8)
 SAT_6_MAY_2023 = dt.date(2023, 5, 6)
@@ -127,3 +131,57 @@ def test_parses_locomo_session_dates(text, expected):
 def test_refuses_what_is_no_session_date(text):
     with pytest.raises(ValueError):
         parse_session_date(text)
+
+
+# ---------------------------------------------------------------------- the store option
+
+
+@pytest.fixture(scope="module")
+def embedder() -> Embedder:
+    return Embedder()
+
+
+MONTH_NAMES = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+               "November", "December")
+
+
+def _written_on(timestamp: str, days: int = 0) -> str:
+    """``timestamp``'s UTC day moved by ``days``, as the store writes it."""
+    day = dt.datetime.fromisoformat(timestamp).astimezone(dt.UTC).date() + dt.timedelta(days=days)
+    return f"{day.day} {MONTH_NAMES[day.month - 1]} {day.year}"
+
+
+def test_store_with_resolve_dates_stores_the_date_of_its_own_write(tmp_path, embedder):
+    with MemoryStore.from_config(None, MemoryConfig(path=tmp_path, embedder=embedder, resolve_dates=True)) as store:
+        [item] = store.add("I went to a support group yesterday.", user_id="u")
+        assert item.memory == f"I went to a support group yesterday ({_written_on(item.created_at, -1)})."
+        [added] = store.add_texts(["We hike tomorrow"], user_id="u")
+        assert added.memory == f"We hike tomorrow ({_written_on(added.created_at, 1)})"
+        updated = store.update(item.id, "She moves next month, she said today.", user_id="u")
+        assert updated.memory.endswith(f"today ({_written_on(updated.updated_at)}).")
+        assert "next month (" in updated.memory
+        # Stored so: listed, searched and reopened with the date.
+        assert sorted(i.memory for i in store.get_all(user_id="u")) == sorted([updated.memory, added.memory])
+        assert store.search("hike", user_id="u", k=1)[0].memory == added.memory
+    with MemoryStore(None, tmp_path, embedder=embedder) as reopened:
+        assert sorted(i.memory for i in reopened.get_all(user_id="u")) == sorted([updated.memory, added.memory])
+
+
+def test_store_leaves_text_alone_by_default(tmp_path, embedder):
+    with MemoryStore(None, tmp_path, embedder=embedder) as store:
+        assert [i.memory for i in store.add("I went to a support group yesterday.", user_id="u")] == \
+            ["I went to a support group yesterday."]
+        assert [i.memory for i in store.add_texts(["last week (the week of 1 May 2023)"], user_id="u")] == \
+            ["last week (the week of 1 May 2023)"]
+
+
+def test_engine_config_and_command_line_reach_the_stores_option():
+    from inferscale_apps.cli import _engine_kwargs, build_parser
+
+    assert MemoryConfig.for_engine(EngineConfig(resolve_dates=True)).resolve_dates is True
+    assert MemoryConfig.for_engine(EngineConfig()).resolve_dates is False
+    assert _engine_kwargs(build_parser().parse_args(["serve", "--resolve-dates"]))["resolve_dates"] is True
+    # Unset, the flag leaves --engine-option resolve_dates=... as it is.
+    args = build_parser().parse_args(["serve", "--engine-option", "resolve_dates=true"])
+    assert _engine_kwargs(args)["resolve_dates"] is True
+    assert "resolve_dates" not in _engine_kwargs(build_parser().parse_args(["serve"]))

@@ -40,6 +40,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence, Set
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ from inferscale_engine.memory.meta.backends import open_db
 from inferscale_engine.memory.kv.bandwidth import TierSpeeds
 from inferscale_engine.memory.kv.bandwidth import measure as measure_tiers
 from inferscale_engine.memory.text.context import Chunk, Context, ContextBuilder
+from inferscale_engine.memory.text.dates import resolve_relative_dates
 from inferscale_engine.memory.meta.db import FactRow, utc_now
 from inferscale_engine.memory.text.embedder import Embedder
 from inferscale_engine.memory.encoding import (
@@ -143,6 +145,7 @@ class MemoryStore:
         disk_read_threads: int = 16,
         disk_read_bps: float | None = None,
         follow_interval: float | None = None,
+        resolve_dates: bool = False,
     ) -> None:
         check_store_options(window, index, encode_queue, encode_batch, encode_batch_tokens)
         self.device: str = device or device_of(encoder)
@@ -155,6 +158,7 @@ class MemoryStore:
         #: This process's folder: the store's own, or (shared store) this replica's KV folder.
         self.path: Path
         self.window = window
+        self.resolve_dates = bool(resolve_dates)
         self.context_prefix = check_utf8(str(context_prefix), "context_prefix")
         self.index_kind: IndexKind = index
         self._keeper: KVKeeper | None = None  # with an encoder: the KV of the facts
@@ -227,6 +231,7 @@ class MemoryStore:
             encode_batch_tokens=config.encode_batch_tokens, resolve_timeout=config.resolve_timeout,
             kv_path=config.kv_path, disk_read_threads=config.disk_read_threads,
             disk_read_bps=config.disk_read_bps, follow_interval=config.follow_interval,
+            resolve_dates=config.resolve_dates,
         )
 
     @classmethod
@@ -397,12 +402,13 @@ class MemoryStore:
         """
         self._check_open()
         text = check_text(text)
+        now = utc_now()
+        text = self._dated([text], now)[0]
         self._follow()
         with self._lock:
             self.table.lookup(fact_id, user_id)
         token_ids = self.contexts.fact_tokens(text) if self.contexts is not None else None
         vec = self.embedder.embed([text])[0]
-        now = utc_now()
         with self._lock:
             self._check_open()
             old = self.table.lookup(fact_id, user_id)
@@ -656,6 +662,14 @@ class MemoryStore:
             if self._keeper is not None:
                 self._keeper.retire(f.id)
 
+    def _dated(self, texts: list[str], now: str) -> list[str]:
+        """``texts`` as stored at ``now`` (the facts' ``created_at`` / ``updated_at``): with
+        ``resolve_dates``, relative dates resolved against its UTC day."""
+        if not self.resolve_dates:
+            return texts
+        day = datetime.fromisoformat(now).date()
+        return [resolve_relative_dates(t, day) for t in texts]
+
     def _insert(
         self,
         texts: list[str],
@@ -669,9 +683,10 @@ class MemoryStore:
     ) -> list[MemoryItem]:
         for t in texts:  # speakers and imported turns too, not only checked contents
             check_utf8(t, "memory text")
+        now = utc_now()
+        texts = self._dated(texts, now)
         token_ids = [self.contexts.fact_tokens(t) for t in texts] if self.contexts is not None else None
         vecs = self.embedder.embed(texts, progress=progress)
-        now = utc_now()
         chunks: list[Chunk] = []
         self._follow()  # a shared store: the window before these facts includes other replicas' facts
         with self._lock:
