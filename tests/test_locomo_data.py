@@ -49,3 +49,35 @@ def test_bad_files_are_value_errors(tmp_path, data):
     path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match="LoCoMo|conversation"):
         load_locomo(path)
+
+
+def test_categories_keep_only_those_questions():
+    (conv,) = load_locomo(LOCOMO, conversations=1, categories=[2])
+    (every,) = load_locomo(LOCOMO, conversations=1)
+    assert conv.questions and {q.category for q in conv.questions} == {2}
+    assert conv.questions == [q for q in every.questions if q.category == 2]  # same indexes: cached answers match
+    with pytest.raises(ValueError, match="categories"):
+        load_locomo(LOCOMO, conversations=1, categories=[5])
+
+
+def test_resolve_dates_against_the_session_date(tmp_path):
+    sample = {
+        "sample_id": "s",
+        "conversation": {
+            "speaker_a": "Ann", "speaker_b": "Bo",
+            "session_1_date_time": "1:56 pm on 8 May, 2023",
+            "session_1": [{"speaker": "Bo", "dia_id": "D1:1", "text": "I ran last Saturday.", "blip_caption": "a race"},
+                          {"speaker": "Ann", "dia_id": "D1:2", "text": "Nice!"}],
+            "session_2_date_time": "10:37 am on 2 January, 2024",
+            "session_2": [{"speaker": "Ann", "dia_id": "D2:1", "text": "I moved last month."}],
+        },
+    }
+    path = tmp_path / "l.json"
+    path.write_text(json.dumps([sample]))
+    (conv,) = load_locomo(path, resolve_dates=True)
+    assert [t.memory for t in conv.turns] == [
+        "[1:56 pm on 8 May, 2023] Bo: I ran last Saturday (6 May 2023). [shares a race]",
+        "[1:56 pm on 8 May, 2023] Ann: Nice!",
+        "[10:37 am on 2 January, 2024] Ann: I moved last month (December 2023).",
+    ]
+    assert [t.text for t in load_locomo(path)[0].turns][0] == "I ran last Saturday. [shares a race]"

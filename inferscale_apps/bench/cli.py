@@ -77,6 +77,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--questions-per-category", type=int, default=None, help="first N questions of each category")
     p.add_argument("--max-turns", type=int, default=None,
                    help="first N turns of each conversation, and only questions whose evidence is in them")
+    p.add_argument("--categories", type=_ints, default=None,
+                   help="question categories asked, e.g. 2 (1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop; default all)")
+    p.add_argument("--resolve-dates", action="store_true",
+                   help="write the absolute date after each relative one in a turn (\"yesterday (7 May 2023)\"), "
+                        "resolved against its session date; every mode sees the same text")
     p.add_argument("--encoding", choices=["window", "sliding"], default="window",
                    help="window: one prefill per turn after exactly w turns; sliding: one prefill per w turns")
     p.add_argument("--max-tokens", type=int, default=32, help="answer length (default: %(default)s)")
@@ -175,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
             rows, info = run_locomo(
                 engine, ks=args.k, ws=args.w, data=args.data, conversations=args.conversations,
                 questions_per_category=args.questions_per_category, max_turns=args.max_turns,
-                answers_path=args.answers, encoding=args.encoding, max_tokens=args.max_tokens,
+                categories=args.categories, resolve_dates=args.resolve_dates, answers_path=args.answers, encoding=args.encoding, max_tokens=args.max_tokens,
                 concurrency=args.concurrency, workdir=args.workdir, full=not args.no_full,
                 exact_control=args.exact_control, after_head=args.after_head,
                 recompute=args.recompute, order=args.order, oracles=args.oracle,

@@ -252,6 +252,7 @@ class LocomoBench:
         after_head: bool = False,
         recompute: Sequence[int] = (0,),
         order: str = "relevance",
+        resolve_dates: bool = False,
     ) -> None:
         if encoding not in ("window", "sliding"):
             raise ValueError(f"encoding must be 'window' or 'sliding', got {encoding!r}")
@@ -277,7 +278,10 @@ class LocomoBench:
         self.context_prefix = self._served_head() if after_head else ""
         self._own_workdir = workdir is None
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="inferscale-locomo-")).expanduser()
-        self.run_dir = self.workdir / f"{engine.fingerprint}-{encoding}{'-after-head' if after_head else ''}"
+        # Turns with resolved dates are other memories: other stores, other answers.
+        self.resolve_dates = resolve_dates
+        self.run_dir = self.workdir / (f"{engine.fingerprint}-{encoding}{'-after-head' if after_head else ''}"
+                                       f"{'-dates' if resolve_dates else ''}")
         # Answers with recomputed memories depend on the order; the stores and the rest do not.
         self.order_tag = "" if order == "relevance" else f"-{order}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -770,6 +774,7 @@ class LocomoBench:
             "questions_by_category": {str(c): n for c, n in sorted(cats.items())},
             "encoding": self.encoding,
             "context_prefix": self.context_prefix,
+            "resolve_dates": self.resolve_dates,
             "retrieval": "top-k per speaker (2k memories), listed in conversation order",
             "baseline": "each inject row against the prompt with the identical memory order",
             "recompute": self.rs,
@@ -794,13 +799,16 @@ def run_locomo(
     conversations: int | None = None,
     questions_per_category: int | None = None,
     max_turns: int | None = None,
+    categories: Sequence[int] | None = None,
+    resolve_dates: bool = False,
     answers_path: str | os.PathLike | None = None,
     **options: Any,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Rows and a description of the run (goes into the JSON's ``env``)."""
+    """Rows and a description of the run (goes into the JSON's ``env``). ``resolve_dates``: every
+    turn's relative dates resolved against its session date, for every mode alike."""
     convs = load_locomo(data, conversations=conversations, questions_per_category=questions_per_category,
-                        max_turns=max_turns)
-    with LocomoBench(engine, convs, ks=ks, ws=ws, **options) as bench:
+                        max_turns=max_turns, categories=categories, resolve_dates=resolve_dates)
+    with LocomoBench(engine, convs, ks=ks, ws=ws, resolve_dates=resolve_dates, **options) as bench:
         bench.ingest()
         bench.answer()
         rows = bench.rows()
