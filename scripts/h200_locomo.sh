@@ -12,11 +12,18 @@
 #            run(command="bash scripts/h200_locomo.sh take 2", carry=[".carry/part-2"])   ... up to N
 #            run(command="MODEL=... bash scripts/h200_locomo.sh run", timeout_s=600)   # resumable
 #
+# A machine goes back 30 s after a call: send the takes and the run as one batch of calls, with
+# no pause between them, or /tmp (the parts, the stores, the answers) is gone with it. Each part
+# and the working tree travel together under the 64 MiB a call carries: parts are 52 MiB, the
+# first 14 MiB (it comes with .gpu, ~39 MiB).
+#
 # `run` unpacks the parts into /tmp/carry-site once every part is there, then runs `bench locomo`
 # over every conversation and question with --workdir /tmp/locomo-work for at most LIMIT seconds
 # (default 570, inside a call's 10 minutes), so a run cut short resumes where it was on the next
 # call (imports and answers are kept). The log is $OUT/locomo.log. GRID replaces the default grid
-# (GRID='--k 5,10,30 --w 20 --recompute 0,4,8'); ARGS adds options.
+# (GRID='--k 5,10,30 --w 20 --recompute 0,4,8'); ARGS adds options. SEED names answers an earlier
+# run cached (an answers-t32.jsonl.xz that came back, carried): they are not asked again
+# (`--resume-answers`), so a run that a lost machine cut short goes on where it was.
 set -uo pipefail
 cmd=${1:-}
 MODEL=${MODEL:-smollm2}
@@ -38,9 +45,8 @@ case $cmd in
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       -d "$B/whl" nltk==3.10.4 defusedxml==0.7.1
     tar -C "$B" -cf "$B/bundle.tar" site whl data
-    # The first call also carries .gpu (~39 MiB): its part is smaller.
-    head -c 21M "$B/bundle.tar" > .carry/part-1
-    tail -c +$((21 * 1048576 + 1)) "$B/bundle.tar" | split -b 60M -d -a 2 --numeric-suffixes=2 - .carry/part-
+    head -c 14M "$B/bundle.tar" > .carry/part-1
+    tail -c +$((14 * 1048576 + 1)) "$B/bundle.tar" | split -b 52M -d -a 2 --numeric-suffixes=2 - .carry/part-
     for f in .carry/part-0*; do mv "$f" ".carry/part-${f##*part-0}"; done  # part-02 -> part-2
     ls -la .carry ;;
   take)
@@ -58,7 +64,7 @@ case $cmd in
            INFERSCALE_CACHE_DIR=/tmp/inferscale-cache  # the default needs platformdirs, not there
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
     timeout "${LIMIT:-570}" python3 -m inferscale_apps.bench locomo --model "$MODEL" --device cuda \
-      ${GRID:---k 5,10,30 --w 0,5,20 --exact-control} --after-head --concurrency 64 --workdir /tmp/locomo-work ${ARGS:-} \
+      ${GRID:---k 5,10,30 --w 0,5,20 --exact-control} --after-head --concurrency 64 --workdir /tmp/locomo-work ${SEED:+--resume-answers "$SEED"} ${ARGS:-} \
       --json "$OUT/locomo-$MODEL-full.json" --answers "$OUT/locomo-$MODEL-full-answers.jsonl" \
       --plot "$OUT/locomo-$MODEL-full.png" > "$OUT/locomo.log" 2>&1
     rc=$?

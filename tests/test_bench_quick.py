@@ -8,6 +8,7 @@ LoCoMo (the first 30 turns of one conversation, 2 questions per category).
 from __future__ import annotations
 
 import json
+import lzma
 import math
 from pathlib import Path
 from typing import Any
@@ -249,6 +250,22 @@ def test_locomo_quick(tmp_path, smollm2_path):
     cache = next(workdir.glob("*/answers-t32.jsonl"))
     # prompt in 2 orders, inject at 2 w x 3 recompute, full, exact control, 2 w x 2 oracles
     assert len(cache.read_text().splitlines()) == 14 * n
+    # Another machine's run resumes from those answers (--resume-answers, .xz as the H200 script
+    # carries them): a fresh workdir asks nothing the seed answered, so nothing is appended.
+    seed = tmp_path / "seed.jsonl.xz"
+    seed.write_bytes(lzma.compress(cache.read_bytes()))
+    again = _run(tmp_path, "locomo", [
+        "--model", smollm2_path, "--device", "cpu", "--data", str(LOCOMO), "--conversations", "1", "--questions-per-category", "2",
+        "--max-turns", "30", "--k", "5", "--w", "0", "--concurrency", "4", "--no-full",
+        "--workdir", str(tmp_path / "fresh"), "--resume-answers", str(seed),
+    ])
+    # Only the noise floor's prompt order (relevance-last-5: no inject row reorders here) is new.
+    resumed = next((tmp_path / "fresh").glob("*/answers-t32.jsonl"))
+    assert len(resumed.read_text().splitlines()) == 15 * n
+    f1 = {(r["mode"], r["order"]): r["f1"] for r in again["results"] if r["mode"] != "full"}
+    assert set(f1) == {("prompt", "conversation"), ("prompt", "relevance-last-5"), ("inject", "conversation")}
+    for m in ("prompt", "inject"):
+        assert f1[(m, "conversation")] == by[(m, 0, 5, 0 if m == "inject" else None, "conversation")]["f1"]
 
 
 # ---------------------------------------------------------------------- LoCoMo pieces (no model)
@@ -305,3 +322,15 @@ def test_answer_cache_resumes(tmp_path):
         f.write('{"key": "c", "ans')  # a line cut short by an interruption
     again = AnswerCache(path)
     assert again.get("a") == {"key": "a", "answer": "x"} and again.get("b") and again.get("c") is None
+
+
+def test_answer_cache_takes_another_runs_answers_it_lacks(tmp_path):
+    other = tmp_path / "other.jsonl.xz"
+    other.write_bytes(lzma.compress(
+        b'{"key": "a", "answer": "theirs"}\n{"key": "b", "answer": "y"}\n{"key": "c", "ans'))
+    cache = AnswerCache(tmp_path / "answers.jsonl")
+    cache.put({"key": "a", "answer": "ours"})
+    assert cache.merge(other) == 1  # b; a is kept as this run answered it, c was cut short
+    again = AnswerCache(tmp_path / "answers.jsonl")
+    assert again.get("a") == {"key": "a", "answer": "ours"} and again.get("b") == {"key": "b", "answer": "y"}
+    assert again.get("c") is None

@@ -89,6 +89,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--workdir", help="stores and cached answers (kept: a rerun resumes); default a temp dir")
     p.add_argument("--data", help="locomo10.json (default: $INFERSCALE_LOCOMO or ../shared/data/locomo)")
     p.add_argument("--answers", help="write every question's answers here (JSONL)")
+    p.add_argument("--resume-answers", metavar="FILE",
+                   help="answers an earlier run of the same model and data cached (its workdir's "
+                        "answers-t*.jsonl, or .xz): questions answered there are not asked again")
     p.add_argument("--no-full", action="store_true", help="skip the full-conversation mode")
     p.add_argument("--after-head", action="store_true",
                    help="encode memories after the served prompt's opening (store context_prefix), not at position 0")
@@ -184,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
                 concurrency=args.concurrency, workdir=args.workdir, full=not args.no_full,
                 exact_control=args.exact_control, after_head=args.after_head,
                 recompute=args.recompute, order=args.order, oracles=args.oracle,
+                resume_answers=args.resume_answers,
             )
             env = {**common.environment(engine), "locomo": info}
         common.print_table(table_rows(rows), ["mode", "w", "k", "order", "recompute", "n_questions", "f1", "multi-hop",

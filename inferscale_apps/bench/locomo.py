@@ -55,6 +55,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import lzma
 import os
 import re
 import shutil
@@ -219,6 +220,26 @@ class AnswerCache:
     def get(self, key: str) -> dict[str, Any] | None:
         return self.data.get(key)
 
+    def merge(self, path: str | os.PathLike) -> int:
+        """Take the answers another run cached (its ``answers-t*.jsonl``, or that file
+        xz-compressed) for every key this cache lacks; returns how many were taken.
+
+        Only answers of the same model, data and answer length belong here. Scoring checks what
+        it can: an inject row whose prompt's token ids differ from its prompt row's is refused."""
+        opener = lzma.open if str(path).endswith(".xz") else open
+        taken = 0
+        with opener(path, "rt") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                    key = rec["key"]
+                except (ValueError, KeyError):
+                    continue  # a line cut short by an interruption
+                if key not in self.data:
+                    self.put(rec)
+                    taken += 1
+        return taken
+
     def put(self, rec: dict[str, Any]) -> None:
         self.data[rec["key"]] = rec
         if self.path is not None:
@@ -252,6 +273,7 @@ class LocomoBench:
         after_head: bool = False,
         recompute: Sequence[int] = (0,),
         order: str = "relevance",
+        resume_answers: str | os.PathLike | None = None,
         resolve_dates: bool = False,
     ) -> None:
         if encoding not in ("window", "sliding"):
@@ -286,6 +308,8 @@ class LocomoBench:
         self.order_tag = "" if order == "relevance" else f"-{order}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cache = AnswerCache(self.run_dir / f"answers-t{max_tokens}.jsonl")
+        if resume_answers is not None:
+            logger.info("%d answers taken from %s", self.cache.merge(resume_answers), resume_answers)
         self.embedder = _cached_embedder(str(engine.config.device))
         self.stores: dict[int, MemoryStore] = {}
         self.tier_bytes = (device_kv_bytes, host_kv_bytes)
