@@ -80,3 +80,29 @@ def test_rotation_by_layer_chunks_equals_one_pass_and_leaves_the_input_alone(sty
     assert torch.equal(rotate(keys, deltas, table), whole)
     assert torch.equal(keys, before)  # rotated in a copy: stored KV is read, never written
     assert torch.equal(rotate(keys[3], deltas, table), whole[3])  # one layer, no layer axis
+
+
+def _rotated_in_a_copy(keys: torch.Tensor, deltas: torch.Tensor, table: RopeTable) -> torch.Tensor:
+    """The rotation as every dtype but fp32 runs it: an fp32 copy rotated in place, copied back."""
+    idx = deltas.abs()
+    cos = table.cos[idx][:, None, :]
+    sin = (table.sin[idx] * torch.sign(deltas).unsqueeze(-1))[:, None, :]
+    rd = table.rotary_dim
+    out = keys.clone()
+    x = keys[..., :rd].to(torch.float32, copy=True)
+    x1, x2 = (x[..., : rd // 2], x[..., rd // 2 :]) if table.is_neox_style else (x[..., 0::2], x[..., 1::2])
+    new_x1 = (x1 * cos).addcmul_(x2, sin, value=-1)
+    x2.mul_(cos).addcmul_(x1, sin)
+    x1.copy_(new_x1)
+    out[..., :rd] = x
+    return out
+
+
+@pytest.mark.parametrize("style,partial", [("default", 1.0), ("gptj", 1.0), ("default", 0.5)])
+def test_fp32_keys_rotated_straight_into_the_output_keep_the_bits_of_a_copy(style, partial):
+    """fp32 keys skip the working copy; every bit is what rotating a copy gives."""
+    table = RopeTable.from_module(_rope(style, partial))
+    torch.manual_seed(1)
+    keys = torch.randn(3, 50, 2, HEAD)
+    deltas = torch.randint(1, 900, (50,))
+    assert torch.equal(rotate(keys, deltas, table), _rotated_in_a_copy(keys, deltas, table))

@@ -239,9 +239,14 @@ class ConnectorWorker:
     ) -> None:
         """Reference path (CPU, or layouts the Triton writer does not know): gather, rotate,
         write through the backend's own KV write op."""
-        parts = list(zip(spans.kv, spans.row.tolist(), spans.count.tolist()))
-        k = torch.cat([kv.k[:, row : row + count].to(device) for kv, row, count in parts], dim=1)
-        v = torch.cat([kv.v[:, row : row + count].to(device) for kv, row, count in parts], dim=1)
+        ks, vs = [], []
+        for kv, row, count in zip(spans.kv, spans.row.tolist(), spans.count.tolist()):
+            k, v = kv.k, kv.v
+            if row or count != k.shape[1]:  # cut by a chunked prefill: its rows in this chunk
+                k, v = k[:, row : row + count], v[:, row : row + count]
+            ks.append(k)
+            vs.append(v)
+        k, v = _gathered(ks, device), _gathered(vs, device)
         # numpy: torch.repeat_interleave took up to ms on a busy 2-core box, np.repeat µs.
         deltas = torch.from_numpy(np.repeat(spans.delta, spans.count)).to(device)
         slot_mapping = torch.from_numpy(slots).to(device)
@@ -307,6 +312,15 @@ class ConnectorWorker:
             batch_rows = hit.nonzero().squeeze(1)
             if batch_rows.numel():
                 self._matches.append((room, batch_rows, order[where[batch_rows]] + cap.first_row))
+
+
+def _gathered(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``parts`` concatenated along the token axis, on ``device``: one copy where they lie on one
+    device (no call per span), else each moved there first."""
+    try:
+        return torch.cat(parts, dim=1).to(device)
+    except RuntimeError:  # spans on several devices (a host tier's beside a device tier's)
+        return torch.cat([part.to(device) for part in parts], dim=1)
 
 
 #: Span and capture views a worker keeps (a request's spans are all injected in one step, or a
