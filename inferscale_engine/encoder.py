@@ -40,7 +40,7 @@ def encode_windows(
     it (:meth:`~inferscale_engine.connector.exchange.KVExchange.take_capture`)."""
     from vllm import SamplingParams
 
-    from inferscale_engine.connector import compat
+    from inferscale_engine import vllm_compat as compat
     from inferscale_engine.connector.plan import CapturePlan, CaptureRange, SharedKV
 
     for w in windows:

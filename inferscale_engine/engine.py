@@ -38,8 +38,8 @@ import pydantic
 import torch
 
 from inferscale_engine import cuda_graphs, planner
+from inferscale_engine import vllm_compat as compat
 from inferscale_engine.config import EngineConfig
-from inferscale_engine.connector import compat
 from inferscale_engine.connector.exchange import Geometry, KVExchange, NotHeldError
 from inferscale_engine.connector.plan import InjectionPlan, injected_tokens
 from inferscale_engine.encoder import encode_windows

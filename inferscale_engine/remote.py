@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from inferscale_engine.connector import compat
+from inferscale_engine import vllm_compat as compat
 from inferscale_engine.connector.plan import BYPASSED_KEY, INJECTED_KEY, PARAMS_KEY, bypasses_prefix_cache
 from inferscale_engine.errors import EngineSettingsError, InferScaleError
 from inferscale_engine.loop import Listener, ThreadedAsyncLoop, tell

@@ -7,7 +7,7 @@ The server builds it itself, before it resolves a request's handles, and passes 
 
 Kept apart from :mod:`inferscale_engine.engine` so the server can build and check options
 without the engine's internals; vLLM is imported only to learn ``SamplingParams``' field names
-(from :mod:`inferscale_engine.connector.compat`, which knows how they are declared).
+(from :mod:`inferscale_engine.vllm_compat`, which knows how they are declared).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ _OWN = ("max_tokens", "temperature", "mode", "recompute", "first_logprobs", "str
 @functools.cache
 def _sampling_fields() -> frozenset[str]:
     """``SamplingParams``' public fields that are not InferScale's own."""
-    from inferscale_engine.connector import compat
+    from inferscale_engine import vllm_compat as compat
 
     names = compat.sampling_params_fields()
     return frozenset(n for n in names if not n.startswith("_") and n not in _RESERVED and n not in _OWN)

@@ -115,7 +115,7 @@ def test_kv_transfer_config_is_refused_before_anything_starts(tiny_llama, tmp_pa
 def test_prefix_caching_can_be_turned_off(tiny_llama, tmp_path, caplog):
     """A vLLM option the engine also sets (prefix caching) is the caller's to change; with the
     cache off there is nothing to keep injected prompts out of, and injection works as ever."""
-    with caplog.at_level("INFO", logger="inferscale_engine.connector.compat"):
+    with caplog.at_level("INFO", logger="inferscale_engine.vllm_compat"):
         engine = InferScaleEngine(model=tiny_llama, store_path=tmp_path, enable_prefix_caching=False, **OPTIONS)
     try:
         assert "lacks the prefix-cache hooks" not in caplog.text

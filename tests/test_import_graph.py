@@ -123,7 +123,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_graph_is_read() -> None:
     graph = import_graph()
     assert "inferscale_engine.engine" in graph
-    assert "inferscale_engine.connector.compat" in graph["inferscale_engine.engine"]
+    assert "inferscale_engine.vllm_compat" in graph["inferscale_engine.engine"]
     assert "inferscale_engine.kv" in graph["inferscale_engine.engine"]
     # engine.memory imports the store where it builds it: an import inside a function is an edge.
     assert "inferscale_engine.memory" in graph["inferscale_engine.engine"]

@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from inferscale_engine.connector import compat
+from inferscale_engine import vllm_compat as compat
 from inferscale_engine.connector.plan import InferScaleConnectorMetadata
 from inferscale_engine.connector.scheduler import ConnectorScheduler
 from inferscale_engine.connector.worker import ConnectorWorker

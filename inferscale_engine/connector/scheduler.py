@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from inferscale_engine.connector import compat
+from inferscale_engine import vllm_compat as compat
 from inferscale_engine.connector.exchange import Geometry, Location
 from inferscale_engine.connector.plan import (
     BYPASSED_KEY,

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from inferscale_engine.connector import compat
+from inferscale_engine import vllm_compat as compat
 from inferscale_engine.connector.exchange import ExchangeReader, Geometry, Location
 from inferscale_engine.connector.plan import CaptureSlots, InferScaleConnectorMetadata, LoadPieces, LoadRequest
 from inferscale_engine.connector.table import InjectionTable, SpanColumns
