@@ -359,7 +359,7 @@ def _step(what: str, show: bool) -> Iterator[None]:
 # ---------------------------------------------------------------------- commands
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The engine's options from the command line: ``--engine-option`` pairs, then the flags
     that name an option themselves (which win)."""
     options: dict[str, Any] = dict(args.engine_option)
@@ -373,7 +373,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def _make_engine(args: argparse.Namespace) -> Any:
     from inferscale_engine.engine import InferScaleEngine
 
-    return InferScaleEngine(**_engine_kwargs(args))
+    return InferScaleEngine(**engine_kwargs(args))
 
 
 def _open_store(args: argparse.Namespace) -> Any:
@@ -458,7 +458,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         default_max_tokens=args.default_max_tokens,
         log_level=args.log_level,
-        **_engine_kwargs(args),
+        **engine_kwargs(args),
     )
     return 0
 

@@ -176,12 +176,12 @@ def test_store_leaves_text_alone_by_default(tmp_path, embedder):
 
 
 def test_engine_config_and_command_line_reach_the_stores_option():
-    from inferscale_apps.cli import _engine_kwargs, build_parser
+    from inferscale_apps.cli import build_parser, engine_kwargs
 
     assert MemoryConfig.for_engine(EngineConfig(resolve_dates=True)).resolve_dates is True
     assert MemoryConfig.for_engine(EngineConfig()).resolve_dates is False
-    assert _engine_kwargs(build_parser().parse_args(["serve", "--resolve-dates"]))["resolve_dates"] is True
+    assert engine_kwargs(build_parser().parse_args(["serve", "--resolve-dates"]))["resolve_dates"] is True
     # Unset, the flag leaves --engine-option resolve_dates=... as it is.
     args = build_parser().parse_args(["serve", "--engine-option", "resolve_dates=true"])
-    assert _engine_kwargs(args)["resolve_dates"] is True
-    assert "resolve_dates" not in _engine_kwargs(build_parser().parse_args(["serve"]))
+    assert engine_kwargs(args)["resolve_dates"] is True
+    assert "resolve_dates" not in engine_kwargs(build_parser().parse_args(["serve"]))
