@@ -45,7 +45,7 @@ from inferscale_engine.handles import (
     find_handles,
     split_on_handles,
 )
-from inferscale_engine.testing import model_fingerprint, staged_refs
+from inferscale_engine.testing import has_unfinished_requests, model_fingerprint, staged_refs
 from inferscale_engine.types import ColdFact, Span
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -105,7 +105,10 @@ def snapshot(store: Any) -> dict[str, Any]:
 
 
 def assert_nothing_staged(engine: Any) -> None:
-    assert not staged_refs(engine.exchange)
+    """A refused request left nothing behind: no request in vLLM, and (where spans are staged in
+    shared memory, not handed over by reference in the plan) no span staged."""
+    assert not has_unfinished_requests(engine)
+    assert engine.exchange.local or not staged_refs(engine.exchange)
 
 
 # ------------------------------------------------------------------------------ facts
