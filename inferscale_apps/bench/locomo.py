@@ -63,7 +63,7 @@ import string
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -203,6 +203,17 @@ class _Job:
     segments: tuple[Any, ...] | None = None  # resolved segments, sent as they are (exact control)
 
 
+def _records(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """The cached answers of a JSONL file's lines, skipping a line cut short by an interruption."""
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "key" in rec:
+            yield rec
+
+
 class AnswerCache:
     """Answers already computed (JSONL, append-only), so a run can resume."""
 
@@ -210,12 +221,8 @@ class AnswerCache:
         self.path = path
         self.data: dict[str, dict[str, Any]] = {}
         if path is not None and path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                    self.data[rec["key"]] = rec
-                except (ValueError, KeyError):
-                    continue  # a line cut short by an interruption
+            with path.open() as f:
+                self.data.update((rec["key"], rec) for rec in _records(f))
 
     def get(self, key: str) -> dict[str, Any] | None:
         return self.data.get(key)
@@ -229,13 +236,8 @@ class AnswerCache:
         opener = lzma.open if str(path).endswith(".xz") else open
         taken = 0
         with opener(path, "rt") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                    key = rec["key"]
-                except (ValueError, KeyError):
-                    continue  # a line cut short by an interruption
-                if key not in self.data:
+            for rec in _records(f):
+                if rec["key"] not in self.data:
                     self.put(rec)
                     taken += 1
         return taken
