@@ -687,3 +687,27 @@ def test_cuda_promotion_into_evicted_pages_does_not_wait_for_their_copy_to_the_h
     for k in (a, b, c):
         kv = tiers.get(k, FP)
         assert torch.equal(kv.k.cpu(), kvs[k].k) and torch.equal(kv.v.cpu(), kvs[k].v)
+
+
+def test_a_fact_seen_prefetched_and_evicted_at_once_is_prefetched_again(tmp_path):
+    """The moment a prefetch's fact shows in the host tier, its read is over: evicting it and
+    prefetching it again starts a new read. A read that still counted as running there (bench
+    tiers' cost-model row did exactly this in CI) made the prefetch skip the fact, which then
+    never left the disk. Threads switch as often as they can, to open any such window."""
+    import sys
+
+    tiers = KVTiers(tmp_path, device_bytes=page_bytes() * 64, host_bytes=page_bytes() * 64, page_tokens=PT)
+    k = key(0)
+    tiers.put(k, make_kv(PT + 1, 0), FP)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(1000):
+            tiers.evict(k, to="disk")
+            assert tiers.prefetch([k], FP) == 1, "the prefetch skipped a fact on disk"
+            deadline = time.monotonic() + 30
+            while tiers.where(k) != "host":
+                assert time.monotonic() < deadline, "prefetch did not finish"
+    finally:
+        sys.setswitchinterval(interval)
+        tiers.close()

@@ -61,6 +61,8 @@ AFTER_PREFETCH = "after-prefetch"
 #: The host's first work after an idle gap runs slower (scripts/tiers_promotion.py: a promotion's
 #: host time +0.7 ms after 50 ms), so rows with unequal gaps would differ by that alone.
 IDLE_S = 0.25
+#: Longest wait for background reads (a promotion, a prefetch) that take milliseconds.
+WAIT_S = 60.0
 
 
 class _Read:
@@ -89,6 +91,18 @@ class _Read:
     def promote(self) -> None:
         if self.future is None:
             self.tiers.prefetch([self.key], self.fingerprint)
+
+
+def _wait_for(tiers: KVTiers, keys: list[tuple[str, int]], wanted: set[str]) -> None:
+    """Poll until background reads (a promotion, a prefetch) put every key in a ``wanted``
+    tier: they take milliseconds, so one that never gets there is a bug, said, not a hang."""
+    deadline = time.perf_counter() + WAIT_S
+    while not set(tiers.where_many(keys)) <= wanted:
+        if time.perf_counter() > deadline:
+            where = sorted(map(str, set(tiers.where_many(keys))))
+            raise RuntimeError(f"facts meant for the {'/'.join(sorted(wanted))} tier still sit in {where} "
+                               f"after {WAIT_S:.0f} s")
+        time.sleep(0.0005)
 
 
 def _drop_page_cache(path: os.PathLike) -> None:
@@ -253,8 +267,7 @@ def run_tiers(
                         if promote_later is not None:
                             promote_later()  # as the engine does once the first token is out
                         # Promotions of the prefilled facts finish before the next request.
-                        while any(t == "disk" for t in tiers.where_many(picked_keys)):
-                            time.sleep(0.0005)
+                        _wait_for(tiers, picked_keys, {"device", "host"})
                         # Recomputed facts are prefilled after the injected ones, their KV is not
                         # the w=0 KV of the other rows: its answer is not compared with theirs.
                         if rep >= warmup:
@@ -267,8 +280,7 @@ def run_tiers(
                         move_to("disk", picked_keys)
                         t0 = time.perf_counter()
                         tiers.prefetch(picked_keys, fp)
-                        while {tiers.where(key) for key in picked_keys} != {"host"}:
-                            time.sleep(0.0005)
+                        _wait_for(tiers, picked_keys, {"host"})
                         if rep >= warmup:
                             prefetch_s.append(time.perf_counter() - t0)
                         settle(idle_since=t0)  # the prefetch's wait is this row's idle

@@ -204,7 +204,6 @@ class KVTiers:
                     continue
                 future = self._background_readers().submit(self._read_to_host, key, fingerprint)
                 self._reading[key] = future
-                future.add_done_callback(lambda _, key=key: self._done_reading(key))  # type: ignore[misc]
                 started += 1
         return started
 
@@ -327,25 +326,26 @@ class KVTiers:
             pass  # the read below says why, or reads the file itself
         return self.get_many([key], fingerprint)[0]
 
-    def _done_reading(self, key: KVKey) -> None:
-        with self._lock:
-            self._reading.pop(key, None)
-
     def _read_to_host(self, key: KVKey, fingerprint: str) -> None:
         """Read a fact file into the host tier (a prefetch: the device slab keeps what requests use)."""
+        read = None
         try:
             k, v, position = self.disk.get_blocking(key, fingerprint)
+            self._check_geometry(FactKV(k, v, position))
+            read = (self.layout.to_pages(k, v), k.shape[1], position)
         except Exception as exc:  # the request that needs it reads it again and repairs it
             logger.info("prefetch of fact %s v%d failed: %s", key[0], key[1], exc)
             if isinstance(exc, KVMissingError):
                 self._found_missing(key)
-            return
-        self._check_geometry(FactKV(k, v, position))
-        pages = self.layout.to_pages(k, v)
         with self._lock:
-            if self.device_tier.contains(key) or self.host_tier.contains(key) or not self.disk.contains(key):
+            # The read stops counting as one in the step that puts its fact in the host tier: a
+            # caller that sees it there and evicts it must find no read in flight, or its next
+            # prefetch would skip the fact, which then never leaves the disk.
+            self._reading.pop(key, None)
+            if read is None or self.device_tier.contains(key) or self.host_tier.contains(key) \
+                    or not self.disk.contains(key):
                 return
-            self._insert_host(key, pages, k.shape[1], position, fingerprint)
+            self._insert_host(key, *read, fingerprint)
 
     def _found_missing(self, key: KVKey) -> None:
         """A read found ``key``'s file missing or unusable: ``where_many(check_disk=False)``
