@@ -8,7 +8,7 @@ import torch
 
 from inferscale_engine.errors import KVMissingError, StaleKVError
 from inferscale_engine.kv import FactKV
-from inferscale_engine.memory.kv.backend import TierBackend
+from inferscale_engine.memory.kv.backend import TierBackend, TierConfig
 from inferscale_engine.memory.kv.tiers import KVTiers
 
 LAYERS, HEADS, DIM, PT = 2, 2, 4, 4
@@ -38,6 +38,17 @@ def test_the_tiers_are_device_host_disk_built_from_one_config(tmp_path):
     assert tiers.backends == (tiers.device_tier, tiers.host_tier, tiers.disk)
     assert all(isinstance(b, TierBackend) for b in tiers.backends)
     assert tiers.config.page_tokens == PT and tiers.disk.root == tiers.config.root == tmp_path
+
+
+@pytest.mark.parametrize("bad", [{"page_tokens": 0}, {"device_bytes": -1}, {"host_bytes": -1},
+                                 {"read_threads": 0}, {"disk_read_bps": 0}])
+def test_a_config_is_checked_however_it_is_made(tmp_path, bad):
+    """One set of checks, in the config itself: the tiers, ``TierConfig.of`` and the dataclass
+    made directly all refuse the same settings."""
+    for make in (KVTiers, TierConfig.of, lambda root, **kw: TierConfig(root=root, **kw)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            make(tmp_path, **bad)
+    assert KVTiers(tmp_path, device="cpu").config == TierConfig.of(tmp_path)  # the defaults live in one place
 
 
 @pytest.mark.parametrize("tier", [0, 1, 2], ids=["device", "host", "disk"])

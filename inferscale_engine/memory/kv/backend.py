@@ -24,28 +24,47 @@ import abc
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypedDict, Unpack
 
 import torch
 
 from inferscale_engine.errors import KVMissingError, StaleKVError
 from inferscale_engine.kv import FactKV
 
-__all__ = ["KVKey", "KVMissingError", "StaleKVError", "Tier", "TierBackend", "TierConfig", "check_fingerprint"]
+__all__ = ["KVKey", "KVMissingError", "StaleKVError", "Tier", "TierBackend", "TierConfig", "TierSettings",
+           "check_fingerprint"]
 
 KVKey = tuple[str, int]  # (fact id, kv version)
 
 Tier = Literal["device", "host", "disk"]
 
 
+class _PassedOn(TypedDict, total=False):
+    """The :class:`TierConfig` fields a setting of the same name gives as it is."""
+
+    device_bytes: int
+    host_bytes: int
+    page_tokens: int
+    read_threads: int
+    disk_read_bps: float | None
+
+
+class TierSettings(_PassedOn, total=False):
+    """Keyword settings of :meth:`TierConfig.of` (and :class:`~.tiers.KVTiers`); each defaults
+    to the :class:`TierConfig` field of its name, ``pin_memory=None`` to where CUDA is available."""
+
+    device: str | torch.device
+    pin_memory: bool | None
+
+
 @dataclass(frozen=True)
 class TierConfig:
-    """What the tiers of one store are built from."""
+    """What the tiers of one store are built from, checked when made (``ValueError``)."""
 
     #: The disk tier's folder.
     root: Path
     #: Where the device tier's slab lives (the encoder's device; on a CPU engine the CPU).
-    device: torch.device
+    device: torch.device = torch.device("cpu")
     device_bytes: int = 512 << 20
     host_bytes: int = 2 << 30
     page_tokens: int = 16
@@ -56,34 +75,30 @@ class TierConfig:
     #: Bytes a second disk reads may take, all readers together; ``None``: as fast as the disk.
     disk_read_bps: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.page_tokens < 1:
+            raise ValueError(f"page_tokens must be >= 1, got {self.page_tokens}")
+        for name in ("device_bytes", "host_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 bytes, got {getattr(self, name)}")
+        if self.read_threads < 1:
+            raise ValueError(f"read_threads must be >= 1, got {self.read_threads}")
+        if self.disk_read_bps is not None and not self.disk_read_bps > 0:
+            raise ValueError(f"disk_read_bps must be > 0 bytes a second or None, got {self.disk_read_bps!r}")
+
     @classmethod
     def of(
         cls,
         root: str | os.PathLike,
         *,
         device: str | torch.device = "cpu",
-        device_bytes: int = 512 << 20,
-        host_bytes: int = 2 << 30,
-        page_tokens: int = 16,
         pin_memory: bool | None = None,
-        read_threads: int = 16,
-        disk_read_bps: float | None = None,
+        **fields: Unpack[_PassedOn],
     ) -> TierConfig:
-        """The config of these settings, checked (``ValueError``); ``pin_memory=None`` pins where
-        CUDA is available."""
-        if page_tokens < 1:
-            raise ValueError(f"page_tokens must be >= 1, got {page_tokens}")
-        if device_bytes < 0 or host_bytes < 0:
-            raise ValueError("tier capacities must be >= 0 bytes")
-        if read_threads < 1:
-            raise ValueError(f"read_threads must be >= 1, got {read_threads}")
-        if disk_read_bps is not None and not disk_read_bps > 0:
-            raise ValueError(f"disk_read_bps must be > 0 bytes a second or None, got {disk_read_bps!r}")
-        return cls(
-            root=Path(root), device=torch.device(device), device_bytes=int(device_bytes), host_bytes=int(host_bytes),
-            page_tokens=int(page_tokens), pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory,
-            read_threads=int(read_threads), disk_read_bps=disk_read_bps,
-        )
+        """The config of ``root`` and these settings (:class:`TierSettings`), the rest left at
+        their defaults."""
+        return cls(root=Path(root), device=torch.device(device),
+                   pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory, **fields)
 
 
 class TierBackend(abc.ABC):

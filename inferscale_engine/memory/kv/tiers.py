@@ -47,13 +47,20 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Unpack
 
 import torch
 
 from inferscale_engine.errors import KVMissingError
 from inferscale_engine.kv import FactKV
-from inferscale_engine.memory.kv.backend import KVKey, Tier, TierBackend, TierConfig, check_fingerprint
+from inferscale_engine.memory.kv.backend import (
+    KVKey,
+    Tier,
+    TierBackend,
+    TierConfig,
+    TierSettings,
+    check_fingerprint,
+)
 from inferscale_engine.memory.kv.device_tier import DeviceTier
 from inferscale_engine.memory.kv.disk_tier import DiskTier
 from inferscale_engine.memory.kv.host_tier import HostTier
@@ -67,21 +74,9 @@ logger = logging.getLogger(__name__)
 class KVTiers:
     """Device / host / disk KV storage of one memory store. Thread-safe."""
 
-    def __init__(
-        self,
-        root: str | os.PathLike,
-        *,
-        device: str | torch.device = "cpu",
-        device_bytes: int = 512 << 20,
-        host_bytes: int = 2 << 30,
-        page_tokens: int = 16,
-        pin_memory: bool | None = None,
-        read_threads: int = 16,
-        disk_read_bps: float | None = None,
-    ) -> None:
-        self.config = config = TierConfig.of(
-            root, device=device, device_bytes=device_bytes, host_bytes=host_bytes, page_tokens=page_tokens,
-            pin_memory=pin_memory, read_threads=read_threads, disk_read_bps=disk_read_bps)
+    def __init__(self, root: str | os.PathLike, **settings: Unpack[TierSettings]) -> None:
+        """Tiers over the disk folder ``root``, built from ``TierConfig.of(root, **settings)``."""
+        self.config = config = TierConfig.of(root, **settings)
         self.device = config.device
         self.pin_memory = config.pin_memory
         self.device_bytes = config.device_bytes
