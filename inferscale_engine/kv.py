@@ -169,6 +169,10 @@ class FactKV:
         """Tokens ``[start, stop)`` of this span (a view)."""
         return FactKV(self.k[:, start:stop], self.v[:, start:stop], self.position + start, self.ready)
 
+    def heads(self, first: int, last: int) -> FactKV:
+        """KV heads ``[first, last)`` of this span (a view): a tensor-parallel rank's share."""
+        return FactKV(self.k[:, :, first:last], self.v[:, :, first:last], self.position, self.ready)
+
 
 _CACHED_LAYOUT = operator.attrgetter("_layout")
 

@@ -111,13 +111,13 @@ class ConnectorWorker:
         layer = self._layers[0][1]
         local, dim = int(layer.num_kv_heads), int(layer.head_size)
         rank, ranks = compat.tensor_parallel_rank()
-        first = rank * g.heads // ranks
-        if g.layers != len(self._layers) or g.head_dim != dim or first + local > g.heads:
+        first, last = rank_heads(g.heads, local, rank, ranks)
+        if g.layers != len(self._layers) or g.head_dim != dim or last > g.heads:
             raise ConnectorError(
                 f"KV of {g.layers} layers x {g.heads} heads x {g.head_dim} does not fit this model "
                 f"({len(self._layers)} attention layers, {local} KV heads of {dim} on rank {rank} of {ranks})"
             )
-        self._geometry, self._heads = g, (first, first + local)
+        self._geometry, self._heads = g, (first, last)
         self._spans.clear()
 
     def _span(self, location: Location) -> FactKV:
@@ -179,7 +179,7 @@ class ConnectorWorker:
             if self._heads == (0, self._geometry.heads):
                 return pieces.kvs
             first, last = self._heads
-            return [FactKV(kv.k[:, :, first:last], kv.v[:, :, first:last], kv.position, kv.ready) for kv in pieces.kvs]
+            return [kv.heads(first, last) for kv in pieces.kvs]
         at = self._at
         try:
             locations = [at[key] for key in pieces.keys]
@@ -312,6 +312,14 @@ class ConnectorWorker:
             batch_rows = hit.nonzero().squeeze(1)
             if batch_rows.numel():
                 self._matches.append((room, batch_rows, order[where[batch_rows]] + cap.first_row))
+
+
+def rank_heads(heads: int, local: int, rank: int, ranks: int) -> tuple[int, int]:
+    """The KV heads ``[first, last)`` that tensor-parallel rank ``rank`` of ``ranks`` holds of a
+    model's ``heads``, ``local`` on each rank: ``[r*H/R, (r+1)*H/R)``, or one replicated head
+    where ``R > H`` (vLLM's split)."""
+    first = rank * heads // ranks
+    return first, first + local
 
 
 def _gathered(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
