@@ -9,10 +9,15 @@ The MAC is HMAC-SHA256 over ``user_id`` and ``fact_id`` with a per-store secret,
 cannot be forged, altered, or replayed by another user: :meth:`HandleCodec.verify` recomputes
 it for the requesting user. Existence and model fingerprint are checked by the store that
 resolves the fact id, not here.
+
+A codec remembers the handles it found genuine (:data:`VERIFIED_HANDLES` of them, least
+recently used dropped first): a request of k memories names k handles, mostly ones served
+before, and a remembered one costs a dict lookup instead of an HMAC (~1.5 µs each).
 """
 
 from __future__ import annotations
 
+import functools
 import hmac
 import re
 from dataclasses import dataclass
@@ -21,6 +26,7 @@ from inferscale_engine.errors import ForgedHandleError, HandleError, MalformedHa
 
 __all__ = [
     "HANDLE_PATTERN",
+    "VERIFIED_HANDLES",
     "Handle",
     "HandleCodec",
     "HandleError",
@@ -36,6 +42,10 @@ _MAC_HEX = 16
 # Matches anything handle-shaped, so malformed ones are reported rather than sent as text.
 _LOOSE = re.compile(r"<<mem:([^<>\s]*)>>")
 HANDLE_PATTERN = re.compile(rf"<<mem:([0-9a-f]{{{_ID_HEX}}}):([0-9a-f]{{{_MAC_HEX}}})>>")
+
+#: Genuine handles a :class:`HandleCodec` remembers (~0.3 KB each): a few thousand users' working
+#: sets of a few hundred memories, and a server's worth of k=200 requests.
+VERIFIED_HANDLES = 1 << 15
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,21 +88,29 @@ def split_on_handles(text: str) -> tuple[list[str], list[Handle]]:
 
 
 class HandleCodec:
-    """Mints and verifies handles with one store's secret."""
+    """Mints and verifies handles with one store's secret, remembering up to ``remember``
+    handles found genuine (see the module docstring)."""
 
-    def __init__(self, secret: bytes) -> None:
+    def __init__(self, secret: bytes, *, remember: int = VERIFIED_HANDLES) -> None:
         if len(secret) < 16:
             raise ValueError("handle secret must be at least 16 bytes")
         self._secret = secret
 
-    def _mac(self, user_id: str, fact_id: str) -> str:
-        msg = f"{len(user_id)}:{user_id}|{fact_id}".encode()
-        return hmac.digest(self._secret, msg, "sha256").hex()[:_MAC_HEX]  # one-shot: no HMAC object per handle
+        def check(user_id: str, fact_id: str, mac: str) -> None:
+            if not hmac.compare_digest(mac, _mac(secret, user_id, fact_id)):
+                raise ForgedHandleError(forged_handle_message(f"<<mem:{fact_id}:{mac}>>", user_id))
+
+        # lru_cache keeps return values, never exceptions: only verdicts of "genuine" are
+        # remembered, keyed by the user, the fact id and the MAC itself, so a forged, altered or
+        # another user's handle misses and is refused by a fresh HMAC every time. A codec holds
+        # one secret for life (a rotation needs the store closed; the reopened store makes a new
+        # codec), so no verdict outlives the secret it was made under.
+        self._genuine = functools.lru_cache(maxsize=remember)(check)
 
     def make(self, user_id: str, fact_id: str) -> str:
         if not re.fullmatch(rf"[0-9a-f]{{{_ID_HEX}}}", fact_id):
             raise ValueError(f"fact id must be {_ID_HEX} lowercase hex digits, got {fact_id!r}")
-        return f"<<mem:{fact_id}:{self._mac(user_id, fact_id)}>>"
+        return f"<<mem:{fact_id}:{_mac(self._secret, user_id, fact_id)}>>"
 
     def verify(self, handle: Handle | str, user_id: str) -> str:
         """Return the fact id if ``handle`` was minted for ``user_id`` by this store."""
@@ -101,9 +119,13 @@ class HandleCodec:
             if len(found) != 1 or found[0].text != handle.strip():
                 raise MalformedHandleError(f"not a single memory handle: {handle[:64]!r}")
             handle = found[0]
-        if not hmac.compare_digest(handle.mac, self._mac(user_id, handle.fact_id)):
-            raise ForgedHandleError(forged_handle_message(handle.text, user_id))
+        self._genuine(user_id, handle.fact_id, handle.mac)
         return handle.fact_id
+
+
+def _mac(secret: bytes, user_id: str, fact_id: str) -> str:
+    msg = f"{len(user_id)}:{user_id}|{fact_id}".encode()
+    return hmac.digest(secret, msg, "sha256").hex()[:_MAC_HEX]  # one-shot: no HMAC object per handle
 
 
 def forged_handle_message(handle: str, user_id: str) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 import secrets
 
 import pytest
@@ -33,6 +34,7 @@ def test_split_round_trips_and_finds_every_handle(parts, last, user):
 @given(fact_ids, users, users)
 def test_handle_of_one_user_is_refused_for_another(fid, owner, other):
     handle = codec.make(owner, fid)
+    codec.verify(handle, owner)  # remembered as genuine for its owner only
     if other != owner:
         with pytest.raises(ForgedHandleError):
             codec.verify(handle, other)
@@ -41,6 +43,7 @@ def test_handle_of_one_user_is_refused_for_another(fid, owner, other):
 @given(fact_ids, users, st.integers(0, 15), st.sampled_from("0123456789abcdef"))
 def test_altered_handles_are_refused(fid, user, pos, char):
     handle = codec.make(user, fid)
+    codec.verify(handle, user)  # remembered: an altered copy must still be checked
     body = handle[6:-2]  # 'fact:mac'
     i = pos if pos < 16 else pos + 1
     altered_body = body[:i] + char + body[i + 1 :]
@@ -59,3 +62,65 @@ def test_another_store_secret_cannot_mint_handles():
 def test_malformed_handles_are_reported(bad):
     with pytest.raises(MalformedHandleError):
         find_handles(f"before {bad} after")
+
+
+@pytest.fixture
+def hmacs(monkeypatch):
+    """Every HMAC computed (a remembered handle costs none)."""
+    calls: list[bytes] = []
+    digest = hmac.digest
+
+    def counted(key, msg, name):
+        calls.append(msg)
+        return digest(key, msg, name)
+
+    monkeypatch.setattr(hmac, "digest", counted)
+    return calls
+
+
+def test_a_genuine_handle_is_checked_once_then_remembered(hmacs):
+    codec = HandleCodec(secrets.token_bytes(32))
+    handle = codec.make("alice", "0" * 16)
+    hmacs.clear()
+    for _ in range(3):
+        assert codec.verify(handle, "alice") == "0" * 16
+        assert codec.verify(find_handles(handle)[0], "alice") == "0" * 16
+    assert len(hmacs) == 1
+
+
+def test_forged_and_other_users_handles_are_refused_every_time_after_the_genuine_one_was_remembered(hmacs):
+    codec = HandleCodec(secrets.token_bytes(32))
+    handle = codec.make("alice", "0" * 16)
+    codec.verify(handle, "alice")
+    fact, mac = handle[6:-2].split(":")
+    forged = f"<<mem:{fact}:{'0' * 16 if mac != '0' * 16 else '1' * 16}>>"
+    other_fact = f"<<mem:{'1' * 16}:{mac}>>"  # the genuine MAC on another fact
+    hmacs.clear()
+    for _ in range(3):
+        for text, user in [(forged, "alice"), (other_fact, "alice"), (handle, "bob"), (handle, "alice ")]:
+            with pytest.raises(ForgedHandleError):
+                codec.verify(text, user)
+    assert len(hmacs) == 3 * 4  # a refusal is never remembered: each attempt is checked again
+    assert codec.verify(handle, "alice") == "0" * 16
+
+
+def test_another_codec_remembers_nothing_of_this_ones_verdicts():
+    # What a store reopened after `inferscale memory rotate-secret` does: a new codec, a new secret.
+    old = HandleCodec(secrets.token_bytes(32))
+    handle = old.make("alice", "0" * 16)
+    old.verify(handle, "alice")
+    with pytest.raises(ForgedHandleError):
+        HandleCodec(secrets.token_bytes(32)).verify(handle, "alice")
+
+
+def test_remembered_handles_are_bounded_least_recently_used_first(hmacs):
+    codec = HandleCodec(secrets.token_bytes(32), remember=2)
+    a, b, c = (codec.make("alice", str(i) * 16) for i in range(3))
+    for handle in (a, b, a, c):  # c pushes out b, the least recently used
+        codec.verify(handle, "alice")
+    hmacs.clear()
+    codec.verify(a, "alice")
+    codec.verify(c, "alice")
+    assert hmacs == []
+    codec.verify(b, "alice")
+    assert len(hmacs) == 1
