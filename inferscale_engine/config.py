@@ -101,6 +101,14 @@ class EngineConfig:
     #: 4: on LoCoMo (Qwen2.5-Coder-0.5B, H200) 98-105% of prompt injection's F1 at k = 5-30 per
     #: speaker for 1.07x the all-injected TTFT at k=50 (docs/benchmarks-locomo.md).
     recompute: int = 4
+    #: Token-level recompute inside the injected region: ``"header"`` (each injected memory's
+    #: tokens up to its first ``": "``, e.g. LoCoMo's ``[date] Speaker:``) or ``"first:N"`` (each
+    #: injected memory's first N tokens). Those rows' KV is computed again at serving time, layer
+    #: by layer, attending over the whole served prefix, and replaces the injected rows
+    #: (:mod:`inferscale_engine.connector.blend`, :mod:`inferscale_engine.token_recompute`).
+    #: None (the default): off, injection unchanged. Llama, Mistral, Qwen2 and Qwen3 models only;
+    #: read per request, like ``recompute``.
+    recompute_tokens: str | None = None
     #: Run vLLM as ``vllm serve`` does: its engine core and model workers in processes of their
     #: own, fed fact KV through shared memory. ``None``: only where it is needed, i.e. with
     #: ``tensor_parallel_size`` or ``pipeline_parallel_size`` above 1 or a ``vllm_url``; else all
@@ -130,6 +138,7 @@ class EngineConfig:
         if self.window < 0:
             raise ValueError(f"window must be >= 0, got {self.window}")
         check_recompute(self.recompute)
+        check_recompute_tokens(self.recompute_tokens)
         if self.max_model_len is not None and self.max_model_len < 32:
             raise ValueError(f"max_model_len too small: {self.max_model_len}")
         if self.staged_kv_gib is not None and not self.staged_kv_gib >= 0:
@@ -243,6 +252,15 @@ def check_recompute(value: Any) -> int:
     """``value`` as a ``recompute`` setting: a count of memories, ``>= 0``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"recompute must be an integer >= 0 (memories prefilled as text), got {value!r}")
+    return value
+
+
+def check_recompute_tokens(value: Any) -> str | None:
+    """``value`` as a ``recompute_tokens`` setting: None, ``"header"`` or ``"first:N"``."""
+    if value is not None:
+        from inferscale_engine.token_recompute import TokenSet
+
+        TokenSet.parse(value)
     return value
 
 

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import pydantic
 import torch
 
-from inferscale_engine import cuda_graphs, planner
+from inferscale_engine import cuda_graphs, planner, token_recompute
 from inferscale_engine import vllm_compat as compat
 from inferscale_engine.config import EngineConfig
 from inferscale_engine.connector.exchange import Geometry, KVExchange, NotHeldError
@@ -54,6 +54,7 @@ from inferscale_engine.kv import FactKV, check_finite
 from inferscale_engine.logs import configure_vllm_logging
 from inferscale_engine.loop import AsyncEngineLoop, EngineLoop, Loop
 from inferscale_engine.request import GenerationOptions
+from inferscale_engine.token_recompute import TokenSet
 from inferscale_engine.types import (
     DEFAULT_USER,
     AnySource,
@@ -125,6 +126,10 @@ class InferScaleEngine:
         configure_vllm_logging(verbose)
         self.config = EngineConfig.from_options(model=model, device=device, store_path=store_path, **options)
         self.model_path = resolve_model(self.config.model)
+        self._header_rows: OrderedDict[tuple[int, ...], int] = OrderedDict()
+        self._token_recompute_checked = False
+        if self.config.recompute_tokens is not None:
+            self._check_token_recompute()  # before vLLM loads anything
         _configure_vllm_environment(self.config)
 
         if not self.config.multiprocess and compat.worker_connector_active():
@@ -640,7 +645,8 @@ class InferScaleEngine:
             keys = [*map(_KEY, spans)]
             kv = self.exchange.stage([*zip(keys, map(_KV, spans))])
             plan = InjectionPlan.tiling(keys, [*map(len, map(_TOKEN_IDS, spans))], kv,
-                                        keep_cached=self.config.prefix_cache_injected)
+                                        keep_cached=self.config.prefix_cache_injected,
+                                        recompute=self._recompute_positions(spans, segments))
             # In-process, the plan travels as itself, not as JSON.
             extra["kv_transfer_params"] = plan.to_params(inline=not self.config.multiprocess)
             # Where injected blocks enter vLLM's prefix cache (prefix_cache_injected, or a vLLM
@@ -678,6 +684,50 @@ class InferScaleEngine:
         after = functools.partial(self._promote_later, promote) if promote is not None else None
         return _Prepared(prompt, plan, staged, started, as_text, mix, after_first_token=after,
                          memories_injected=injected, memories_recomputed=recomputed), params
+
+    def _recompute_positions(self, spans: Sequence[Span], segments: Sequence[Segment]) -> list[int] | None:
+        """Positions of the injected region whose KV the connector computes again
+        (``config.recompute_tokens``, read per request); None: off."""
+        spec = self.config.recompute_tokens
+        if spec is None:
+            return None
+        self._check_token_recompute()
+        memories = {id(s) for s in segments if isinstance(s, Span)}  # heads and separators are the engine's
+        return token_recompute.positions([(s.token_ids, id(s) in memories) for s in spans],
+                                         functools.partial(self._memory_rows, TokenSet.parse(spec)))
+
+    def _memory_rows(self, token_set: TokenSet, token_ids: Sequence[int]) -> int:
+        """How many of a memory's first tokens ``token_set`` recomputes; headers kept per memory
+        opening (the rule detokenizes, and a memory is served many times)."""
+        if token_set.kind != "header":
+            return token_set.rows(token_ids, self.detokenize)
+        key = tuple(token_ids[: token_recompute.HEADER_TOKENS])
+        rows = self._header_rows.get(key)
+        if rows is None:
+            rows = self._header_rows[key] = token_set.rows(token_ids, self.detokenize)
+            while len(self._header_rows) > _HEADER_ROWS_KEPT:
+                self._header_rows.popitem(last=False)
+        return rows
+
+    def _check_token_recompute(self) -> None:
+        """Refuse ``recompute_tokens`` where the connector's layer-wise forward cannot run, before
+        any request reaches it (a refusal inside vLLM's step would stop its engine core)."""
+        if self._token_recompute_checked:
+            return
+        if self.config.vllm_url:
+            raise EngineSettingsError("recompute_tokens runs inside this engine's own vLLM workers; a vllm_url "
+                                      "server's connector does not run it")
+        parallel = self.config.vllm_options.get("pipeline_parallel_size") or 1
+        if int(parallel) > 1:
+            raise EngineSettingsError("recompute_tokens does not run with pipeline parallelism")
+        from transformers import AutoConfig
+
+        architectures = getattr(AutoConfig.from_pretrained(self.model_path), "architectures", None) or []
+        if not set(architectures) & set(compat.RECOMPUTE_ARCHITECTURES):
+            raise EngineSettingsError(
+                f"recompute_tokens supports {', '.join(compat.RECOMPUTE_ARCHITECTURES)}; {self.model_path} is "
+                f"{', '.join(architectures) or 'of no declared architecture'}")
+        self._token_recompute_checked = True
 
     def _promote_later(self, promote: Callable[[], None]) -> None:
         try:
@@ -775,6 +825,9 @@ class _Accumulator:
         )
         return StreamDelta(text, result)
 
+
+#: Memory openings whose header length an engine keeps (``recompute_tokens="header"``).
+_HEADER_ROWS_KEPT = 65536
 
 #: A request's spans' fields, read by ``map`` (no Python frame per span).
 _KEY, _KV, _TOKEN_IDS = operator.attrgetter("key"), operator.attrgetter("kv"), operator.attrgetter("token_ids")

