@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
     from inferscale_engine.connector.exchange import KVExchange
     from inferscale_engine.engine import InferScaleEngine
+    from inferscale_engine.handles import Handle
     from inferscale_engine.memory import MemoryStore
     from inferscale_engine.memory.encoding import Encoder
     from inferscale_engine.memory.text.embedder import Embedder
@@ -211,7 +212,7 @@ def encoder_replaced(store: MemoryStore, wrap: Callable[[Encoder], Encoder]) -> 
         keeper.encoder = own
 
 
-def verify_handle(store: MemoryStore, handle: str, user_id: str) -> str:
+def verify_handle(store: MemoryStore, handle: Handle | str, user_id: str) -> str:
     """The fact id ``handle`` names if its MAC is valid under the store's secret for ``user_id``
     (:class:`~inferscale_engine.errors.ForgedHandleError` if not); whether the fact exists is not
     checked."""
