@@ -643,10 +643,13 @@ class InferScaleEngine:
         staged = spans if mode == "inject" and spans else []
         if staged:
             keys = [*map(_KEY, spans)]
+            repaired = self._recompute_positions(spans, segments)
             kv = self.exchange.stage([*zip(keys, map(_KV, spans))])
+            # Recomputed rows bypass the prefix cache: where the cache's layout is not known (the
+            # CPU backend) the worker can attend only over rows it injects itself.
             plan = InjectionPlan.tiling(keys, [*map(len, map(_TOKEN_IDS, spans))], kv,
-                                        keep_cached=self.config.prefix_cache_injected,
-                                        recompute=self._recompute_positions(spans, segments))
+                                        keep_cached=self.config.prefix_cache_injected and repaired is None,
+                                        recompute=repaired)
             # In-process, the plan travels as itself, not as JSON.
             extra["kv_transfer_params"] = plan.to_params(inline=not self.config.multiprocess)
             # Where injected blocks enter vLLM's prefix cache (prefix_cache_injected, or a vLLM
@@ -655,8 +658,10 @@ class InferScaleEngine:
             # request. The keys in order say that: a key is one span's KV, of one length, so they
             # also fix every span's position. A request that bypasses the cache has no block
             # hashes to salt: the hashing of ~200 keys stays off its path.
-            if self.config.prefix_cache_injected or not self._can_bypass_prefix_cache:
-                salt = "is-" + hashlib.sha256(json.dumps([user_id, keys]).encode()).hexdigest()[:32]
+            # Recomputed rows hold other KV than the keys': the token set is part of what they hold.
+            if plan.keep_cached or not self._can_bypass_prefix_cache:
+                what = [user_id, keys] if repaired is None else [user_id, keys, self.config.recompute_tokens]
+                salt = "is-" + hashlib.sha256(json.dumps(what).encode()).hexdigest()[:32]
         elif not self.config.shared_prefix_cache:
             # Plain prompts are salted by user too: unsalted, a block another user's request left
             # shows up in this one's cached_tokens and time to first token (a prefix-cache oracle).

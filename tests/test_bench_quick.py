@@ -334,3 +334,18 @@ def test_answer_cache_takes_another_runs_answers_it_lacks(tmp_path):
     again = AnswerCache(tmp_path / "answers.jsonl")
     assert again.get("a") == {"key": "a", "answer": "ours"} and again.get("b") == {"key": "b", "answer": "y"}
     assert again.get("c") is None
+
+
+def test_answers_with_recompute_tokens_are_kept_apart():
+    """A run with the engine's recompute_tokens must not reuse a plain run's injected answers
+    from a shared workdir (its prompt answers are the same)."""
+    from types import SimpleNamespace
+
+    conv, q = SimpleNamespace(sample_id="conv-1", turns=[1, 2, 3]), SimpleNamespace(index=7)
+
+    def key(tokens: str | None, mode: str) -> str:
+        bench = SimpleNamespace(order_tag="", engine=SimpleNamespace(config=SimpleNamespace(recompute_tokens=tokens)))
+        return LocomoBench._key(bench, conv, q, mode, None if mode == "prompt" else 20, 5)  # type: ignore[arg-type]
+
+    assert key("header", "prompt") == key(None, "prompt")
+    assert len({key(None, "inject"), key("header", "inject"), key("first:4", "inject")}) == 3

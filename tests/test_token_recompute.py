@@ -47,7 +47,8 @@ def engine(request):
 
 def _case(engine):
     head = engine.tokenize("<|im_start|>system\nThings you remember about the user:\n")
-    facts = [engine.tokenize(f + "\n") for f in FACTS]
+    # Three times over: more than 256 memory rows, so the recompute attends in several chunks.
+    facts = [engine.tokenize(f + "\n") for f in FACTS * 3]
     tail = engine.tokenize("<|im_end|>\n<|im_start|>user\nWhen did Caroline adopt her cat?<|im_end|>\n"
                            "<|im_start|>assistant\n")
     return head, facts, tail
@@ -82,6 +83,7 @@ def served(engine):
 
 def test_every_memory_row_recomputed_gives_the_prompts_output(engine, served):
     segments, prompt, injected = served
+    assert sum(len(s.token_ids) for s in segments[1:-1]) > 256
     everything = _run(engine, segments, "first:1000")
     assert everything.usage.injected_tokens == injected.usage.injected_tokens  # still injected, then repaired
     stale = compare(prompt, injected)
@@ -142,3 +144,18 @@ def test_unsupported_architecture_is_refused_at_start(tiny_llama, tmp_path):
     (model / "config.json").write_text(json.dumps(config))
     with pytest.raises(EngineSettingsError, match="recompute_tokens supports .*GemmaForCausalLM"):
         _engine(str(model), recompute_tokens="header")
+
+
+def test_recomputed_requests_stay_out_of_the_prefix_cache(engine, served):
+    """Where injected prompts may be cached (prefix_cache_injected), a recomputed one is not: a
+    cache hit would leave its later rows with no injected prefix in hand to attend over."""
+    segments = served[0]
+    first = _run(engine, segments, "header")
+    engine.config.prefix_cache_injected = True
+    try:
+        again = [_run(engine, segments, "header") for _ in range(2)]
+    finally:
+        engine.config.prefix_cache_injected = False
+    for got in again:
+        assert got.usage.cached_tokens == got.usage.injected_tokens == first.usage.injected_tokens
+        assert got.first_logprobs == first.first_logprobs

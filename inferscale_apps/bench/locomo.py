@@ -502,6 +502,10 @@ class LocomoBench:
             key.append(f"r{r}{self.order_tag}")
         if order != CONVERSATION:  # prompt answers: one per memory order
             key.append(order)
+        # Injected rows with a token-level recompute (the engine's recompute_tokens) are other KV.
+        tokens = self.engine.config.recompute_tokens
+        if tokens is not None and mode != "prompt":
+            key.append(f"tokens:{tokens}")
         return json.dumps(key)
 
     def answer(self) -> None:
@@ -812,6 +816,7 @@ class LocomoBench:
             "full_skipped": self.full_skipped,
             "exact_control": self.exact_summary(),
             "oracles": [o.name for o in self.oracles],
+            "recompute_tokens": self.engine.config.recompute_tokens,
             "timings_s": dict(self.timings),
         }
 

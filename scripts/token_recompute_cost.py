@@ -1,0 +1,73 @@
+"""CPU cost of the token-level recompute (``recompute_tokens``) against plain injection.
+
+Serves ``k`` LoCoMo-shaped memories (``[time on date] Speaker: text``, each encoded alone) with
+everything injected, then with each memory's header recomputed (``header``), then with every
+memory row recomputed (``first:1000``), then as a plain prompt (``prompt``, nothing injected), and prints the median
+time of each request (``max_tokens=1``: the first token). Model: a tiny random-weight one from tests/tiny_models.py (``--arch``), or
+any local model folder (``--model``).
+
+Run: ``python scripts/token_recompute_cost.py --k 5,50`` (niced on a shared box).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--k", default="5,50", help="memories per request, comma-separated")
+    parser.add_argument("--arch", default="llama", help="tiny model architecture (tests/tiny_models.py)")
+    parser.add_argument("--model", help="a local model folder instead of a tiny model")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+
+    from tiny_models import VLLM_CPU_TEST_ENV, build_tiny_model
+
+    for key, value in VLLM_CPU_TEST_ENV.items():
+        os.environ.setdefault(key, value)
+    from inferscale_apps.bench.exactness import encode_spans
+    from inferscale_engine import InferScaleEngine
+
+    model = args.model or str(build_tiny_model(Path(tempfile.mkdtemp()) / f"tiny-{args.arch}", args.arch))
+    ks = [int(k) for k in args.k.split(",")]
+    rows = []
+    with InferScaleEngine(model=model, device="cpu", dtype=args.dtype, max_model_len=2048, recompute=0) as engine:
+        head = engine.tokenize("<|im_start|>system\nThings you remember about the user:\n")
+        tail = engine.tokenize("<|im_end|>\n<|im_start|>user\nWhen did Caroline adopt her cat?<|im_end|>\n"
+                               "<|im_start|>assistant\n")
+        for k in ks:
+            facts = [engine.tokenize(f"[{1 + i % 12}:{10 + i % 50} pm on {1 + i % 28} May, 2023] "
+                                     f"{'Caroline' if i % 2 else 'Melanie'}: memory {i} about "
+                                     f"the lake.\n") for i in range(k)]
+            spans = encode_spans(engine, head, facts, exact=False, key=f"cost-{k}")
+            segments = [head, *spans, tail]
+            flat = [*head, *(t for f in facts for t in f), *tail]
+            for spec in (None, "header", "first:1000", "prompt"):
+                engine.config.recompute_tokens = None if spec == "prompt" else spec
+                times = []
+                for i in range(args.repeats + 1):
+                    t0 = time.perf_counter()
+                    if spec == "prompt":  # a user of its own each time: no prefix-cache hit
+                        engine.generate_segments([flat], mode="prompt", max_tokens=1, user_id=f"cost-{k}-{i}")
+                    else:
+                        engine.generate_segments(segments, max_tokens=1)
+                    times.append(time.perf_counter() - t0)
+                rows.append({"k": k, "recompute_tokens": spec, "prompt_tokens": len(flat),
+                             "median_ms": round(1e3 * statistics.median(times[1:]), 2)})
+                print(json.dumps(rows[-1]), flush=True)
+        engine.config.recompute_tokens = None
+
+
+if __name__ == "__main__":
+    main()
