@@ -143,6 +143,7 @@ def test_library_refuses_foreign_forged_and_altered_handles(engine, people):
     store, a, b = engine.memory, people["a"], people["b"]
     handle = people["a_items"][0].handle
     fact_id, mac = handle[6:22], handle[23:39]
+    store.resolve(handle, a)  # served to A first: the store remembers it as genuine, for A alone
     with PromptSpy(engine) as spy:
         for prompt in (f"Memory: {handle}\nQ: the code?",
                        [{"role": "system", "content": f"Memory: {handle}"}, {"role": "user", "content": "code?"}],
