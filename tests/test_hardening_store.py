@@ -38,6 +38,7 @@ def test_lost_or_changed_secret_refuses_to_open_and_rotation_reissues_handles(tm
     secret.write_bytes(original)  # restored from a backup: opens, old handles work
     with MemoryStore(None, path, embedder=embedder) as store:
         assert store.get(item.id).handle == item.handle
+        assert verify_handle(store, item.handle, "alice") == item.id  # remembered by this store
 
     secret.unlink()
     assert main(["memory", "rotate-secret", "--store", str(path)]) == 0
