@@ -25,9 +25,11 @@ from inferscale_engine.types import DEFAULT_USER, MemoryMix, Segment
 if TYPE_CHECKING:
     import torch
 
-    from inferscale_engine.connector.exchange import KVExchange
+    from inferscale_engine.connector.exchange import Geometry, KVExchange
+    from inferscale_engine.connector.plan import LoadPieces
     from inferscale_engine.engine import InferScaleEngine
     from inferscale_engine.handles import Handle
+    from inferscale_engine.kv import FactKV
     from inferscale_engine.memory import MemoryStore
     from inferscale_engine.memory.encoding import Encoder
     from inferscale_engine.memory.text.embedder import Embedder
@@ -45,6 +47,7 @@ __all__ = [
     "prepared",
     "query_embedding_eager",
     "query_graph_buckets",
+    "rank_span_kvs",
     "reset_prefix_cache",
     "segment_free_ranges",
     "share_embedder_weights",
@@ -210,6 +213,19 @@ def encoder_replaced(store: MemoryStore, wrap: Callable[[Encoder], Encoder]) -> 
         yield
     finally:
         keeper.encoder = own
+
+
+def rank_span_kvs(pieces: LoadPieces, geometry: Geometry, rank: int, ranks: int) -> Sequence[FactKV]:
+    """The KV the connector's worker half on tensor-parallel rank ``rank`` of ``ranks`` reads for
+    ``pieces`` whose spans the plan carries by reference (``pieces.kvs``), for KV of
+    ``geometry``: the worker placed as its geometry check places it (``rank_heads``, each rank
+    holding ``heads // ranks`` KV heads, at least one), no vLLM behind it."""
+    from inferscale_engine.connector.worker import ConnectorWorker, rank_heads
+
+    worker = ConnectorWorker(block_size=16, fused=False)
+    worker._geometry = geometry
+    worker._heads = rank_heads(geometry.heads, max(1, geometry.heads // ranks), rank, ranks)
+    return worker._load_kvs(pieces)
 
 
 def verify_handle(store: MemoryStore, handle: Handle | str, user_id: str) -> str:
