@@ -102,8 +102,9 @@ class EngineConfig:
     #: speaker for 1.07x the all-injected TTFT at k=50 (docs/benchmarks-locomo.md).
     recompute: int = 4
     #: Token-level recompute inside the injected region: ``"header"`` (each injected memory's
-    #: tokens up to its first ``": "``, e.g. LoCoMo's ``[date] Speaker:``) or ``"first:N"`` (each
-    #: injected memory's first N tokens). Those rows' KV is computed again at serving time, layer
+    #: tokens up to its first ``": "``, e.g. LoCoMo's ``[date] Speaker:``), ``"first:N"`` (each
+    #: injected memory's first N tokens) or ``"deviating:P"`` (CacheBlend's: the P % of memory
+    #: rows whose second-layer K/V deviate most, after a first layer over them all). Those rows' KV is computed again at serving time, layer
     #: by layer, attending over the whole served prefix, and replaces the injected rows
     #: (:mod:`inferscale_engine.connector.blend`, :mod:`inferscale_engine.token_recompute`).
     #: None (the default): off, injection unchanged. Llama, Mistral, Qwen2 and Qwen3 models only;
@@ -256,7 +257,7 @@ def check_recompute(value: Any) -> int:
 
 
 def check_recompute_tokens(value: Any) -> str | None:
-    """``value`` as a ``recompute_tokens`` setting: None, ``"header"`` or ``"first:N"``."""
+    """``value`` as a ``recompute_tokens`` setting: None, ``"header"``, ``"first:N"`` or ``"deviating:P"``."""
     if value is not None:
         from inferscale_engine.token_recompute import TokenSet
 

@@ -644,12 +644,13 @@ class InferScaleEngine:
         if staged:
             keys = [*map(_KEY, spans)]
             repaired = self._recompute_positions(spans, segments)
+            keep = None if repaired is None else TokenSet.parse(cast(str, self.config.recompute_tokens)).keep
             kv = self.exchange.stage([*zip(keys, map(_KV, spans))])
             # Recomputed rows bypass the prefix cache: where the cache's layout is not known (the
             # CPU backend) the worker can attend only over rows it injects itself.
             plan = InjectionPlan.tiling(keys, [*map(len, map(_TOKEN_IDS, spans))], kv,
                                         keep_cached=self.config.prefix_cache_injected and repaired is None,
-                                        recompute=repaired)
+                                        recompute=repaired, recompute_keep=keep)
             # In-process, the plan travels as itself, not as JSON.
             extra["kv_transfer_params"] = plan.to_params(inline=not self.config.multiprocess)
             # Where injected blocks enter vLLM's prefix cache (prefix_cache_injected, or a vLLM

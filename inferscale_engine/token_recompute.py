@@ -14,6 +14,9 @@ The rule is the engine's, not the model's: it reads only a memory's token ids an
   ``"User: likes tea"``: ``User:``). A memory without one has no header: nothing recomputed.
 * ``first:N``: each memory's first ``N`` tokens (EPIC's chunk starts; all of a memory shorter
   than ``N``).
+* ``deviating:P``: CacheBlend's selection. Every memory row is a candidate; the worker computes
+  the first layer for them all, and from the second layer on keeps the ``P`` % whose
+  second-layer K/V deviate most from the injected rows (:attr:`TokenSet.keep`).
 """
 
 from __future__ import annotations
@@ -25,29 +28,41 @@ from dataclasses import dataclass
 #: Tokens of a memory the header rule looks at: a header longer than this is not a header.
 HEADER_TOKENS = 32
 
-_SPEC = re.compile(r"^header$|^first:(\d+)$")
+_SPEC = re.compile(r"^header$|^(first|deviating):(\d+)$")
 _COLON = re.compile(r":\s")
 
 
 @dataclass(frozen=True)
 class TokenSet:
-    """A parsed ``recompute_tokens`` value: ``kind`` ``"header"`` or ``"first"`` (``size`` tokens)."""
+    """A parsed ``recompute_tokens`` value: ``kind`` ``"header"``, ``"first"`` (``size`` tokens)
+    or ``"deviating"`` (``size`` %)."""
 
     kind: str
     size: int = 0
 
     @classmethod
     def parse(cls, spec: str) -> TokenSet:
-        """``"header"`` or ``"first:N"`` (N >= 1); a ``ValueError`` that names both otherwise."""
+        """``"header"``, ``"first:N"`` (N >= 1) or ``"deviating:P"`` (1 <= P <= 100); a
+        ``ValueError`` that names them otherwise."""
         m = _SPEC.match(spec) if isinstance(spec, str) else None
-        if m is None or (m.group(1) is not None and int(m.group(1)) < 1):
-            raise ValueError(f"recompute_tokens must be 'header' or 'first:N' with N >= 1 (or None: off), got {spec!r}")
-        return cls("first", int(m.group(1))) if m.group(1) is not None else cls("header")
+        size = int(m.group(2)) if m is not None and m.group(2) is not None else 0
+        if m is None or (m.group(1) and not 1 <= size <= (100 if m.group(1) == "deviating" else size)):
+            raise ValueError("recompute_tokens must be 'header', 'first:N' (N >= 1) or 'deviating:P' "
+                             f"(1 <= P <= 100), or None: off; got {spec!r}")
+        return cls(m.group(1), size) if m.group(1) else cls("header")
+
+    @property
+    def keep(self) -> float | None:
+        """Share of the candidate rows the worker keeps from the second layer on (``deviating``);
+        None: all of them."""
+        return self.size / 100 if self.kind == "deviating" else None
 
     def rows(self, token_ids: Sequence[int], detokenize: Callable[[Sequence[int]], str]) -> int:
-        """How many of a memory's first tokens this set recomputes."""
+        """How many of a memory's first tokens this set recomputes (or, ``deviating``, offers)."""
         if self.kind == "first":
             return min(self.size, len(token_ids))
+        if self.kind == "deviating":
+            return len(token_ids)
         return header_tokens(token_ids[:HEADER_TOKENS], detokenize)
 
 

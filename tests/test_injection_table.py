@@ -316,6 +316,10 @@ def test_positions_to_recompute_travel_with_the_plan_and_are_checked():
     assert again == plan and again.recompute.tolist() == [4, 5]
     assert plan != InjectionPlan.tiling(["head", "fact"], [4, 3], shared("head", "fact"))
     assert "recompute" not in InjectionPlan.tiling(["head"], [4], shared("head")).to_params()["inferscale"]
+    kept = InjectionPlan.tiling(["head", "fact"], [4, 3], shared("head", "fact"), recompute=[4, 5, 6], recompute_keep=0.15)
+    assert parse_params(kept.to_params()).recompute_keep == 0.15 and parse_params(kept.to_params()) == kept
+    with pytest.raises(ValueError, match="share of rows"):
+        InjectionPlan.tiling(["head", "fact"], [4, 3], shared("head", "fact"), recompute=[4], recompute_keep=1.5)
     for bad in ([5, 4], [4, 4], [-1], [7]):  # not increasing, or outside the injected [0, 7)
         with pytest.raises(ValueError, match="positions to recompute"):
             InjectionPlan.tiling(["head", "fact"], [4, 3], shared("head", "fact"), recompute=bad)

@@ -28,8 +28,12 @@ from inferscale_engine import vllm_compat as compat
 #: ``layer index -> (K, V)`` of a request's prefix rows ``[0, stop)`` at that layer, each
 #: ``[stop, kv_heads, head_dim]``, as injected (before this layer's recomputed rows replace theirs).
 PrefixReader = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-#: ``(layer index, K, V)``: write a layer's recomputed rows ``[n, kv_heads, head_dim]`` to the cache.
-RowWriter = Callable[[int, torch.Tensor, torch.Tensor], None]
+#: ``(layer index, rows, K, V)``: write a layer's recomputed rows ``[len(rows), kv_heads, head_dim]``
+#: to the cache; ``rows`` index the positions :meth:`LayerwiseRecompute.run` was given.
+RowWriter = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+#: The layer whose K/V deviation picks the rows kept (CacheBlend's check layer: the second).
+SELECTION_LAYER = 1
 
 
 class LayerwiseRecompute:
@@ -40,35 +44,64 @@ class LayerwiseRecompute:
         self._layers = compat.decoder_layers(model, attention_layer_names)
 
     @torch.inference_mode()
-    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, prefix: PrefixReader, write: RowWriter) -> None:
+    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, prefix: PrefixReader, write: RowWriter,
+            keep: float | None = None) -> None:
         """Recompute the KV of prompt ``positions`` (increasing, int64) holding ``token_ids``,
-        each attending over the prefix rows ``[0, position]`` that ``prefix`` reads."""
-        n = len(positions)
+        each attending over the prefix rows ``[0, position]`` that ``prefix`` reads. With
+        ``keep``, only that share of them from :data:`SELECTION_LAYER` on: the rows whose K/V
+        there deviate most from the injected ones (CacheBlend); the others keep what was
+        injected from that layer up."""
+        rows = torch.arange(len(positions), device=positions.device)
         hidden = self._embed(token_ids)
-        residual: torch.Tensor | None = None
+        residual = hidden
         last = len(self._layers) - 1
-        at = positions.tolist()
-        stops = [at[min(n, lo + _CHUNK) - 1] + 1 for lo in range(0, n, _CHUNK)]
+        stops = _stops(positions)
         for index, (block, attn) in enumerate(self._layers):
-            if residual is None:
-                residual = hidden
+            if index == 0:
                 hidden = block.input_layernorm(hidden)
             else:
                 hidden, residual = block.input_layernorm(hidden, residual)
             q, k, v = _qkv(attn, positions, hidden)
-            k = k.reshape(n, -1, attn.head_dim)
-            v = v.reshape(n, -1, attn.head_dim)
-            keys, values = (None, None) if index == last else prefix(index)
-            write(index, k, v)
-            if keys is None or values is None:
+            k = k.reshape(len(positions), -1, attn.head_dim)
+            v = v.reshape(len(positions), -1, attn.head_dim)
+            selecting = keep is not None and index == SELECTION_LAYER
+            keys, values = prefix(index) if index < last or selecting else (None, None)
+            if selecting:
+                assert keys is not None and values is not None and keep is not None
+                chosen = _most_deviating(k, v, keys[positions], values[positions], keep)
+                rows, positions, q, k, v, residual = (t[chosen] for t in (rows, positions, q, k, v, residual))
+                stops = _stops(positions)
+            write(index, rows, k, v)
+            if index == last:
                 break  # the last layer's output feeds nothing that is kept
+            assert keys is not None and values is not None
             keys, values = keys.clone(), values.clone()  # may be the spans' own rows
             keys[positions] = k.to(keys.dtype)
             values[positions] = v.to(values.dtype)
+            n = len(positions)
             out = _attend(q.reshape(n, -1, attn.head_dim), keys, values, positions, stops, float(attn.scaling))
             hidden, _ = attn.o_proj(out.to(hidden.dtype))
             hidden, residual = block.post_attention_layernorm(hidden, residual)
             hidden = block.mlp(hidden)
+
+
+def _stops(positions: torch.Tensor) -> list[int]:
+    """One past the last position of each chunk of :data:`_CHUNK` queries."""
+    at = positions.tolist()
+    return [at[min(len(at), lo + _CHUNK) - 1] + 1 for lo in range(0, len(at), _CHUNK)]
+
+
+def _most_deviating(k: torch.Tensor, v: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor,
+                    keep: float) -> torch.Tensor:
+    """Indices (increasing) of the ``keep`` share of rows whose recomputed K and V deviate most
+    from the injected ones, each relative to the injected row's own size (heads differ in scale)."""
+    def relative(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        old = old.float()
+        return (new.float() - old).pow(2).sum((1, 2)) / old.pow(2).sum((1, 2)).clamp_min(1e-12)
+
+    deviation = relative(k, old_k) + relative(v, old_v)
+    count = max(1, round(len(deviation) * keep))
+    return torch.topk(deviation, count).indices.sort().values
 
 
 def _qkv(attn: Any, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

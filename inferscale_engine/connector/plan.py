@@ -58,6 +58,9 @@ class InjectionPlan:
     #: Injected positions whose KV the worker computes again after injecting them
     #: (``EngineConfig.recompute_tokens``): int64, increasing, inside ``[0, end)``; None: none.
     recompute: np.ndarray | None = None
+    #: Of ``recompute``, the share kept from the model's second layer on: those whose K/V there
+    #: deviate most from the injected rows (CacheBlend's selection); None: all of them.
+    recompute_keep: float | None = None
 
     def __post_init__(self) -> None:
         # Only the shape: the values were checked where the bounds were made (no numpy pass on
@@ -73,23 +76,27 @@ class InjectionPlan:
                     or np.any(np.diff(r) <= 0)):
                 raise ValueError("positions to recompute must be increasing int64 inside the injected prefix")
             r.flags.writeable = False
+        if self.recompute_keep is not None and not 0 < self.recompute_keep <= 1:
+            raise ValueError(f"the share of rows to keep must be in (0, 1], got {self.recompute_keep!r}")
 
     @classmethod
     def tiling(cls, keys: Sequence[str], lengths: Sequence[int], kv: SharedKV, keep_cached: bool = False,
-               recompute: Sequence[int] | None = None) -> InjectionPlan:
+               recompute: Sequence[int] | None = None, recompute_keep: float | None = None) -> InjectionPlan:
         """Spans ``keys`` of ``lengths`` tokens, one after the other from position 0; the
-        positions ``recompute`` (increasing) computed again once injected."""
+        positions ``recompute`` (increasing) computed again once injected (``recompute_keep``
+        of them past the first layer)."""
         if lengths and min(lengths) <= 0:
             raise ValueError("injected spans must tile the prompt prefix without gaps")
         bounds = np.fromiter(itertools.accumulate(lengths, initial=0), np.int64, len(keys) + 1)
         rows = None if recompute is None else np.asarray(recompute, dtype=np.int64)
-        return cls(tuple(keys), bounds, kv, keep_cached, rows)
+        return cls(tuple(keys), bounds, kv, keep_cached, rows, recompute_keep)
 
     @classmethod
     def of_spans(cls, spans: Sequence[SpanRef], kv: SharedKV, keep_cached: bool = False,
-                 recompute: Sequence[int] | None = None) -> InjectionPlan:
+                 recompute: Sequence[int] | None = None, recompute_keep: float | None = None) -> InjectionPlan:
         """From records (JSON): refused unless they tile the prefix from 0, in order."""
-        plan = cls.tiling([s.key for s in spans], [s.length for s in spans], kv, keep_cached, recompute)
+        plan = cls.tiling([s.key for s in spans], [s.length for s in spans], kv, keep_cached, recompute,
+                          recompute_keep)
         if [s.position for s in spans] != plan.bounds[:-1].tolist():
             raise ValueError("injected spans must tile the prompt prefix without gaps")
         return plan
@@ -109,7 +116,7 @@ class InjectionPlan:
             return NotImplemented
         return ((self.keys, self.kv, self.keep_cached) == (other.keys, other.kv, other.keep_cached)
                 and np.array_equal(self.bounds, other.bounds)
-                and _same_rows(self.recompute, other.recompute))
+                and _same_rows(self.recompute, other.recompute) and self.recompute_keep == other.recompute_keep)
 
     def to_params(self, inline: bool = False) -> dict[str, Any]:
         """``kv_transfer_params`` for this plan: JSON, or with ``inline`` the plan itself (for a
@@ -120,6 +127,8 @@ class InjectionPlan:
                                 "keep_cached": self.keep_cached}
         if self.recompute is not None:
             ours["recompute"] = self.recompute.tolist()
+            if self.recompute_keep is not None:
+                ours["recompute_keep"] = self.recompute_keep
         return {PARAMS_KEY: ours}
 
     def pieces(self, start: int, stop: int) -> LoadPieces:
@@ -222,7 +231,8 @@ def _parse(ours: Any) -> InjectionPlan | CapturePlan:
         spans = [SpanRef(str(k), int(p), int(n)) for k, p, n in ours["inject"]]
         recompute = ours.get("recompute")
         return InjectionPlan.of_spans(spans, _shared(ours, [s.key for s in spans]), bool(ours.get("keep_cached", False)),
-                                      None if recompute is None else [int(p) for p in recompute])
+                                      None if recompute is None else [int(p) for p in recompute],
+                                      None if ours.get("recompute_keep") is None else float(ours["recompute_keep"]))
     if "capture" in ours:
         ranges = tuple(CaptureRange(str(c), int(s), int(n)) for c, s, n in ours["capture"])
         return CapturePlan(ranges, _shared(ours, [r.capture_id for r in ranges]))
@@ -271,6 +281,7 @@ class LoadRequest:
     #: (:mod:`inferscale_engine.connector.blend`), and their prompt token ids; None: none.
     recompute: np.ndarray | None = None
     recompute_ids: np.ndarray | None = None
+    recompute_keep: float | None = None  # as InjectionPlan.recompute_keep
 
     def slots(self, block_size: int) -> np.ndarray:
         """Cache slot (``block * block_size + offset``) of every position in ``[start, stop)``."""

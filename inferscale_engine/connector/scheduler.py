@@ -109,6 +109,7 @@ class ConnectorScheduler:
                 ids = request.prompt_token_ids
                 assert ids is not None  # an injection plan comes with token ids, never embeddings
                 load.recompute_ids = np.array([ids[p] for p in rows.tolist()], dtype=np.int64)
+                load.recompute_keep = plan.recompute_keep
         self._loads.append(load)
         if pieces.kvs is None:  # in shared memory, not carried by the plan: where each span lies
             at = plan.kv.at

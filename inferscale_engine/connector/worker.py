@@ -300,12 +300,14 @@ class ConnectorWorker:
             slots = torch.from_numpy(_position_slots(load.block_ids, load.recompute, self._block_size)).to(device)
             prefix = self._prefix_reader(load, hand, views, device)
 
-            def write(index: int, k: torch.Tensor, v: torch.Tensor, _slots: torch.Tensor = slots) -> None:
+            def write(index: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _slots: torch.Tensor = slots) -> None:
                 name, layer = self._layers[index]
                 cache = compat.layer_kv_cache(layer, forward_context)
-                self._writers[name](layer, k.to(cache.dtype), v.to(cache.dtype), cache, _slots)
+                where = _slots if len(rows) == len(_slots) else _slots[rows]
+                self._writers[name](layer, k.to(cache.dtype), v.to(cache.dtype), cache, where)
 
-            self._recompute.run(torch.from_numpy(load.recompute_ids).to(device), positions, prefix, write)
+            self._recompute.run(torch.from_numpy(load.recompute_ids).to(device), positions, prefix, write,
+                                keep=load.recompute_keep)
 
     def _prefix_reader(
         self, load: LoadRequest, hand: tuple[torch.Tensor, torch.Tensor] | None,
