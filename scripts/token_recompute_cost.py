@@ -1,10 +1,11 @@
 """CPU cost of the token-level recompute (``recompute_tokens``) against plain injection.
 
 Serves ``k`` LoCoMo-shaped memories (``[time on date] Speaker: text``, each encoded alone) with
-everything injected, then with each memory's header recomputed (``header``), then with every
-memory row recomputed (``first:1000``), then as a plain prompt (``prompt``, nothing injected), and prints the median
-time of each request (``max_tokens=1``: the first token). Model: a tiny random-weight one from tests/tiny_models.py (``--arch``), or
-any local model folder (``--model``).
+everything injected, then with each memory's header recomputed (``header``), with CacheBlend's
+selection (``deviating:15``), with every memory row recomputed (``first:1000``), then as a plain
+prompt (``prompt``, nothing injected), and prints the median time of each request
+(``max_tokens=1``: the first token). Model: a tiny random-weight one from tests/tiny_models.py
+(``--arch``), or any local model folder (``--model``).
 
 Run: ``python scripts/token_recompute_cost.py --k 5,50`` (niced on a shared box).
 """
@@ -53,7 +54,7 @@ def main() -> None:
             spans = encode_spans(engine, head, facts, exact=False, key=f"cost-{k}")
             segments = [head, *spans, tail]
             flat = [*head, *(t for f in facts for t in f), *tail]
-            for spec in (None, "header", "first:1000", "prompt"):
+            for spec in (None, "header", "deviating:15", "first:1000", "prompt"):
                 engine.config.recompute_tokens = None if spec == "prompt" else spec
                 times = []
                 for i in range(args.repeats + 1):
