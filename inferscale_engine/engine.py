@@ -728,7 +728,11 @@ class InferScaleEngine:
             raise EngineSettingsError("recompute_tokens does not run with pipeline parallelism")
         from transformers import AutoConfig
 
-        architectures = getattr(AutoConfig.from_pretrained(self.model_path), "architectures", None) or []
+        try:
+            architectures = getattr(AutoConfig.from_pretrained(self.model_path), "architectures", None) or []
+        except (OSError, ValueError) as exc:  # a GGUF file, a folder without config.json
+            raise EngineSettingsError(f"recompute_tokens needs the model's architecture, and {self.model_path} "
+                                      f"has no readable config.json ({exc})") from None
         if not set(architectures) & set(compat.RECOMPUTE_ARCHITECTURES):
             raise EngineSettingsError(
                 f"recompute_tokens supports {', '.join(compat.RECOMPUTE_ARCHITECTURES)}; {self.model_path} is "

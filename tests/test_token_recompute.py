@@ -158,6 +158,9 @@ def test_unsupported_architecture_is_refused_at_start(tiny_llama, tmp_path):
     (model / "config.json").write_text(json.dumps(config))
     with pytest.raises(EngineSettingsError, match="recompute_tokens supports .*GemmaForCausalLM"):
         _engine(str(model), recompute_tokens="header")
+    (model / "config.json").unlink()
+    with pytest.raises(EngineSettingsError, match="needs the model's architecture"):
+        _engine(str(model), recompute_tokens="header")
 
 
 def test_recomputed_requests_stay_out_of_the_prefix_cache(engine, served):
