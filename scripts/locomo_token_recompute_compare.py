@@ -27,14 +27,18 @@ def main() -> None:
     parser.add_argument("answers")
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--w", type=int, default=20)
+    parser.add_argument("--tokens", help="only these recompute_tokens rows, comma-separated (default: every one "
+                        "in the file; questions lacking one are left out)")
     args = parser.parse_args()
     records = [json.loads(line) for line in Path(args.answers).read_text().splitlines() if line.strip()]
     prompt, inject = f"prompt k={args.k}", f"inject k={args.k} w={args.w}"
     labels = sorted({label for r in records for label in r["answers"] if label.startswith(inject + " tokens:")})
+    if args.tokens:
+        labels = [f"{inject} tokens:{t}" for t in args.tokens.split(",")]
     kept = [r for r in records if all(label in r["answers"] for label in (prompt, inject, *labels))]
     scores = {label: [score(r["answers"][label], r["gold"], r["category"]) for r in kept]
               for label in (prompt, inject, *labels)}
-    out = {"questions": len(kept)}
+    out: dict[str, object] = {"questions": len(kept)}
     for label, values in scores.items():
         row: dict[str, object] = {"f1": round(sum(values) / len(values), 4),
                                   "states_a_date": round(sum(bool(STATES_A_DATE.search(r["answers"][label]))

@@ -7,7 +7,9 @@ writes them with the attention backend's own write op, or with the fused Triton 
 (:mod:`inferscale_engine.connector.rope_triton`) where the cache layout is known. Capture
 requests are ordinary prefills whose rows the half copies out of the paged cache after the
 forward pass where the layout is known (full CUDA graph replays included), else out of the
-wrapped KV write as vLLM makes it.
+wrapped KV write as vLLM makes it. Where a load names positions to recompute
+(``EngineConfig.recompute_tokens``), their rows are computed again once injected, before the
+forward pass (:mod:`inferscale_engine.connector.blend`).
 """
 
 from __future__ import annotations
