@@ -345,7 +345,7 @@ def test_answers_with_recompute_tokens_are_kept_apart():
 
     def key(tokens: str | None, mode: str) -> str:
         bench = SimpleNamespace(order_tag="", engine=SimpleNamespace(config=SimpleNamespace(recompute_tokens=tokens)))
-        return LocomoBench._key(bench, conv, q, mode, None if mode == "prompt" else 20, 5)  # type: ignore[arg-type]
+        return LocomoBench.answer_key(bench, conv, q, mode, None if mode in ("prompt", "full") else 20, 5)  # type: ignore[arg-type]
 
-    assert key("header", "prompt") == key(None, "prompt")
+    assert key("header", "prompt") == key(None, "prompt") and key("header", "full") == key(None, "full")
     assert len({key(None, "inject"), key("header", "inject"), key("first:4", "inject")}) == 3

@@ -494,8 +494,10 @@ class LocomoBench:
 
         asyncio.run(all_jobs())
 
-    def _key(self, conv: Conversation, q: Question, mode: str, w: int | None, k: int | None, r: int = 0,
-             order: str = CONVERSATION) -> str:
+    def answer_key(self, conv: Conversation, q: Question, mode: str, w: int | None, k: int | None, r: int = 0,
+                   order: str = CONVERSATION) -> str:
+        """The answer cache's key of one question's answer in one row (``mode``: prompt, inject,
+        full, exact, ``oracle NAME``)."""
         # The turn count is part of the key: --max-turns changes what retrieval can find.
         key: list[Any] = [conv.sample_id, len(conv.turns), q.index, mode, w, k]
         if r:
@@ -504,7 +506,7 @@ class LocomoBench:
             key.append(order)
         # Injected rows with a token-level recompute (the engine's recompute_tokens) are other KV.
         tokens = self.engine.config.recompute_tokens
-        if tokens is not None and mode != "prompt":
+        if tokens is not None and mode not in ("prompt", "full"):  # those rows inject nothing
             key.append(f"tokens:{tokens}")
         return json.dumps(key)
 
@@ -527,12 +529,12 @@ class LocomoBench:
                                         (handles[conv.sample_id][i] for i in self.arrange(turns, ranked, order)),
                                         q.question)
                                     jobs.append(_Job(conv, q, "prompt", None, k, msgs,
-                                                     self._key(conv, q, "prompt", None, k, order=order)))
+                                                     self.answer_key(conv, q, "prompt", None, k, order=order)))
                             for r in self.rs:
                                 order = self.served_order(r, k)
                                 msgs = self.messages(
                                     (handles[conv.sample_id][i] for i in self.arrange(turns, ranked, order)), q.question)
-                                jobs.append(_Job(conv, q, "inject", w, k, msgs, self._key(conv, q, "inject", w, k, r), r))
+                                jobs.append(_Job(conv, q, "inject", w, k, msgs, self.answer_key(conv, q, "inject", w, k, r), r))
                 self._run_jobs([j for j in jobs if j.mode == "prompt"], f"prompt k={','.join(map(str, self.ks))}",
                                "answer_prompt_s")
                 for r in self.rs:
@@ -557,7 +559,7 @@ class LocomoBench:
             for conv in self.conversations:
                 for q in conv.questions:
                     for k in self.ks:
-                        key = self._key(conv, q, "exact", None, k)
+                        key = self.answer_key(conv, q, "exact", None, k)
                         if self.cache.get(key) is not None:
                             continue
                         turns = self.pick(ranking[(conv.sample_id, q.index)], conv.speakers, k)
@@ -609,7 +611,7 @@ class LocomoBench:
                 for conv in self.conversations:
                     for q in conv.questions:
                         for k in self.ks:
-                            keys = {o.name: self._key(conv, q, f"oracle {o.name}", w, k) for o in self.oracles}
+                            keys = {o.name: self.answer_key(conv, q, f"oracle {o.name}", w, k) for o in self.oracles}
                             if all(self.cache.get(key) is not None for key in keys.values()):
                                 continue
                             ranked = ranking[(conv.sample_id, q.index)]
@@ -661,7 +663,7 @@ class LocomoBench:
                 continue
             for q in conv.questions:
                 jobs.append(_Job(conv, q, "full", None, None, self.messages((t.memory for t in conv.turns), q.question),
-                                 self._key(conv, q, "full", None, None)))
+                                 self.answer_key(conv, q, "full", None, None)))
         self._run_jobs(jobs, "full conversation", "answer_full_s")
 
     # -------------------------------------------------------------- rows
@@ -683,7 +685,7 @@ class LocomoBench:
         got = {}
         for conv in self.conversations:
             for q in conv.questions:
-                rec = self.cache.get(self._key(conv, q, mode, None if mode == "prompt" else w, k, r, order))
+                rec = self.cache.get(self.answer_key(conv, q, mode, None if mode == "prompt" else w, k, r, order))
                 if rec is not None and "answer" in rec:
                     got[(conv.sample_id, q.index)] = (q, rec)
         return got
