@@ -190,3 +190,14 @@ def test_multiprocess_workers_recompute_too(tiny_llama):
         assert got.usage.injected_tokens > 0
         result = compare(prompt, got)
         assert result["greedy_match"] and result["max_logit_diff"] < TOL_ALL_ROWS, result
+
+
+def test_exact_context_stays_exact(engine, served):
+    """Memories encoded after exactly what precedes them where they are served: recomputing their
+    headers rewrites rows injection already had right, and the output stays the prompt's."""
+    segments, prompt, _ = served
+    head, tail = segments[0], segments[-1]
+    exact = encode_spans(engine, head, [list(s.token_ids) for s in segments[1:-1]], exact=True,
+                         key=f"exact-{engine.model_path}")
+    got = compare(prompt, _run(engine, [head, *exact, tail], "header"))
+    assert got["greedy_match"] and got["max_logit_diff"] < TOL_ALL_ROWS, got
