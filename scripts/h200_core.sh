@@ -20,7 +20,9 @@
 # texts, call to answer, through the public API: scripts/profile_cold_plan.py on the Llama shape with
 # SmolLM2's tokenizer; carry .carry/smollm2-tokenizer, a copy of the prepared SmolLM2 folder's
 # config and tokenizer files; vLLM's prefix cache off: the two requests have the same tokens, so
-# whichever ran second would be served from the first's blocks). TIERS_REPEATS sets the tiers repeats.
+# whichever ran second would be served from the first's blocks), tokenrecompute (recompute_tokens' cost
+# and distance to the prompt on the CUDA path, scripts/token_recompute_cost.py; carry
+# .carry/smollm2-tokenizer as for coldtext). TIERS_REPEATS sets the tiers repeats.
 set -uo pipefail
 source .gpu/device-env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -75,6 +77,11 @@ for step in $STEPS; do
       python3 scripts/profile_cold_plan.py --model /tmp/models/llama-3.1-8b-text --device cuda --dummy-weights \
         --disk-bps 0 --k ${KS:-50,200} --repeats ${REPEATS:-30} --ttft --check --no-prefix-cache --json "$OUT/cold-text.json" 2>&1 \
         | grep -E "^(k=|disk|Traceback|[A-Za-z]*Error)" | tee "$OUT/cold-text.txt" ;;
+    tokenrecompute) # recompute_tokens on the CUDA path: cost at k=5/50 and each row's distance to the prompt
+      python3 scripts/make_configs.py /tmp/models --tokenizer .carry/smollm2-tokenizer > /dev/null
+      python3 scripts/token_recompute_cost.py --model /tmp/models/llama-3.1-8b-text --device cuda --dummy-weights \
+        --dtype bfloat16 --k ${KS:-5,50} --repeats ${REPEATS:-20} 2>&1 | grep -E "^\{|Traceback|Error" \
+        | tee "$OUT/token-recompute.jsonl" ;;
     promoteprof) python3 scripts/h200_promote.py 50 --cprofile 2>&1 | tail -26 ;;
     promotesplit) python3 scripts/h200_promote.py 50 --split 2>&1 | grep -E "^k=|^    " | tee "$OUT/promote-split.txt" ;;
     hosttier) python3 scripts/h200_hosttier.py "$M" 50 2>&1 | grep "^k=" ;;

@@ -1,13 +1,19 @@
-"""CPU cost of the token-level recompute (``recompute_tokens``) against plain injection.
+"""Cost of the token-level recompute (``recompute_tokens``) against plain injection.
 
 Serves ``k`` LoCoMo-shaped memories (``[time on date] Speaker: text``, each encoded alone) with
 everything injected, then with each memory's header recomputed (``header``), with CacheBlend's
 selection (``deviating:15``), with every memory row recomputed (``first:1000``), then as a plain
 prompt (``prompt``, nothing injected), and prints the median time of each request
 (``max_tokens=1``: the first token). Model: a tiny random-weight one from tests/tiny_models.py
-(``--arch``), or any local model folder (``--model``).
+(``--arch``), or any local model folder (``--model``; ``--dummy-weights``: random weights of its
+shape, as on the H200). Each row also says how far its first token's top-20 logprobs lie from the
+prompt's (``max_logprob_diff_to_prompt``, over the tokens both top 20s hold:
+``top20_shared_with_prompt``) and whether its greedy token is the prompt's: every memory
+row recomputed (``first:1000``) must come within the attention kernels' rounding of the prompt.
 
-Run: ``python scripts/token_recompute_cost.py --k 5,50`` (niced on a shared box).
+Run: ``python scripts/token_recompute_cost.py --k 5,50`` (niced on a shared box); on the H200,
+``STEPS=tokenrecompute bash scripts/h200_core.sh`` (the CUDA path: the prefix read back from the
+cache by the block table).
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ def main() -> None:
     parser.add_argument("--arch", default="llama", help="tiny model architecture (tests/tiny_models.py)")
     parser.add_argument("--model", help="a local model folder instead of a tiny model")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dummy-weights", action="store_true", help="random weights (load_format=dummy)")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
@@ -43,7 +51,9 @@ def main() -> None:
     model = args.model or str(build_tiny_model(Path(tempfile.mkdtemp()) / f"tiny-{args.arch}", args.arch))
     ks = [int(k) for k in args.k.split(",")]
     rows = []
-    with InferScaleEngine(model=model, device="cpu", dtype=args.dtype, max_model_len=2048, recompute=0) as engine:
+    options = {"load_format": "dummy"} if args.dummy_weights else {}
+    with InferScaleEngine(model=model, device=args.device, dtype=args.dtype, max_model_len=2048, recompute=0,
+                          **options) as engine:
         head = engine.tokenize("<|im_start|>system\nThings you remember about the user:\n")
         tail = engine.tokenize("<|im_end|>\n<|im_start|>user\nWhen did Caroline adopt her cat?<|im_end|>\n"
                                "<|im_start|>assistant\n")
@@ -54,18 +64,28 @@ def main() -> None:
             spans = encode_spans(engine, head, facts, exact=False, key=f"cost-{k}")
             segments = [head, *spans, tail]
             flat = [*head, *(t for f in facts for t in f), *tail]
-            for spec in (None, "header", "deviating:15", "first:1000", "prompt"):
+            first = {}  # per row: (greedy token, top logprobs) of its first request
+            for spec in ("prompt", None, "header", "deviating:15", "first:1000"):
                 engine.config.recompute_tokens = None if spec == "prompt" else spec
                 times = []
                 for i in range(args.repeats + 1):
                     t0 = time.perf_counter()
                     if spec == "prompt":  # a user of its own each time: no prefix-cache hit
-                        engine.generate_segments([flat], mode="prompt", max_tokens=1, user_id=f"cost-{k}-{i}")
+                        result = engine.generate_segments([flat], mode="prompt", max_tokens=1, first_logprobs=20,
+                                                          user_id=f"cost-{k}-{i}")
                     else:
-                        engine.generate_segments(segments, max_tokens=1)
+                        result = engine.generate_segments(segments, max_tokens=1, first_logprobs=20)
                     times.append(time.perf_counter() - t0)
+                    first.setdefault(spec, (result.token_ids[0], result.first_logprobs or {}))
+                token, logprobs = first[spec]
+                prompt_token, prompt_logprobs = first["prompt"]
                 rows.append({"k": k, "recompute_tokens": spec, "prompt_tokens": len(flat),
-                             "median_ms": round(1e3 * statistics.median(times[1:]), 2)})
+                             "median_ms": round(1e3 * statistics.median(times[1:]), 2),
+                             "greedy_is_prompts": token == prompt_token,
+                             # over the prompt's top 20 that this row's top 20 also holds
+                             "top20_shared_with_prompt": len(both := prompt_logprobs.keys() & logprobs.keys()),
+                             "max_logprob_diff_to_prompt": max((abs(logprobs[t] - prompt_logprobs[t]) for t in both),
+                                                               default=None)})
                 print(json.dumps(rows[-1]), flush=True)
         engine.config.recompute_tokens = None
 
