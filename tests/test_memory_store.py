@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from dataclasses import FrozenInstanceError
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from inferscale_engine.errors import (
     EngineClosedError,
     FactNotFoundError,
     ForgedHandleError,
+    InferScaleError,
     KVNotReadyError,
     MalformedHandleError,
     StaleKVError,
@@ -427,6 +429,40 @@ def test_resolve_waits_for_background_encoding(make_store, engine):
     assert got and got[0].text == a.memory and got[0].kv.num_tokens == len(got[0].token_ids)
     store.wait_for_encoding(30)
     assert store.get(a.id).encoded
+
+
+class ShortKVEngine(GatedEngine):
+    """The real engine, whose encoder returns each fact's KV one token short."""
+
+    def encode(self, windows, **kwargs):
+        return [[FactKV(kv.k[:, :-1], kv.v[:, :-1], kv.position) for kv in kvs]
+                for kvs in super().encode(windows, **kwargs)]
+
+
+def test_kv_of_the_wrong_token_count_is_refused_when_encoded_not_stored(make_store, engine):
+    # A request's spans skip the token-count check (Span.stored): it is made here, where the KV
+    # enters the store, and nothing of the KV is stored (no file a later request would serve).
+    store = make_store(eng=ShortKVEngine(engine))
+    a = store.add("I am allergic to peanuts.", user_id="u")[0]
+    store.wait_for_encoding(30)
+    assert not store.get(a.id).encoded and kv_files(store) == set()
+    assert "KV of" in store.encoding_errors[a.id] and "tokens for memory" in store.encoding_errors[a.id]
+    with pytest.raises(InferScaleError, match="tokens for memory"):  # the on-demand encode is refused too
+        store.resolve_many([handle_of(a)], "u")
+    assert kv_files(store) == set()
+
+
+def test_a_served_span_is_the_span_the_checked_constructor_makes(make_store):
+    # Span.stored skips only the check: every field (a new one included) is as Span() sets it.
+    store = make_store()
+    a = store.add("Alice lives in Paris.", user_id="u")[0]
+    store.wait_for_encoding(30)
+    (span,) = store.resolve_many([handle_of(a)], "u")
+    checked = Span(span.key, span.token_ids, span.kv, span.text)
+    assert type(span) is Span and vars(span) == vars(checked) and span == checked
+    assert isinstance(span.token_ids, tuple) and span.kv.num_tokens == len(span.token_ids)
+    with pytest.raises(FrozenInstanceError):
+        span.key = "other"  # type: ignore[misc]
 
 
 def test_background_encoding_failure_is_surfaced_and_recovered(make_store, engine, caplog):

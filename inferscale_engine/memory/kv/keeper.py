@@ -234,7 +234,9 @@ class KVKeeper:
             todo = [i for i in range(len(facts)) if i not in kept]
             kept.update((todo[j], c) for j, c in self._cold([facts[i] for i in todo]).items())
         rest = [f for i, f in enumerate(facts) if i not in kept]
-        served = iter([Span(key=_span_key(f.id, f.kv_version), token_ids=tuple(f.token_ids or ()), kv=kv, text=f.text)
+        # Span.stored: each KV's token count was checked against its fact's tokens when encoded
+        # (_encode_jobs), and a fact's token ids change only with a new KV version (a new key).
+        served = iter([Span.stored(_span_key(f.id, f.kv_version), tuple(f.token_ids or ()), kv, f.text)
                        if kv is not None else TextFact(f.token_ids or ()) for kv, f in self.kvs(rest)])
         return [kept[i] if i in kept else next(served) for i in range(len(facts))]
 
@@ -388,6 +390,13 @@ class KVKeeper:
                     current = f is not None and f.kv_version == task.version
                 if not current:
                     self._finish(task.fact_id, p, None)
+                    continue
+                if kv.num_tokens != len(task.token_ids):
+                    # Checked here, once, rather than on every request that serves it (Span.stored).
+                    wrong = ValueError(f"the encoder returned KV of {kv.num_tokens} tokens for memory "
+                                       f"{task.fact_id} of {len(task.token_ids)} tokens")
+                    self._fail([(task, p)], wrong)
+                    error = error or wrong
                     continue
                 try:
                     self.tiers.put(task.key, kv, self.fingerprint)
