@@ -66,6 +66,13 @@ class Handle:
         return f"<<mem:{self.fact_id}:{self.mac}>>"
 
 
+# A request names k handles: find_handles fills each Handle's slots through their descriptors
+# rather than calling the frozen dataclass's __init__ (a Python frame and four object.__setattr__
+# calls), ~0.55 -> ~0.2 µs a handle. Handle has no __post_init__ and no defaults to skip.
+_new_handle = object.__new__
+_set_fact_id, _set_mac, _set_start, _set_end = (Handle.__dict__[name].__set__ for name in ("fact_id", "mac", "start", "end"))
+
+
 def find_handles(text: str) -> list[Handle]:
     """All handles in ``text``, in order. Raises :class:`MalformedHandleError` on a bad one."""
     handles = []
@@ -73,7 +80,13 @@ def find_handles(text: str) -> list[Handle]:
         fact_id, mac = m.groups()
         if fact_id is None:
             raise MalformedHandleError(f"malformed memory handle {m.group(0)[:64]!r}")
-        handles.append(Handle(fact_id, mac, *m.span()))
+        h = _new_handle(Handle)
+        _set_fact_id(h, fact_id)
+        _set_mac(h, mac)
+        start, end = m.span()
+        _set_start(h, start)
+        _set_end(h, end)
+        handles.append(h)
     return handles
 
 

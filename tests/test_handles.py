@@ -5,13 +5,14 @@ from __future__ import annotations
 import hmac
 import re
 import secrets
+from dataclasses import FrozenInstanceError, fields
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inferscale_engine.errors import ForgedHandleError, MalformedHandleError
-from inferscale_engine.handles import HANDLE_PATTERN, HandleCodec, find_handles, split_on_handles
+from inferscale_engine.handles import HANDLE_PATTERN, Handle, HandleCodec, find_handles, split_on_handles
 
 codec = HandleCodec(secrets.token_bytes(32))
 fact_ids = st.text("0123456789abcdef", min_size=16, max_size=16)
@@ -84,6 +85,22 @@ def test_handles_found_are_those_the_definition_finds(text):
             find_handles(text)
     else:
         assert [(h.fact_id, h.mac, h.start, h.end) for h in find_handles(text)] == expected
+
+
+@given(st.lists(st.tuples(plain, fact_ids), min_size=1, max_size=4), users)
+def test_handles_found_are_the_handles_the_constructor_makes(parts, user):
+    # find_handles fills Handle's slots itself, without __init__: each one is still equal (and
+    # hashes equal) to the Handle its fields make, and as frozen.
+    text = "".join(p + codec.make(user, fid) for p, fid in parts)
+    # What it fills: a field or a __post_init__ added to Handle must be added there too.
+    assert [f.name for f in fields(Handle)] == ["fact_id", "mac", "start", "end"]
+    assert not hasattr(Handle, "__post_init__")
+    for h in find_handles(text):
+        made = Handle(h.fact_id, h.mac, h.start, h.end)
+        assert type(h) is Handle and h == made and hash(h) == hash(made) and repr(h) == repr(made)
+        assert text[h.start:h.end] == h.text and len(h.fact_id) == 16 and len(h.mac) == 16
+        with pytest.raises(FrozenInstanceError):
+            h.start = 0  # type: ignore[misc]
 
 
 @pytest.mark.parametrize("bad", ["<<mem:>>", "<<mem:xyz:abc>>", "<<mem:" + "0" * 16 + ">>", "<<mem:" + "A" * 16 + ":" + "0" * 16 + ">>"])
