@@ -14,6 +14,9 @@ through a CPU engine, waits for their KV, then times, per k, the same k handles 
   read (one copy of the facts' pages into a new block, handed out as rows);
 * ``resolve_many``: the store's ``FactSource`` call (MAC checks, snapshot, tiers);
 * ``engine.resolve``: render, split on handles, tokenize the pieces, ``resolve_many``;
+  ``split``: of it, ``split_on_handles`` of the prompt (finding and parsing the k handles);
+  ``spans``: of it, the k spans of the rows ``get_many`` handed out, made as the store
+  makes them (``Span.stored``, unchecked, where the build has it; else the checked ``Span()``);
 * ``cat rows``: the connector's CPU path concatenating every span's K and V (``_inject_torch``'s
   first copy) from the rows ``get_many`` handed out. What injecting straight from the slab would
   do instead, one copy in all: ``cat pages`` (the same concatenation of per-page views of the
@@ -56,8 +59,9 @@ def _median_us(fn: Callable[[], Any], repeats: int) -> float:
 def _measure(engine: Any, items: list[Any], handles: list[str], k: int, rng: random.Random,
              repeats: int) -> dict[str, Any]:
     """The figures of one k (see the module docstring), µs."""
-    from inferscale_engine.handles import find_handles
+    from inferscale_engine.handles import find_handles, split_on_handles
     from inferscale_engine.testing import verify_handle
+    from inferscale_engine.types import Span
 
     store = engine.memory
     tiers, fingerprint = store.tiers, store.fingerprint
@@ -71,6 +75,16 @@ def _measure(engine: Any, items: list[Any], handles: list[str], k: int, rng: ran
     prompt = "Facts:\n" + "\n".join(hs) + "\nWhat do you know?"
     entries = [tiers.device_tier.entries[key] for key in keys]
     rows = tiers.get_many(keys, fingerprint)
+
+    facts = [store.table.by_id[items[i].id] for i in chosen]
+    made = [(f"fact:{f.id}:{f.kv_version}", f.token_ids or (), kv, f.text) for f, kv in zip(facts, rows)]
+    stored = getattr(Span, "stored", None)  # builds before Span.stored check every span
+
+    def spans() -> None:
+        if stored is None:
+            [Span(key=key, token_ids=tuple(ids), kv=kv, text=text) for key, ids, kv, text in made]
+        else:
+            [stored(key, tuple(ids), kv, text) for key, ids, kv, text in made]
 
     def cat_rows() -> None:
         torch.cat([kv.k for kv in rows], dim=1)
@@ -118,6 +132,8 @@ def _measure(engine: Any, items: list[Any], handles: list[str], k: int, rng: ran
         "gather": _median_us(lambda: tiers.device_tier.read(entries), repeats),
         "resolve_many": _median_us(lambda: store.resolve_many(hs, "u"), repeats),
         "engine.resolve": _median_us(lambda: engine.resolve(prompt, user_id="u"), repeats),
+        "split": _median_us(lambda: split_on_handles(prompt), repeats),
+        "spans": _median_us(spans, repeats),
         "cat rows": _median_us(cat_rows, repeats),
         "cat pages": _median_us(cat_pages, repeats),
         "cat kept pages": _median_us(cat_kept_pages, repeats),
