@@ -465,6 +465,20 @@ def test_a_served_span_is_the_span_the_checked_constructor_makes(make_store):
         span.key = "other"  # type: ignore[misc]
 
 
+def test_a_requests_snapshot_of_a_fact_is_its_own_copy(make_store):
+    # A request reads copies of its facts' rows outside the store's lock (FactRow.copy): equal
+    # to the live row, and nothing set on either reaches the other.
+    store = make_store()
+    a = store.add("Alice lives in Paris.", user_id="u")[0]
+    store.wait_for_encoding(30)
+    live = fact_row(store, a.id)
+    snap = live.copy()
+    assert type(snap) is type(live) and snap is not live and vars(snap) == vars(live) and snap == live
+    snap.fingerprint, snap.kv_version = None, live.kv_version + 1
+    assert live.fingerprint is not None and live.kv_version == 1 and store.get(a.id).encoded
+    assert store.resolve_many([handle_of(a)], "u")[0].key == f"fact:{a.id}:1"
+
+
 def test_background_encoding_failure_is_surfaced_and_recovered(make_store, engine, caplog):
     gated = GatedEngine(engine)
     store = make_store(eng=gated)
