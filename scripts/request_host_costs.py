@@ -12,7 +12,8 @@ through a CPU engine, waits for their KV, then times, per k, the same k handles 
   the store's secret (``testing.verify_handle``);
 * ``get_many``: ``KVTiers.get_many`` of the k facts' keys; ``gather``: of it, the device tier's
   read (one copy of the facts' pages into a new block, handed out as rows);
-* ``resolve_many``: the store's ``FactSource`` call (MAC checks, snapshot, tiers);
+* ``resolve_many``: the store's ``FactSource`` call (MAC checks, snapshot, tiers); ``snapshot``:
+  of it, the copies of the k facts' rows a request reads outside the store's lock;
 * ``engine.resolve``: render, split on handles, tokenize the pieces, ``resolve_many``;
   ``split``: of it, ``split_on_handles`` of the prompt (finding and parsing the k handles);
   ``spans``: of it, the k spans of the rows ``get_many`` handed out, made as the store
@@ -131,6 +132,7 @@ def _measure(engine: Any, items: list[Any], handles: list[str], k: int, rng: ran
         "get_many": _median_us(lambda: tiers.get_many(keys, fingerprint), repeats),
         "gather": _median_us(lambda: tiers.device_tier.read(entries), repeats),
         "resolve_many": _median_us(lambda: store.resolve_many(hs, "u"), repeats),
+        "snapshot": _median_us(lambda: store.table.snapshot([f.id for f in facts], "u"), repeats),
         "engine.resolve": _median_us(lambda: engine.resolve(prompt, user_id="u"), repeats),
         "split": _median_us(lambda: split_on_handles(prompt), repeats),
         "spans": _median_us(spans, repeats),
