@@ -643,8 +643,7 @@ class InferScaleEngine:
         staged = spans if mode == "inject" and spans else []
         if staged:
             keys = [*map(_KEY, spans)]
-            repaired = self._recompute_positions(spans, segments)
-            keep = None if repaired is None else TokenSet.parse(cast(str, self.config.recompute_tokens)).keep
+            repaired, keep = self._recompute_positions(spans, segments)
             kv = self.exchange.stage([*zip(keys, map(_KV, spans))])
             # Recomputed rows bypass the prefix cache: where the cache's layout is not known (the
             # CPU backend) the worker can attend only over rows it injects itself.
@@ -691,16 +690,20 @@ class InferScaleEngine:
         return _Prepared(prompt, plan, staged, started, as_text, mix, after_first_token=after,
                          memories_injected=injected, memories_recomputed=recomputed), params
 
-    def _recompute_positions(self, spans: Sequence[Span], segments: Sequence[Segment]) -> list[int] | None:
+    def _recompute_positions(
+        self, spans: Sequence[Span], segments: Sequence[Segment]
+    ) -> tuple[list[int] | None, float | None]:
         """Positions of the injected region whose KV the connector computes again
-        (``config.recompute_tokens``, read per request); None: off."""
+        (``config.recompute_tokens``, read per request), and the share of them kept past the
+        first layer (:attr:`TokenSet.keep`); None: off."""
         spec = self.config.recompute_tokens
         if spec is None:
-            return None
+            return None, None
         self._check_token_recompute()
+        token_set = TokenSet.parse(spec)
         memories = {id(s) for s in segments if isinstance(s, Span)}  # heads and separators are the engine's
         return token_recompute.positions([(s.token_ids, id(s) in memories) for s in spans],
-                                         functools.partial(self._memory_rows, TokenSet.parse(spec)))
+                                         functools.partial(self._memory_rows, token_set)), token_set.keep
 
     def _memory_rows(self, token_set: TokenSet, token_ids: Sequence[int]) -> int:
         """How many of a memory's first tokens ``token_set`` recomputes; headers kept per memory
