@@ -73,9 +73,13 @@ def header_tokens(token_ids: Sequence[int], detokenize: Callable[[Sequence[int]]
     m = _COLON.search(text)
     if m is None:
         return 0
-    colon = m.start() + 1  # characters up to and including the colon
+    return tokens_spelling(token_ids, detokenize, m.start() + 1)  # up to and including the colon
+
+
+def tokens_spelling(token_ids: Sequence[int], detokenize: Callable[[Sequence[int]], str], chars: int) -> int:
+    """The fewest first tokens of ``token_ids`` whose text holds its first ``chars`` characters."""
     for n in range(1, len(token_ids) + 1):
-        if len(detokenize(token_ids[:n])) >= colon:
+        if len(detokenize(token_ids[:n])) >= chars:
             return n
     return len(token_ids)
 

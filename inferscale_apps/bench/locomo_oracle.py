@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from inferscale_engine.kv import FactKV
+from inferscale_engine.token_recompute import tokens_spelling
 from inferscale_engine.types import Span
 
 _SPEC = re.compile(r"^(header|separators|all)$|^(first|top|deviating):(\d+)$")
@@ -96,10 +97,7 @@ def header_tokens(engine: Any, token_ids: Sequence[int]) -> int:
     end = text.find(": ", close)
     if close < 0 or "[" not in text[:close] or end < 0:
         return 0
-    for n in range(1, len(token_ids) + 1):
-        if len(engine.detokenize(token_ids[:n])) >= end + 1:
-            return n
-    return len(token_ids)
+    return tokens_spelling(token_ids, engine.detokenize, end + 1)
 
 
 def selection(oracle: Oracle, region: Region) -> tuple[dict[int, torch.Tensor], bool]:
