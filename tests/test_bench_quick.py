@@ -18,6 +18,7 @@ import pytest
 from inferscale_apps.bench.locomo import (
     CATEGORIES,
     AnswerCache,
+    AnswerTable,
     LocomoBench,
     agreement,
     default_data_path,
@@ -266,6 +267,22 @@ def test_locomo_quick(tmp_path, smollm2_path):
     assert set(f1) == {("prompt", "conversation"), ("prompt", "relevance-last-5"), ("inject", "conversation")}
     for m in ("prompt", "inject"):
         assert f1[(m, "conversation")] == by[(m, 0, 5, 0 if m == "inject" else None, "conversation")]["f1"]
+    # Scored from the answers alone, with no engine (--score-only: answers back from a device run
+    # cut short), the first run's grid gives the first run's rows and exact-context summary.
+    scored = tmp_path / "scored.json"
+    assert main(["bench", "locomo", "--model", smollm2_path, "--data", str(LOCOMO), "--conversations", "1",
+                 "--questions-per-category", "2", "--max-turns", "30", "--k", "5", "--w", "0,5", "--exact-control",
+                 "--recompute", "0,3,10", "--oracle", "header,all", "--score-only", "--resume-answers", str(seed),
+                 "--json", str(scored)]) == 0
+    scored_data = json.loads(scored.read_text())
+    assert scored_data["results"] == rows
+    assert scored_data["env"]["locomo"]["exact_control"] == info["exact_control"]
+
+
+def test_locomo_score_only_says_what_it_lacks(tmp_path):
+    for extra, says in (([], "needs --resume-answers"), (["--resume-answers", str(tmp_path / "none.jsonl")], "no answer cache")):
+        with pytest.raises(SystemExit, match=says):
+            main(["bench", "locomo", "--model", "qwen2.5-coder-0.5b", "--score-only", *extra])
 
 
 # ---------------------------------------------------------------------- LoCoMo pieces (no model)
@@ -344,8 +361,8 @@ def test_answers_with_recompute_tokens_are_kept_apart():
     conv, q = SimpleNamespace(sample_id="conv-1", turns=[1, 2, 3]), SimpleNamespace(index=7)
 
     def key(tokens: str | None, mode: str) -> str:
-        bench = SimpleNamespace(order_tag="", engine=SimpleNamespace(config=SimpleNamespace(recompute_tokens=tokens)))
-        return LocomoBench.answer_key(bench, conv, q, mode, None if mode in ("prompt", "full") else 20, 5)  # type: ignore[arg-type]
+        table = AnswerTable(AnswerCache(None), [], recompute_tokens=tokens)
+        return table.key(conv, q, mode, None if mode in ("prompt", "full") else 20, 5)  # type: ignore[arg-type]
 
     assert key("header", "prompt") == key(None, "prompt") and key("header", "full") == key(None, "full")
     assert len({key(None, "inject"), key("header", "inject"), key("first:4", "inject")}) == 3

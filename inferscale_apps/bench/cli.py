@@ -92,6 +92,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--resume-answers", metavar="FILE",
                    help="answers an earlier run of the same model and data cached (its workdir's "
                         "answers-t*.jsonl, or .xz): questions answered there are not asked again")
+    p.add_argument("--score-only", action="store_true",
+                   help="score the --resume-answers file with the same grid and questions, starting no "
+                        "engine (e.g. answers that came back from a device run cut short); a row counts "
+                        "the questions the file answers")
     p.add_argument("--no-full", action="store_true", help="skip the full-conversation mode")
     p.add_argument("--after-head", action="store_true",
                    help="encode memories after the served prompt's opening (store context_prefix), not at position 0")
@@ -175,35 +179,8 @@ def run(args: argparse.Namespace) -> int:
         common.print_table(rows, ["mode", "users", "k", "req_per_s", "tok_per_s", "ttft_ms_p50", "ttft_ms_p95"])
         title = f"Concurrent users, k={args.k} facts each — {_hardware(env)}, {args.model}"
     elif args.bench == "locomo":
-        if args.dummy_weights:
-            raise SystemExit("bench locomo needs real weights and a tokenizer (no --dummy-weights)")
-        from inferscale_apps.bench.locomo import run_locomo, summarize, table_rows
-
-        with engine_from(args) as engine:
-            rows, info = run_locomo(
-                engine, ks=args.k, ws=args.w, data=args.data, conversations=args.conversations,
-                questions_per_category=args.questions_per_category, max_turns=args.max_turns,
-                categories=args.categories, resolve_dates=args.resolve_dates, answers_path=args.answers, encoding=args.encoding, max_tokens=args.max_tokens,
-                concurrency=args.concurrency, workdir=args.workdir, full=not args.no_full,
-                exact_control=args.exact_control, after_head=args.after_head,
-                recompute=args.recompute, order=args.order, oracles=args.oracle,
-                resume_answers=args.resume_answers,
-            )
-            env = {**common.environment(engine), "locomo": info}
-        common.print_table(table_rows(rows), ["mode", "w", "k", "order", "recompute", "n_questions", "f1", "multi-hop",
-                                              "temporal", "open-domain", "single-hop", "agree_exact", "agree_f1",
-                                              "over_conversation_order", "oracle", "recovered", "ttft_ms"])
-        common.print_table(summarize(rows), ["w", "k", "recompute", "order", "inject_over_prompt", "ci95_low",
-                                             "ci95_high", "noise_floor_low", "noise_floor_high", "worst_category",
-                                             "exact_match", "agreement_f1"])
-        if info.get("exact_control"):
-            print("exact-context control (memories encoded after exactly their served prefix):")
-            common.print_table(
-                [{"k": k, "n_questions": v["n_questions"], "f1": v["f1"],
-                  "agree_exact": (v["agreement"] or {}).get("exact_match"), "agree_f1": (v["agreement"] or {}).get("f1")}
-                 for k, v in info["exact_control"].items()],
-                ["k", "n_questions", "f1", "agree_exact", "agree_f1"])
-        title = f"LoCoMo F1 — {args.model}, {info['questions']} questions"
+        rows, env = _locomo(args)
+        title = f"LoCoMo F1 — {args.model}, {env['locomo']['questions']} questions"
     elif args.bench == "tiers":
         from inferscale_apps.bench.tiers import run_tiers
 
@@ -225,6 +202,50 @@ def run(args: argparse.Namespace) -> int:
         print("performance gate failed:\n  " + "\n  ".join(broken))
         return 1
     return 0
+
+
+def _locomo(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``bench locomo``: answered by an engine, or (``--score-only``) scored from an answer cache."""
+    from inferscale_apps.bench.locomo import run_locomo, score_locomo, summarize, table_rows
+
+    selection = dict(ks=args.k, ws=args.w, data=args.data, conversations=args.conversations,
+                     questions_per_category=args.questions_per_category, max_turns=args.max_turns,
+                     categories=args.categories, resolve_dates=args.resolve_dates, answers_path=args.answers,
+                     recompute=args.recompute, order=args.order, oracles=args.oracle,
+                     exact_control=args.exact_control)
+    if args.score_only:
+        if not args.resume_answers:
+            raise SystemExit("bench locomo --score-only needs --resume-answers FILE (the answers to score)")
+        try:
+            rows, info = score_locomo(args.resume_answers, recompute_tokens=dict(args.engine_option).get("recompute_tokens"),
+                                      **selection)
+        except (FileNotFoundError, ValueError) as exc:
+            raise SystemExit(f"bench locomo --score-only: {exc}") from None
+        env = {"locomo": info}
+    else:
+        if args.dummy_weights:
+            raise SystemExit("bench locomo needs real weights and a tokenizer (no --dummy-weights)")
+        with engine_from(args) as engine:
+            rows, info = run_locomo(
+                engine, encoding=args.encoding, max_tokens=args.max_tokens, concurrency=args.concurrency,
+                workdir=args.workdir, full=not args.no_full, after_head=args.after_head,
+                resume_answers=args.resume_answers, **selection,
+            )
+            env = {**common.environment(engine), "locomo": info}
+    common.print_table(table_rows(rows), ["mode", "w", "k", "order", "recompute", "n_questions", "f1", "multi-hop",
+                                          "temporal", "open-domain", "single-hop", "agree_exact", "agree_f1",
+                                          "over_conversation_order", "oracle", "recovered", "ttft_ms"])
+    common.print_table(summarize(rows), ["w", "k", "recompute", "order", "inject_over_prompt", "ci95_low",
+                                         "ci95_high", "noise_floor_low", "noise_floor_high", "worst_category",
+                                         "exact_match", "agreement_f1"])
+    if info.get("exact_control"):
+        print("exact-context control (memories encoded after exactly their served prefix):")
+        common.print_table(
+            [{"k": k, "n_questions": v["n_questions"], "f1": v["f1"],
+              "agree_exact": (v["agreement"] or {}).get("exact_match"), "agree_f1": (v["agreement"] or {}).get("f1")}
+             for k, v in info["exact_control"].items()],
+            ["k", "n_questions", "f1", "agree_exact", "agree_f1"])
+    return rows, env
 
 
 def _hardware(env: dict[str, Any]) -> str:

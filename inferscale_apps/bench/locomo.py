@@ -253,6 +253,185 @@ def _ids_hash(ids: Sequence[int]) -> str:
     return hashlib.sha256(np.asarray(ids, dtype=np.int64).tobytes()).hexdigest()[:16]
 
 
+class AnswerTable:
+    """The rows of a run, scored from its cached answers: no engine, no model.
+
+    A bench run fills the cache and reads its rows from here; ``bench locomo --score-only``
+    scores an answer file that came back from another machine (a device run cut short, say)
+    the same way, by the same keys."""
+
+    def __init__(self, cache: AnswerCache, conversations: list[Conversation], *, recompute: Sequence[int] = (0,),
+                 order: str = "relevance", recompute_tokens: str | None = None) -> None:
+        if not recompute or min(recompute) < 0:
+            raise ValueError("need recompute >= 0")
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+        self.cache = cache
+        self.conversations = conversations
+        self.rs = sorted(set(recompute))
+        self.order = order
+        # Answers with recomputed memories depend on the order; the stores and the rest do not.
+        self.order_tag = "" if order == "relevance" else f"-{order}"
+        self.recompute_tokens = recompute_tokens
+
+    def served_order(self, recompute: int, k: int) -> str:
+        """The memory order an inject row with ``recompute`` serves at ``k`` (2k memories)."""
+        if recompute == 0 or recompute >= 2 * k or self.order == "conversation":
+            return CONVERSATION  # relevance_last of every memory keeps them in place
+        return f"relevance-last-{recompute}"
+
+    def prompt_orders(self, k: int) -> list[str]:
+        """Orders the prompt is answered in at ``k``: each one an inject row serves, and at least
+        one other than the conversation's, for the noise floor."""
+        orders = {self.served_order(r, k) for r in self.rs} | {CONVERSATION}
+        if orders == {CONVERSATION}:
+            orders.add(f"relevance-last-{k}")
+        return sorted(orders, key=lambda o: (o != CONVERSATION, o))
+
+    def key(self, conv: Conversation, q: Question, mode: str, w: int | None, k: int | None, r: int = 0,
+                   order: str = CONVERSATION) -> str:
+        """The answer cache's key of one question's answer in one row (``mode``: prompt, inject,
+        full, exact, ``oracle NAME``)."""
+        # The turn count is part of the key: --max-turns changes what retrieval can find.
+        key: list[Any] = [conv.sample_id, len(conv.turns), q.index, mode, w, k]
+        if r:
+            key.append(f"r{r}{self.order_tag}")
+        if order != CONVERSATION:  # prompt answers: one per memory order
+            key.append(order)
+        # Injected rows with a token-level recompute (the engine's recompute_tokens) are other KV.
+        tokens = self.recompute_tokens
+        if tokens is not None and mode not in ("prompt", "full"):  # those rows inject nothing
+            key.append(f"tokens:{tokens}")
+        return json.dumps(key)
+
+    def rows(self, ws: Sequence[int], ks: Sequence[int], oracles: Sequence[Oracle] = ()) -> list[dict[str, Any]]:
+        """Per ``w`` and ``k``: a prompt row per memory order, an inject row per ``recompute``,
+        an oracle row per oracle; then the full-conversation row. Rows of answers the cache lacks
+        count what it has (``n_questions``)."""
+        out: list[dict[str, Any]] = []
+        for w in ws:
+            for k in ks:
+                out.extend(self._prompt_row(w, k, order) for order in self.prompt_orders(k))
+                out.extend(self._inject_row(w, k, r) for r in self.rs)
+                out.extend(self._oracle_row(w, k, o) for o in oracles)
+        out.append(self._row("full", None, None, self._collect("full", None, None)))
+        return out
+
+    def _collect(
+        self, mode: str, w: int | None, k: int | None, r: int = 0, order: str = CONVERSATION
+    ) -> dict[tuple[str, int], tuple[Question, dict[str, Any]]]:
+        """Answers in the cache, by ``(sample_id, question index)``."""
+        got = {}
+        for conv in self.conversations:
+            for q in conv.questions:
+                rec = self.cache.get(self.key(conv, q, mode, None if mode == "prompt" else w, k, r, order))
+                if rec is not None and "answer" in rec:
+                    got[(conv.sample_id, q.index)] = (q, rec)
+        return got
+
+    def _prompt_row(self, w: int, k: int, order: str) -> dict[str, Any]:
+        got = self._collect("prompt", None, k, order=order)
+        row = self._row("prompt", w, k, got, order=order)
+        if order != CONVERSATION:
+            base = self._collect("prompt", None, k)
+            row.update(self._compare(got, base, "over_conversation_order", "noise_floor_ci95",
+                                     "category_noise_floor_ci95"))
+        return row
+
+    def _inject_row(self, w: int, k: int, r: int) -> dict[str, Any]:
+        order = self.served_order(r, k)
+        got = self._collect("inject", w, k, r)
+        base = self._collect("prompt", None, k, order=order)
+        mismatched = [key for key, (_, rec) in got.items() if key in base and rec["prompt_hash"] != base[key][1]["prompt_hash"]]
+        if mismatched:
+            raise RuntimeError(f"inject and same-order prompt requests differ in token ids ({len(mismatched)} questions)")
+        pairs = [(rec["answer"], base[key][1]["answer"]) for key, (_, rec) in got.items() if key in base]
+        return {**self._row("inject", w, k, got, r=r, order=order),
+                "agreement": agreement([a for a, _ in pairs], [b for _, b in pairs]),
+                **self._compare(got, base, None, "inject_over_prompt_ci95", "category_over_prompt_ci95")}
+
+    def _oracle_row(self, w: int, k: int, oracle: Oracle) -> dict[str, Any]:
+        got = self._collect(f"oracle {oracle.name}", w, k)
+        base = self._collect("prompt", None, k)
+        pairs = [(rec["answer"], base[key][1]["answer"]) for key, (_, rec) in got.items() if key in base]
+        row = {**self._row("oracle", w, k, got), "oracle": oracle.name,
+               "agreement": agreement([a for a, _ in pairs], [b for _, b in pairs]),
+               **self._compare(got, base, None, "inject_over_prompt_ci95", "category_over_prompt_ci95")}
+        inject = self._row("inject", w, k, self._collect("inject", w, k)) if 0 in self.rs else {"f1": None}
+        row["recovered"] = recovered(row["f1"], inject["f1"], self._row("prompt", w, k, base)["f1"])
+        return row
+
+    @staticmethod
+    def _compare(got: dict[tuple[str, int], tuple[Question, dict[str, Any]]],
+                 base: dict[tuple[str, int], tuple[Question, dict[str, Any]]],
+                 ratio_name: str | None, ci_name: str, category_name: str) -> dict[str, Any]:
+        """Paired F1 of ``got`` over ``base`` (the questions both answered): 95% bootstrap
+        intervals overall and per category, and the ratio itself under ``ratio_name``."""
+        paired = [(q.category, score(rec["answer"], q.answer, q.category), score(base[key][1]["answer"], q.answer, q.category))
+                  for key, (q, rec) in got.items() if key in base]
+        out: dict[str, Any] = {
+            category_name: {str(cat): ratio_ci95([(a, b) for c, a, b in paired if c == cat])
+                            for cat in sorted({c for c, _, _ in paired})},
+        }
+        ci = ratio_ci95([(a, b) for _, a, b in paired])
+        if ci is not None:
+            out[ci_name] = ci
+        if ratio_name is not None:
+            den = sum(b for _, _, b in paired)
+            out[ratio_name] = sum(a for _, a, _ in paired) / den if den else None
+        return out
+
+    def _row(self, mode: str, w: int | None, k: int | None, got: dict[tuple[str, int], tuple[Question, dict[str, Any]]],
+             *, r: int = 0, order: str = CONVERSATION) -> dict[str, Any]:
+        by_cat: dict[str, list[float]] = {}
+        scores = []
+        for q, rec in got.values():
+            s = score(rec["answer"], q.answer, q.category)
+            scores.append(s)
+            by_cat.setdefault(str(q.category), []).append(s)
+        ttfts = [rec["ttft_s"] for _, rec in got.values() if "ttft_s" in rec]
+        return {
+            "mode": mode, "w": w, "k": k, **({"recompute": r} if mode == "inject" else {}),
+            **({"order": order} if mode != "full" else {}),
+            "n_questions": len(scores),
+            "f1": float(np.mean(scores)) if scores else None,
+            "f1_by_category": {c: float(np.mean(v)) for c, v in sorted(by_cat.items())},
+            "agreement": None,
+            # Under --concurrency requests queue behind each other: a cost indicator, not TTFT.
+            "ttft_ms": float(np.median(ttfts)) * 1e3 if ttfts else None,
+        }
+
+    def exact_summary(self, ks: Sequence[int]) -> dict[str, Any]:
+        """Per k: agreement of exact-context injection with the prompt answers, and its F1."""
+        out = {}
+        for k in ks:
+            exact = self._collect("exact", None, k)
+            ref = self._collect("prompt", None, k)
+            pairs = [(rec, ref[key][1]) for key, (_, rec) in exact.items() if key in ref]
+            if any(a["prompt_hash"] != b["prompt_hash"] for a, b in pairs):
+                raise RuntimeError("exact-control and prompt requests differ in token ids")
+            scores = [score(rec["answer"], q.answer, q.category) for q, rec in exact.values()]
+            out[str(k)] = {
+                "n_questions": len(scores),
+                "f1": float(np.mean(scores)) if scores else None,
+                "agreement": agreement([a["answer"] for a, _ in pairs], [b["answer"] for _, b in pairs]),
+            }
+        return out
+
+    def answers(self) -> list[dict[str, Any]]:
+        """Every question's answers, for inspection (``--answers``)."""
+        by_question: dict[tuple[str, int, int], dict[str, str]] = {}
+        for key, r in self.cache.data.items():
+            if "answer" not in r:
+                continue
+            sid, n_turns, qi, mode, w, k, *recompute = json.loads(key)
+            name = mode if mode == "full" else f"{mode} k={k}" + ("" if w is None else f" w={w}")
+            by_question.setdefault((sid, n_turns, qi), {})[name + "".join(f" {x}" for x in recompute)] = r["answer"]
+        return [{"sample_id": conv.sample_id, "qa_index": q.index, "category": q.category, "question": q.question,
+                 "gold": q.answer, "answers": by_question.get((conv.sample_id, len(conv.turns), q.index), {})}
+                for conv in self.conversations for q in conv.questions]
+
+
 class LocomoBench:
     """Stores, retrieval and answers of one ``bench locomo`` run."""
 
@@ -282,12 +461,6 @@ class LocomoBench:
             raise ValueError(f"encoding must be 'window' or 'sliding', got {encoding!r}")
         if not ks or min(ks) < 1 or not ws or min(ws) < 0:
             raise ValueError("need k >= 1 and w >= 0")
-        if not recompute or min(recompute) < 0:
-            raise ValueError("need recompute >= 0")
-        if order not in ORDERS:
-            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
-        self.rs = sorted(set(recompute))
-        self.order = order
         self.engine = engine
         self.conversations = conversations
         self.ks, self.ws = sorted(set(ks)), sorted(set(ws))
@@ -306,12 +479,12 @@ class LocomoBench:
         self.resolve_dates = resolve_dates
         self.run_dir = self.workdir / (f"{engine.fingerprint}-{encoding}{'-after-head' if after_head else ''}"
                                        f"{'-dates' if resolve_dates else ''}")
-        # Answers with recomputed memories depend on the order; the stores and the rest do not.
-        self.order_tag = "" if order == "relevance" else f"-{order}"
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cache = AnswerCache(self.run_dir / f"answers-t{max_tokens}.jsonl")
         if resume_answers is not None:
             logger.info("%d answers taken from %s", self.cache.merge(resume_answers), resume_answers)
+        self.table = AnswerTable(self.cache, conversations, recompute=recompute, order=order,
+                                 recompute_tokens=engine.config.recompute_tokens)
         self.embedder = _cached_embedder(str(engine.config.device))
         self.stores: dict[int, MemoryStore] = {}
         self.tier_bytes = (device_kv_bytes, host_kv_bytes)
@@ -411,20 +584,6 @@ class LocomoBench:
             chosen += [i for i, s in ranked if s == spk][:k]
         return sorted(chosen)
 
-    def served_order(self, recompute: int, k: int) -> str:
-        """The memory order an inject row with ``recompute`` serves at ``k`` (2k memories)."""
-        if recompute == 0 or recompute >= 2 * k or self.order == "conversation":
-            return CONVERSATION  # relevance_last of every memory keeps them in place
-        return f"relevance-last-{recompute}"
-
-    def prompt_orders(self, k: int) -> list[str]:
-        """Orders the prompt is answered in at ``k``: each one an inject row serves, and at least
-        one other than the conversation's, for the noise floor."""
-        orders = {self.served_order(r, k) for r in self.rs} | {CONVERSATION}
-        if orders == {CONVERSATION}:
-            orders.add(f"relevance-last-{k}")
-        return sorted(orders, key=lambda o: (o != CONVERSATION, o))
-
     @staticmethod
     def arrange(turns: list[int], ranked: list[tuple[int, str]], order: str) -> list[int]:
         """``turns`` in ``order``: as listed, or with the R best-ranked moved last."""
@@ -494,22 +653,6 @@ class LocomoBench:
 
         asyncio.run(all_jobs())
 
-    def answer_key(self, conv: Conversation, q: Question, mode: str, w: int | None, k: int | None, r: int = 0,
-                   order: str = CONVERSATION) -> str:
-        """The answer cache's key of one question's answer in one row (``mode``: prompt, inject,
-        full, exact, ``oracle NAME``)."""
-        # The turn count is part of the key: --max-turns changes what retrieval can find.
-        key: list[Any] = [conv.sample_id, len(conv.turns), q.index, mode, w, k]
-        if r:
-            key.append(f"r{r}{self.order_tag}")
-        if order != CONVERSATION:  # prompt answers: one per memory order
-            key.append(order)
-        # Injected rows with a token-level recompute (the engine's recompute_tokens) are other KV.
-        tokens = self.engine.config.recompute_tokens
-        if tokens is not None and mode not in ("prompt", "full"):  # those rows inject nothing
-            key.append(f"tokens:{tokens}")
-        return json.dumps(key)
-
     def answer(self) -> None:
         """Generate every answer the rows need (cached ones are reused)."""
         ranking = self.retrieve()
@@ -524,22 +667,22 @@ class LocomoBench:
                             turns = self.pick(ranked, conv.speakers, k)
                             # The prompt answer does not depend on w (same token ids): once, at the first w.
                             if w == self.ws[0]:
-                                for order in self.prompt_orders(k):
+                                for order in self.table.prompt_orders(k):
                                     msgs = self.messages(
                                         (handles[conv.sample_id][i] for i in self.arrange(turns, ranked, order)),
                                         q.question)
                                     jobs.append(_Job(conv, q, "prompt", None, k, msgs,
-                                                     self.answer_key(conv, q, "prompt", None, k, order=order)))
-                            for r in self.rs:
-                                order = self.served_order(r, k)
+                                                     self.table.key(conv, q, "prompt", None, k, order=order)))
+                            for r in self.table.rs:
+                                order = self.table.served_order(r, k)
                                 msgs = self.messages(
                                     (handles[conv.sample_id][i] for i in self.arrange(turns, ranked, order)), q.question)
-                                jobs.append(_Job(conv, q, "inject", w, k, msgs, self.answer_key(conv, q, "inject", w, k, r), r))
+                                jobs.append(_Job(conv, q, "inject", w, k, msgs, self.table.key(conv, q, "inject", w, k, r), r))
                 self._run_jobs([j for j in jobs if j.mode == "prompt"], f"prompt k={','.join(map(str, self.ks))}",
                                "answer_prompt_s")
-                for r in self.rs:
+                for r in self.table.rs:
                     self._run_jobs([j for j in jobs if j.mode == "inject" and j.recompute == r],
-                                   f"inject w={w} recompute={r}", f"answer_inject_w{w}_r{r}{self.order_tag}_s")
+                                   f"inject w={w} recompute={r}", f"answer_inject_w{w}_r{r}{self.table.order_tag}_s")
         if self.exact_control:
             self._answer_exact(ranking)
         if self.oracles:
@@ -559,7 +702,7 @@ class LocomoBench:
             for conv in self.conversations:
                 for q in conv.questions:
                     for k in self.ks:
-                        key = self.answer_key(conv, q, "exact", None, k)
+                        key = self.table.key(conv, q, "exact", None, k)
                         if self.cache.get(key) is not None:
                             continue
                         turns = self.pick(ranking[(conv.sample_id, q.index)], conv.speakers, k)
@@ -611,7 +754,7 @@ class LocomoBench:
                 for conv in self.conversations:
                     for q in conv.questions:
                         for k in self.ks:
-                            keys = {o.name: self.answer_key(conv, q, f"oracle {o.name}", w, k) for o in self.oracles}
+                            keys = {o.name: self.table.key(conv, q, f"oracle {o.name}", w, k) for o in self.oracles}
                             if all(self.cache.get(key) is not None for key in keys.values()):
                                 continue
                             ranked = ranking[(conv.sample_id, q.index)]
@@ -663,138 +806,21 @@ class LocomoBench:
                 continue
             for q in conv.questions:
                 jobs.append(_Job(conv, q, "full", None, None, self.messages((t.memory for t in conv.turns), q.question),
-                                 self.answer_key(conv, q, "full", None, None)))
+                                 self.table.key(conv, q, "full", None, None)))
         self._run_jobs(jobs, "full conversation", "answer_full_s")
 
     # -------------------------------------------------------------- rows
 
     def rows(self) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        for w in self.ws:
-            for k in self.ks:
-                out.extend(self._prompt_row(w, k, order) for order in self.prompt_orders(k))
-                out.extend(self._inject_row(w, k, r) for r in self.rs)
-                out.extend(self._oracle_row(w, k, o) for o in self.oracles)
-        out.append(self._row("full", None, None, self._collect("full", None, None)))
-        return out
-
-    def _collect(
-        self, mode: str, w: int | None, k: int | None, r: int = 0, order: str = CONVERSATION
-    ) -> dict[tuple[str, int], tuple[Question, dict[str, Any]]]:
-        """Answers in the cache, by ``(sample_id, question index)``."""
-        got = {}
-        for conv in self.conversations:
-            for q in conv.questions:
-                rec = self.cache.get(self.answer_key(conv, q, mode, None if mode == "prompt" else w, k, r, order))
-                if rec is not None and "answer" in rec:
-                    got[(conv.sample_id, q.index)] = (q, rec)
-        return got
-
-    def _prompt_row(self, w: int, k: int, order: str) -> dict[str, Any]:
-        got = self._collect("prompt", None, k, order=order)
-        row = self._row("prompt", w, k, got, order=order)
-        if order != CONVERSATION:
-            base = self._collect("prompt", None, k)
-            row.update(self._compare(got, base, "over_conversation_order", "noise_floor_ci95",
-                                     "category_noise_floor_ci95"))
-        return row
-
-    def _inject_row(self, w: int, k: int, r: int) -> dict[str, Any]:
-        order = self.served_order(r, k)
-        got = self._collect("inject", w, k, r)
-        base = self._collect("prompt", None, k, order=order)
-        mismatched = [key for key, (_, rec) in got.items() if key in base and rec["prompt_hash"] != base[key][1]["prompt_hash"]]
-        if mismatched:
-            raise RuntimeError(f"inject and same-order prompt requests differ in token ids ({len(mismatched)} questions)")
-        pairs = [(rec["answer"], base[key][1]["answer"]) for key, (_, rec) in got.items() if key in base]
-        return {**self._row("inject", w, k, got, r=r, order=order),
-                "agreement": agreement([a for a, _ in pairs], [b for _, b in pairs]),
-                **self._compare(got, base, None, "inject_over_prompt_ci95", "category_over_prompt_ci95")}
-
-    def _oracle_row(self, w: int, k: int, oracle: Oracle) -> dict[str, Any]:
-        got = self._collect(f"oracle {oracle.name}", w, k)
-        base = self._collect("prompt", None, k)
-        pairs = [(rec["answer"], base[key][1]["answer"]) for key, (_, rec) in got.items() if key in base]
-        row = {**self._row("oracle", w, k, got), "oracle": oracle.name,
-               "agreement": agreement([a for a, _ in pairs], [b for _, b in pairs]),
-               **self._compare(got, base, None, "inject_over_prompt_ci95", "category_over_prompt_ci95")}
-        inject = self._row("inject", w, k, self._collect("inject", w, k)) if 0 in self.rs else {"f1": None}
-        row["recovered"] = recovered(row["f1"], inject["f1"], self._row("prompt", w, k, base)["f1"])
-        return row
-
-    @staticmethod
-    def _compare(got: dict[tuple[str, int], tuple[Question, dict[str, Any]]],
-                 base: dict[tuple[str, int], tuple[Question, dict[str, Any]]],
-                 ratio_name: str | None, ci_name: str, category_name: str) -> dict[str, Any]:
-        """Paired F1 of ``got`` over ``base`` (the questions both answered): 95% bootstrap
-        intervals overall and per category, and the ratio itself under ``ratio_name``."""
-        paired = [(q.category, score(rec["answer"], q.answer, q.category), score(base[key][1]["answer"], q.answer, q.category))
-                  for key, (q, rec) in got.items() if key in base]
-        out: dict[str, Any] = {
-            category_name: {str(cat): ratio_ci95([(a, b) for c, a, b in paired if c == cat])
-                            for cat in sorted({c for c, _, _ in paired})},
-        }
-        ci = ratio_ci95([(a, b) for _, a, b in paired])
-        if ci is not None:
-            out[ci_name] = ci
-        if ratio_name is not None:
-            den = sum(b for _, _, b in paired)
-            out[ratio_name] = sum(a for _, a, _ in paired) / den if den else None
-        return out
-
-    def _row(self, mode: str, w: int | None, k: int | None, got: dict[tuple[str, int], tuple[Question, dict[str, Any]]],
-             *, r: int = 0, order: str = CONVERSATION) -> dict[str, Any]:
-        by_cat: dict[str, list[float]] = {}
-        scores = []
-        for q, rec in got.values():
-            s = score(rec["answer"], q.answer, q.category)
-            scores.append(s)
-            by_cat.setdefault(str(q.category), []).append(s)
-        ttfts = [rec["ttft_s"] for _, rec in got.values() if "ttft_s" in rec]
-        return {
-            "mode": mode, "w": w, "k": k, **({"recompute": r} if mode == "inject" else {}),
-            **({"order": order} if mode != "full" else {}),
-            "n_questions": len(scores),
-            "f1": float(np.mean(scores)) if scores else None,
-            "f1_by_category": {c: float(np.mean(v)) for c, v in sorted(by_cat.items())},
-            "agreement": None,
-            # Under --concurrency requests queue behind each other: a cost indicator, not TTFT.
-            "ttft_ms": float(np.median(ttfts)) * 1e3 if ttfts else None,
-        }
+        return self.table.rows(self.ws, self.ks, self.oracles)
 
     def exact_summary(self) -> dict[str, Any] | None:
         """Per k: agreement of exact-context injection with the prompt answers, and its F1."""
-        if not self.exact_control:
-            return None
-        out = {}
-        for k in self.ks:
-            exact = self._collect("exact", None, k)
-            ref = self._collect("prompt", None, k)
-            pairs = [(rec, ref[key][1]) for key, (_, rec) in exact.items() if key in ref]
-            if any(a["prompt_hash"] != b["prompt_hash"] for a, b in pairs):
-                raise RuntimeError("exact-control and prompt requests differ in token ids")
-            scores = [score(rec["answer"], q.answer, q.category) for q, rec in exact.values()]
-            out[str(k)] = {
-                "n_questions": len(scores),
-                "f1": float(np.mean(scores)) if scores else None,
-                "agreement": agreement([a["answer"] for a, _ in pairs], [b["answer"] for _, b in pairs]),
-            }
-        return out
+        return self.table.exact_summary(self.ks) if self.exact_control else None
 
     def answers(self) -> list[dict[str, Any]]:
         """Every question's answers, for inspection (``--answers``)."""
-        out = []
-        for conv in self.conversations:
-            for q in conv.questions:
-                rec: dict[str, Any] = {"sample_id": conv.sample_id, "qa_index": q.index, "category": q.category,
-                                       "question": q.question, "gold": q.answer, "answers": {}}
-                for key, r in self.cache.data.items():
-                    sid, n_turns, qi, mode, w, k, *recompute = json.loads(key)
-                    if (sid, n_turns, qi) == (conv.sample_id, len(conv.turns), q.index) and "answer" in r:
-                        name = mode if mode == "full" else f"{mode} k={k}" + ("" if w is None else f" w={w}")
-                        rec["answers"][name + "".join(f" {x}" for x in recompute)] = r["answer"]
-                out.append(rec)
-        return out
+        return self.table.answers()
 
     def describe(self) -> dict[str, Any]:
         cats = Counter(q.category for c in self.conversations for q in c.questions)
@@ -809,8 +835,8 @@ class LocomoBench:
             "resolve_dates": self.resolve_dates,
             "retrieval": "top-k per speaker (2k memories), listed in conversation order",
             "baseline": "each inject row against the prompt with the identical memory order",
-            "recompute": self.rs,
-            "order": self.order,
+            "recompute": self.table.rs,
+            "order": self.table.order,
             "max_tokens": self.max_tokens,
             "concurrency": self.concurrency,
             "stemmer": STEMMER,
@@ -851,6 +877,47 @@ def run_locomo(
         if answers_path:
             Path(answers_path).parent.mkdir(parents=True, exist_ok=True)
             Path(answers_path).write_text("\n".join(json.dumps(a) for a in bench.answers()) + "\n")
+    return rows, info
+
+
+def score_locomo(
+    answers: str | os.PathLike,
+    *,
+    ks: Sequence[int],
+    ws: Sequence[int],
+    data: str | os.PathLike | None = None,
+    conversations: int | None = None,
+    questions_per_category: int | None = None,
+    max_turns: int | None = None,
+    categories: Sequence[int] | None = None,
+    resolve_dates: bool = False,
+    recompute: Sequence[int] = (0,),
+    order: str = "relevance",
+    recompute_tokens: str | None = None,
+    oracles: Sequence[Oracle] = (),
+    exact_control: bool = False,
+    answers_path: str | os.PathLike | None = None,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Rows and a description, as :func:`run_locomo` gives them, scored from an answer cache
+    (``answers-t*.jsonl`` or ``.xz``) with no engine: the same questions (same data and
+    selection) and the same grid as the run that answered them."""
+    if not Path(answers).is_file():
+        raise FileNotFoundError(f"no answer cache at {answers}")
+    convs = load_locomo(data, conversations=conversations, questions_per_category=questions_per_category,
+                        max_turns=max_turns, categories=categories, resolve_dates=resolve_dates)
+    cache = AnswerCache(None)
+    cache.merge(answers)
+    table = AnswerTable(cache, convs, recompute=recompute, order=order, recompute_tokens=recompute_tokens)
+    rows = table.rows(sorted(set(ws)), sorted(set(ks)), oracles)
+    cats = Counter(q.category for c in convs for q in c.questions)
+    info = {"data": str(data or default_data_path()), "answers_scored": str(answers),
+            "conversations": [c.sample_id for c in convs], "questions": sum(cats.values()),
+            "questions_by_category": {str(c): n for c, n in sorted(cats.items())},
+            "recompute": table.rs, "order": table.order, "recompute_tokens": recompute_tokens,
+            "stemmer": STEMMER, "exact_control": table.exact_summary(sorted(set(ks))) if exact_control else None}
+    if answers_path:
+        Path(answers_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(answers_path).write_text("\n".join(json.dumps(a) for a in table.answers()) + "\n")
     return rows, info
 
 
