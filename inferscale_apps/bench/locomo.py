@@ -875,8 +875,7 @@ def run_locomo(
         if data:
             info["data"] = str(data)
         if answers_path:
-            Path(answers_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(answers_path).write_text("\n".join(json.dumps(a) for a in bench.answers()) + "\n")
+            _write_answers(answers_path, bench.answers())
     return rows, info
 
 
@@ -916,9 +915,14 @@ def score_locomo(
             "recompute": table.rs, "order": table.order, "recompute_tokens": recompute_tokens,
             "stemmer": STEMMER, "exact_control": table.exact_summary(sorted(set(ks))) if exact_control else None}
     if answers_path:
-        Path(answers_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(answers_path).write_text("\n".join(json.dumps(a) for a in table.answers()) + "\n")
+        _write_answers(answers_path, table.answers())
     return rows, info
+
+
+def _write_answers(path: str | os.PathLike, answers: list[dict[str, Any]]) -> None:
+    """``--answers``: one JSON line per question."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text("\n".join(json.dumps(a) for a in answers) + "\n")
 
 
 def ratio_ci95(pairs: Sequence[tuple[float, float]], *, rounds: int = 2000, seed: int = 0) -> list[float] | None:
