@@ -80,7 +80,7 @@ for step in $STEPS; do
     tokenrecompute) # recompute_tokens on the CUDA path: cost at k=5/50 and each row's distance to the prompt
       python3 scripts/make_configs.py /tmp/models --tokenizer .carry/smollm2-tokenizer > /dev/null
       python3 scripts/token_recompute_cost.py --model /tmp/models/llama-3.1-8b-text --device cuda --dummy-weights \
-        --dtype bfloat16 --k ${KS:-5,50} --repeats ${REPEATS:-20} 2>&1 | grep -E "^\{|Traceback|Error" \
+        --dtype bfloat16 --k ${KS:-5,50} --repeats ${REPEATS:-20} --profile "$OUT/token-recompute-profile.txt" 2>&1 | grep -E "^\{|Traceback|Error" \
         | tee "$OUT/token-recompute.jsonl" ;;
     promoteprof) python3 scripts/h200_promote.py 50 --cprofile 2>&1 | tail -26 ;;
     promotesplit) python3 scripts/h200_promote.py 50 --split 2>&1 | grep -E "^k=|^    " | tee "$OUT/promote-split.txt" ;;

@@ -13,7 +13,10 @@ row recomputed (``first:1000``) must come within the attention kernels' rounding
 
 Run: ``python scripts/token_recompute_cost.py --k 5,50`` (niced on a shared box); on the H200,
 ``STEPS=tokenrecompute bash scripts/h200_core.sh`` (the CUDA path: the prefix read back from the
-cache by the block table).
+cache by the block table). ``--profile FILE`` then serves the ``header`` row of the last k
+``--repeats`` times more under torch's profiler and writes its op tables there (by self CPU time,
+and by device time where there is a device): whether the recompute waits on the host or on the
+GPU (on an H100 it cost ~1.5 ms per layer whatever the row count).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dummy-weights", action="store_true", help="random weights (load_format=dummy)")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--profile", metavar="FILE", help="also profile the header row of the last k into FILE")
     args = parser.parse_args()
 
     from tiny_models import VLLM_CPU_TEST_ENV, build_tiny_model
@@ -87,8 +91,47 @@ def main() -> None:
                              "max_logprob_diff_to_prompt": max((abs(logprobs[t] - prompt_logprobs[t]) for t in both),
                                                                default=None)})
                 print(json.dumps(rows[-1]), flush=True)
+        if args.profile:
+            _profile(engine, segments, args.repeats, Path(args.profile))
         engine.config.recompute_tokens = None
 
+
+def _profile(engine, segments, repeats: int, out: Path) -> None:
+    """The header row's recomputes under torch's profiler, each profiled in the thread that runs it
+    (the engine's step, not this one): the time of each alone, and op tables of the last, into
+    ``out``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from inferscale_engine.connector import blend
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    run, seen, took = blend.LayerwiseRecompute.run, [], []
+
+    def profiled(self, *args, **kwargs):
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            run(self, *args, **kwargs)
+            if cuda:
+                torch.cuda.synchronize()
+            took.append(time.perf_counter() - t0)
+        seen.append(prof)
+
+    blend.LayerwiseRecompute.run = profiled
+    engine.config.recompute_tokens = "header"
+    try:
+        for _ in range(repeats):
+            engine.generate_segments(segments, max_tokens=1)
+    finally:
+        blend.LayerwiseRecompute.run = run
+    tables = [seen[-1].key_averages().table(sort_by="self_cpu_time_total", row_limit=40)]
+    if cuda:
+        tables.append(seen[-1].key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+    median_ms = round(1e3 * statistics.median(took), 2)
+    out.write_text(f"recompute_tokens=header: {len(took)} recomputes, {median_ms} ms each (median, profiled)\n\n"
+                   + "\n\n".join(tables))
+    print(json.dumps({"profile": str(out), "recomputes": len(took), "recompute_ms_profiled": median_ms}), flush=True)
 
 if __name__ == "__main__":
     main()
