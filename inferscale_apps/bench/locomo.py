@@ -46,7 +46,8 @@ Rows: ``{mode, w, k, order, n_questions, f1, f1_by_category, agreement, ttft_ms}
 same-order prompt F1 (``category_over_prompt_ci95`` per category); prompt rows of another order
 add the noise floor, ``over_conversation_order`` with ``noise_floor_ci95`` and
 ``category_noise_floor_ci95``. Answers are cached in ``--workdir`` (stores included), so an
-interrupted run resumes where it stopped.
+interrupted run resumes where it stopped; ``--score-only`` scores such a cache (one that came back
+from a device run cut short, say) with no engine, by the same keys (:class:`AnswerTable`).
 """
 
 from __future__ import annotations
