@@ -31,7 +31,7 @@ class EncodeQueue:
         self._tokens = tokens
         self.batch = batch
         self.batch_tokens = batch_tokens
-        self._queue: queue.Queue[Job] = queue.Queue(maxsize=maxsize)
+        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=maxsize)  # None: stop()'s wake-up
         self._idle = threading.Condition()
         self._inflight = 0  # queued or being encoded: what wait_idle waits for
         self._stopping = False
@@ -84,15 +84,18 @@ class EncodeQueue:
     def stop(self, timeout: float = 300) -> int:
         """Let the batch in flight finish, drop the rest; returns how many jobs were dropped."""
         self._stopping = True
+        with contextlib.suppress(queue.Full):  # full: the worker finds a job, then sees _stopping
+            self._queue.put_nowait(None)
         if self._thread is not None:
             self._thread.join(timeout=timeout)
         dropped = 0
         while True:
             try:
-                self._queue.get_nowait()
-                dropped += 1
+                job = self._queue.get_nowait()
             except queue.Empty:
                 break
+            if job is not None:
+                dropped += 1
         with self._idle:
             self._inflight = 0
             self._idle.notify_all()
@@ -106,19 +109,20 @@ class EncodeQueue:
     def _work(self) -> None:
         carry: Job | None = None
         while not self._stopping:
-            if carry is not None:
-                first, carry = carry, None
-            else:
-                try:
-                    first = self._queue.get(timeout=0.1)
-                except queue.Empty:
-                    continue
+            # Blocks until a job or stop()'s wake-up comes: an idle store's thread never wakes (a
+            # timed poll took the GIL ten times a second from whatever the process serves).
+            first = carry if carry is not None else self._queue.get()
+            carry = None
+            if first is None:
+                continue
             batch = [first]
             tokens = self._tokens(first)
             while len(batch) < self.batch and tokens < self.batch_tokens:
                 try:
                     job = self._queue.get_nowait()
                 except queue.Empty:
+                    break
+                if job is None:
                     break
                 n = self._tokens(job)
                 if tokens + n > self.batch_tokens:
