@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from inferscale_engine.errors import FactNotFoundError, InferScaleError
 from inferscale_engine.memory import MemoryStore
@@ -144,6 +145,28 @@ def test_exact_index_add_remove_search():
     assert len(idx) == 200 - len(range(0, 200, 3))
     assert idx.search(vecs[11], 2)[0][1] == pytest.approx(1.0, abs=1e-5)
     assert ExactIndex(4).search(np.ones(4, dtype=np.float32), 3) == []
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+])
+def test_exact_index_search_returns_the_top_seqs_and_their_scores_best_first(device):
+    vecs = _unit(300, 8, 1)
+    seqs = [10_000 + 7 * i for i in range(300)]  # keys, not rows
+    idx = ExactIndex(8, device=device)
+    idx.add(seqs, vecs)
+    for s in seqs[::5]:
+        idx.remove(s)  # rows move: keys must follow them
+    kept = [i for i in range(300) if i % 5 != 0]
+    q = _unit(1, 8, 2)[0]
+    scores = vecs[kept] @ q
+    for k in (1, 17, len(kept), len(kept) + 50):
+        hits = idx.search(q, k)
+        best = np.argsort(-scores, kind="stable")[: min(k, len(kept))]
+        assert [s for s, _ in hits] == [seqs[kept[i]] for i in best]
+        assert [score for _, score in hits] == pytest.approx(scores[best].tolist(), abs=1e-6)
+        assert all(type(s) is int and type(score) is float for s, score in hits)
 
 
 @pytest.mark.skipif(not faiss_available(), reason="faiss not installed")

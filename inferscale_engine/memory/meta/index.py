@@ -82,11 +82,19 @@ class ExactIndex:
         n = len(self._seqs)
         if n == 0:
             return []
+        m = min(k, n)
         with self._on_stream():
             q = torch.as_tensor(query, dtype=torch.float32).to(self.device)
-            top = torch.topk(self._mat[:n] @ q, min(k, n))
-            values, indices = top.values.tolist(), top.indices.tolist()
-        return [(self._seqs[i], float(s)) for s, i in zip(values, indices)]
+            top = torch.topk(self._mat[:n] @ q, m)
+            if self._stream is None:  # on the CPU: read in place (packing costs ~40 µs at k=200 there)
+                scores, rows = top.values.tolist(), top.indices.tolist()
+            else:
+                # Scores (their bits) and rows side by side: one device-to-host copy and one wait
+                # on the device for both, not one each.
+                both = torch.cat((top.values.view(torch.int32), top.indices.to(torch.int32))).cpu()
+                scores, rows = both[:m].view(torch.float32).tolist(), both[m:].tolist()
+        seqs = self._seqs
+        return [(seqs[i], s) for s, i in zip(scores, rows)]
 
     def items(self) -> tuple[list[int], np.ndarray]:
         with self._on_stream():
