@@ -9,7 +9,7 @@ import torch
 
 from inferscale_engine.memory.text.embedder import Embedder
 from inferscale_engine.memory.text.query_graph import BUCKETS, GraphedQueryEncoder
-from inferscale_engine.testing import takes_graphed_path
+from inferscale_engine.testing import query_embedding_eager, takes_graphed_path
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +56,23 @@ def test_half_precision_query_graph_finds_what_fp32_finds():
         a, b = half(ids), full(ids)
         assert float(a @ b) > 0.9999
         assert set(torch.topk(stored @ a, 10).indices.tolist()) == set(torch.topk(stored @ b, 10).indices.tolist())
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+])
+def test_each_query_embeds_as_it_would_alone_whatever_came_before(device):
+    """A query shorter than the one before it in the same bucket: the earlier one's tokens and
+    mask past its length are gone (on CUDA the bucket's input buffer is reused)."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    model = BertModel(cfg).to(device).eval()
+    encoder = GraphedQueryEncoder(model, dtype=None)
+    queries = [torch.randint(1000, 30000, (n,)).tolist() for n in (30, 5, 17, 16, 3, 300)]
+    for ids in queries:
+        got = encoder(ids)
+        assert got.device.type == "cpu" and got.shape == (32,)
+        assert torch.allclose(got, query_embedding_eager(model, ids).cpu(), atol=1e-5)
