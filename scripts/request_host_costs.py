@@ -25,8 +25,28 @@ through a CPU engine, waits for their KV, then times, per k, the same k handles 
   could keep them per fact), ``index pages`` (one indexing kernel per K and V over the slab with
   a row index per token, the index made per request).
 
-Prints one JSON line per k (µs). Absolute figures move with the box's load: compare figures of
-one run, or of two builds run one after the other (``PYTHONPATH=<worktree>``).
+Prints one JSON line per k (µs).
+
+``--sections retrieval`` (also in the default ``resolve,retrieval``): one search's host costs, as
+``bench ttft`` times it (``SyntheticRetriever``: the store's query encoder, ``.cpu().numpy()``,
+``ExactIndex.search`` over ``--index-facts`` vectors, top ``--ks``'s largest), on the CPU, where
+the encoder runs eagerly (no CUDA graph):
+
+* ``idle_wakes_per_s``: per thread of the engine (its memory store built, as a server's is) and
+  sitting idle, how often the OS woke it (context switches over 2 s, from ``/proc``): a thread
+  that polls wakes on its timer, takes the GIL and can hold a search's thread waiting for it;
+* per encoder (``minilm``: bench ttft's 6-layer 384-wide BERT; ``tiny``: a 1-layer 32-wide one,
+  so that the host's share shows), the whole call ``alone`` (before the engine starts and after
+  it closes, interleaved halves), with the engine alive and ``idle``, each 20 ms after the last
+  call (a pause slows the next call by itself: compare these two), and ``after request``: right
+  after a request returns, where ``bench ttft`` calls it;
+* ``tiny`` alone, split: ``encode`` (the encoder's call: inputs built, forward, pooled) and of
+  it ``forward`` (the same computation on inputs built beforehand); ``search`` (``ExactIndex``)
+  and of it ``matmul+topk`` (the same two ops on the query as a tensor, results left on the
+  device).
+
+Absolute figures move with the box's load: compare figures of one run, or of two builds run one
+after the other (``PYTHONPATH=<worktree>``).
 """
 
 from __future__ import annotations
@@ -143,11 +163,123 @@ def _measure(engine: Any, items: list[Any], handles: list[str], k: int, rng: ran
     }
 
 
+def _thread_wakes(seconds: float = 2.0) -> dict[str, float]:
+    """Context switches per second of each named thread of this process (Linux ``/proc``)."""
+    import threading
+
+    def switches() -> dict[int, int]:
+        out = {}
+        for t in threading.enumerate():
+            if t.native_id is None:
+                continue
+            try:
+                with open(f"/proc/self/task/{t.native_id}/status") as f:
+                    out[t.native_id] = sum(int(line.split()[1]) for line in f if "ctxt_switches" in line)
+            except FileNotFoundError:
+                pass
+        return out
+
+    names = {t.native_id: t.name for t in threading.enumerate()
+             if t is not threading.current_thread() and t.native_id is not None}
+    before = switches()
+    time.sleep(seconds)
+    after = switches()
+    wakes: dict[str, float] = {}
+    for tid, name in names.items():
+        if tid in before and tid in after:
+            wakes[name] = wakes.get(name, 0.0) + (after[tid] - before[tid]) / seconds
+    return dict(sorted(wakes.items()))
+
+
+def _retrievers(k: int, facts: int) -> dict[str, Any]:
+    """bench ttft's retriever, and one with a 1-layer 32-wide encoder over the same index size."""
+    from transformers import BertConfig, BertModel
+
+    from inferscale_apps.bench.common import SyntheticRetriever
+
+    minilm = SyntheticRetriever("cpu", facts=facts, k=k)
+    tiny = SyntheticRetriever("cpu", facts=facts, k=k)
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    tiny.encoder = type(minilm.encoder)(BertModel(cfg).eval())
+    tiny.index = type(minilm.index)(32)
+    vecs = torch.nn.functional.normalize(torch.randn(facts, 32), dim=-1).numpy()
+    tiny.index.add(list(range(facts)), vecs)
+    return {"minilm": minilm, "tiny": tiny, "tiny_vecs": vecs}
+
+
+def _retrieval_split(tiny: Any, vecs: Any, question: list[int], k: int, repeats: int) -> dict[str, float]:
+    from inferscale_engine.memory.text import query_graph
+
+    n = len(question)
+    bucket = next(b for b in query_graph.BUCKETS if b >= n)
+    io = torch.zeros(2, bucket, dtype=torch.long)
+    io[0, :n] = torch.tensor(question)
+    io[1, :n] = 1
+    query = tiny.encoder(question).cpu().numpy()
+    mat, q = torch.from_numpy(vecs), torch.from_numpy(query)
+
+    def forward() -> None:
+        with torch.inference_mode():
+            query_graph._embed(tiny.encoder.model, io[0:1], io[1:2])
+
+    return {
+        "encode": _median_us(lambda: tiny.encoder(question), repeats),
+        "forward": _median_us(forward, repeats),
+        "search": _median_us(lambda: tiny.index.search(query, k), repeats),
+        "matmul+topk": _median_us(lambda: torch.topk(mat @ q, k), repeats),
+    }
+
+
+def _retrieval(args: argparse.Namespace, build: str, model: Path, store_path: Path) -> None:
+    """The ``retrieval`` section (see the module docstring)."""
+    from inferscale_engine import InferScaleEngine
+
+    k = max(int(x) for x in args.ks.split(","))
+    rng = random.Random(1)
+    made = _retrievers(k, args.index_facts)
+    names = ("minilm", "tiny")
+    times: dict[str, dict[str, list[float]]] = {n: {"alone": [], "idle": [], "after request": []} for n in names}
+    question = lambda: [rng.randint(1000, 29999) for _ in range(24)]  # noqa: E731  (bench ttft's 24 tokens)
+
+    def alone(count: int) -> None:
+        for _ in range(count):
+            for n in names:
+                time.sleep(0.02)  # as before an idle engine's call: a pause cools caches and threads alike
+                times[n]["alone"].append(made[n](question()))
+
+    for n in names:  # warm
+        made[n](question())
+    split = _retrieval_split(made["tiny"], made["tiny_vecs"], question(), k, args.repeats)
+    alone(args.repeats // 2)
+    with InferScaleEngine(model=str(model), device="cpu", max_model_len=2048, recompute=0,
+                          store_path=store_path) as engine:
+        store = engine.memory  # its threads alive, as a server's are
+        store.add_texts([f"fact {i}: the garden by the river" for i in range(8)], user_id="u")
+        store.wait_for_encoding()
+        prompt = [[rng.randint(10, 250) for _ in range(64)]]
+        engine.generate_segments(prompt, max_tokens=1, mode="prompt")
+        time.sleep(0.5)
+        wakes = _thread_wakes()
+        for _ in range(args.repeats):
+            for n in names:
+                time.sleep(0.02)
+                times[n]["idle"].append(made[n](question()))
+                engine.generate_segments(prompt, max_tokens=1, mode="prompt")
+                times[n]["after request"].append(made[n](question()))
+    alone(args.repeats - args.repeats // 2)
+    figures = {f"{n} {state}": round(1e6 * statistics.median(ts), 1) for n in names for state, ts in times[n].items()}
+    print(json.dumps({"section": "retrieval", "k": k, "facts": args.index_facts, "build": build,
+                      "idle_wakes_per_s": wakes, **figures, **{f"tiny {p}": v for p, v in split.items()}}), flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ks", default="50,200")
     parser.add_argument("--facts", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--sections", default="resolve,retrieval", help="resolve, retrieval or both")
+    parser.add_argument("--index-facts", type=int, default=10_000, help="vectors a search searches (retrieval)")
     parser.add_argument("--build", help="label of the build measured (default: the checkout's git hash)")
     args = parser.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
@@ -162,8 +294,13 @@ def main() -> int:
 
     build = args.build or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
     rng = random.Random(0)
+    sections = args.sections.split(",")
     with tempfile.TemporaryDirectory(prefix="inferscale-hostcosts-") as tmp:
         model = build_tiny_model(Path(tmp) / "tiny-llama", "llama")
+        if "retrieval" in sections:
+            _retrieval(args, build, model, Path(tmp) / "store-retrieval")
+        if "resolve" not in sections:
+            return 0
         with InferScaleEngine(model=model, device="cpu", max_model_len=2048, recompute=0,
                               store_path=Path(tmp) / "store") as engine:
             store = engine.memory
