@@ -36,8 +36,9 @@ the encoder runs eagerly (no CUDA graph):
   sitting idle, how often the OS woke it (context switches over 2 s, from ``/proc``): a thread
   that polls wakes on its timer, takes the GIL and can hold a search's thread waiting for it;
 * per encoder (``minilm``: bench ttft's 6-layer 384-wide BERT; ``tiny``: a 1-layer 32-wide one,
-  so that the host's share shows), the whole call ``alone`` (before the engine starts and after
-  it closes, interleaved halves), with the engine alive and ``idle``, each 20 ms after the last
+  so that the host's share shows), the whole call ``alone`` (half before the engine starts, half
+  after it closes: phases, so the box's load drifting between them shows here; only ``idle`` and
+  ``after request`` interleave call by call), with the engine alive and ``idle``, each 20 ms after the last
   call (a pause slows the next call by itself: compare these two), and ``after request``: right
   after a request returns, where ``bench ttft`` calls it;
 * ``tiny`` alone, split: ``encode`` (the encoder's call: inputs built, forward, pooled) and of
