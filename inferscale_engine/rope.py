@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -58,14 +59,19 @@ def rotate(keys: torch.Tensor, deltas: torch.Tensor, table: RopeTable) -> torch.
     Negative deltas (a fact served earlier than it was encoded) rotate backwards. Rows with
     delta 0 come back bit-identical, which keeps exact-context injection exact. The angles and
     the arithmetic are fp32 whatever the keys' dtype: one rounding back to it at most.
+    ``deltas`` on the host cost least, wherever the keys lie: their checks and the angles'
+    lookup are numpy's, with no device sync.
     """
-    if deltas.numel() == 0 or not bool(deltas.any()):
+    if deltas.numel() == 0:
         return keys
-    if int(deltas.abs().max()) > table.max_delta:
-        raise ValueError(f"position delta {int(deltas.abs().max())} exceeds the rotary table")
-    idx = deltas.abs().long().to(table.cos.device)
-    cos = table.cos[idx].to(keys.device)[:, None, :]  # [n, 1, rd/2]: broadcast over heads
-    sin = (table.sin[idx].to(keys.device) * torch.sign(deltas).to(keys.device).unsqueeze(-1))[:, None, :]
+    if deltas.device.type == "cpu":
+        angles = _host_angles(deltas.numpy(), table, keys.device)
+    else:
+        angles = _device_angles(deltas, table, keys.device)
+    if angles is None:
+        return keys
+    cos, sin, still = angles
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [n, 1, rd/2]: broadcast over heads
 
     rd = table.rotary_dim
     stacked = keys.reshape(-1, *keys.shape[-3:])  # [layers (or 1), n, heads, head_dim]
@@ -89,10 +95,54 @@ def rotate(keys: torch.Tensor, deltas: torch.Tensor, table: RopeTable) -> torch.
         out[first : first + per, ..., :rd] = x
     out = out.reshape(keys.shape)
     # Rows that do not move keep their exact bits (the fp32 round trip is not always identity).
-    still = deltas.to(keys.device) == 0
-    if bool(still.any()):
+    if still is not None:
         out[..., still, :, :] = keys[..., still, :, :]
     return out
+
+
+_Angles = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def _host_angles(deltas: np.ndarray, table: RopeTable, device: torch.device) -> _Angles | None:
+    """Per row cos and signed sin ``[n, rd/2]`` on ``device``, and the rows that do not move
+    (None: none), from host deltas; None where no row moves. A few numpy calls: each torch call
+    on a request's path costs µs to tens of µs on a CPU (the worker runs it once per request,
+    before the forward pass)."""
+    dist = np.abs(deltas)
+    top = int(dist.max())
+    if top == 0:
+        return None
+    if top > table.max_delta:
+        raise ValueError(f"position delta {top} exceeds the rotary table")
+    if table.cos.device.type == "cpu" and table.cos.dtype == torch.float32:
+        sin = table.sin.numpy()[dist]  # a copy (fancy indexing): negated in place
+        np.negative(sin, out=sin, where=(deltas < 0)[:, None])
+        cos, sin_t = torch.from_numpy(table.cos.numpy()[dist]), torch.from_numpy(sin)
+    else:
+        idx = torch.from_numpy(dist.astype(np.int64)).to(table.cos.device)
+        sign = torch.from_numpy(np.sign(deltas).astype(np.int64)).to(table.cos.device)
+        cos, sin_t = table.cos[idx], table.sin[idx] * sign.unsqueeze(-1)
+    still = np.flatnonzero(deltas == 0)
+    rows = torch.from_numpy(still) if len(still) else None
+    if device != cos.device:
+        cos, sin_t = cos.to(device), sin_t.to(device)
+        rows = None if rows is None else rows.to(device)
+    return cos, sin_t, rows
+
+
+def _device_angles(deltas: torch.Tensor, table: RopeTable, device: torch.device) -> _Angles | None:
+    """:func:`_host_angles` from deltas on a device (two syncs)."""
+    dist = deltas.abs()
+    top = int(dist.max())
+    if top == 0:
+        return None
+    if top > table.max_delta:
+        raise ValueError(f"position delta {top} exceeds the rotary table")
+    idx = dist.long().to(table.cos.device)
+    cos = table.cos[idx].to(device)
+    sin = table.sin[idx].to(device) * torch.sign(deltas).to(device).unsqueeze(-1)
+    still = deltas.to(device) == 0
+    return cos, sin, still if bool(still.any()) else None
 
 
 def _halves(x: torch.Tensor, neox: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -106,3 +106,20 @@ def test_fp32_keys_rotated_straight_into_the_output_keep_the_bits_of_a_copy(styl
     keys = torch.randn(3, 50, 2, HEAD)
     deltas = torch.randint(1, 900, (50,))
     assert torch.equal(rotate(keys, deltas, table), _rotated_in_a_copy(keys, deltas, table))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_host_deltas_of_either_sign_and_zero_rotate_as_a_copy_does(dtype):
+    """Host deltas take numpy's way to their angles (no torch call per check): the same bits as
+    the torch reference, backwards rotations and unmoved rows included, whatever their int dtype."""
+    table = RopeTable.from_module(_rope("llama3"))
+    torch.manual_seed(2)
+    keys = torch.randn(3, 60, 2, HEAD).to(dtype)
+    deltas = torch.randint(-900, 900, (60,))
+    deltas[::7] = 0
+    want = _rotated_in_a_copy(keys, deltas, table)
+    still = deltas == 0
+    want[:, still] = keys[:, still]
+    assert torch.equal(rotate(keys, deltas, table), want)
+    assert torch.equal(rotate(keys, deltas.int(), table), want)
+    assert rotate(keys, torch.zeros(60, dtype=torch.int64), table) is keys

@@ -265,8 +265,9 @@ class ConnectorWorker:
             ks.append(k)
             vs.append(v)
         k, v = _gathered(ks, device), _gathered(vs, device)
-        # numpy: torch.repeat_interleave took up to ms on a busy 2-core box, np.repeat µs.
-        deltas = torch.from_numpy(np.repeat(spans.delta, spans.count)).to(device)
+        # numpy: torch.repeat_interleave took up to ms on a busy 2-core box, np.repeat µs. Left
+        # on the host: rotate checks them and looks up their angles there, with no device sync.
+        deltas = torch.from_numpy(np.repeat(spans.delta, spans.count))
         slot_mapping = torch.from_numpy(slots).to(device)
         k = self._rotate(k, deltas)
         for index, (name, layer) in enumerate(self._layers):
