@@ -358,3 +358,15 @@ def test_plans_travel_as_json_or_inline():
                             skip_clone=True)
     assert parse_params(params.clone().extra_args["kv_transfer_params"]) is plan
     assert parse_params(None) is None and parse_params({}) is None
+
+
+def test_pieces_of_the_whole_plan_cannot_move_its_spans():
+    """The whole plan's pieces (a request bypassing vLLM's prefix cache loads it so) read the
+    plan's own bounds: what they hand on is read-only, whoever holds them."""
+    plan = InjectionPlan.tiling(["a", "b", "c"], [4, 3, 5], shared("a", "b", "c"))
+    got = plan.pieces(0, plan.end)
+    assert (got.keys, got.row.tolist(), got.position.tolist(), got.count.tolist()) == (
+        ("a", "b", "c"), [0, 0, 0], [0, 4, 7], [4, 3, 5])
+    with pytest.raises(ValueError, match="read-only"):
+        got.position[0] = 1
+    assert plan.bounds.tolist() == [0, 4, 7, 12]
