@@ -165,16 +165,22 @@ class ConnectorWorker:
         # the plan (an owner in this process). Shapes need no check per span: the owner checked
         # each against the geometry (KVExchange.stage, or where a span entered the engine), and
         # _check_geometry that against the model.
-        pieces = [load.pieces for load in loads]
-        kvs: list[FactKV] = []
-        for p in pieces:
-            kvs.extend(self._load_kvs(p))
-        row = np.concatenate([p.row for p in pieces])
-        position = np.concatenate([p.position for p in pieces])
-        count = np.concatenate([p.count for p in pieces])
+        if len(loads) == 1:  # one request's step: its columns as they come (each copy costs µs, cold)
+            one = loads[0].pieces
+            kvs = list(self._load_kvs(one))
+            row, position, count = one.row, one.position, one.count
+            slots = loads[0].slots(self._block_size)
+        else:
+            pieces = [load.pieces for load in loads]
+            kvs = []
+            for p in pieces:
+                kvs.extend(self._load_kvs(p))
+            row = np.concatenate([p.row for p in pieces])
+            position = np.concatenate([p.position for p in pieces])
+            count = np.concatenate([p.count for p in pieces])
+            slots = np.concatenate([load.slots(self._block_size) for load in loads])
         encoded_at = np.fromiter((kv.position for kv in kvs), dtype=np.int64, count=len(kvs))
         spans = SpanColumns(kvs, row, count, position - encoded_at - row)
-        slots = np.concatenate([load.slots(self._block_size) for load in loads])
         device = compat.layer_kv_cache(self._layers[0][1], forward_context).device
         if device.type == "cuda":
             self._wait_ready(kvs, loads, device)
