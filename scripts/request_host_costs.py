@@ -44,7 +44,7 @@ the encoder runs eagerly (no CUDA graph):
 * ``tiny`` alone, split: ``encode`` (the encoder's call: inputs built, forward, pooled) and
   ``forward``, a yardstick beside it (transformers' own forward of the model on inputs built
   beforehand, unpooled, with its mask helpers, which the encoder skips: runs before 2026-12-06
-  06:20 timed the encoder's private forward instead, a part of ``encode``); ``search`` (``ExactIndex``)
+  06:15 timed the encoder's private forward instead, a part of ``encode``); ``search`` (``ExactIndex``)
   and of it ``matmul+topk`` (the same two ops on the query as a tensor, results left on the
   device).
 
