@@ -15,7 +15,7 @@
 # host time per method of the tiers: host and device tier, right away and after idle), mpretain (multiprocess k=50
 # with 4 GiB staged), mpsplit (a multiprocess and an in-process k=50 request's time, part by part;
 # py-spy over vLLM's processes fell minutes behind and slowed the run past the call's limit), cudatests (the
-# tiers', exchange's and injection streams' CUDA tests), tierspromo (a promotion's host time, full slab
+# CUDA tests of the tiers, exchange, injection streams and table, and retrieval), tierspromo (a promotion's host time, full slab
 # against room on it, the tiers alone), coldtext (a cold request against prompt injection of the same
 # texts, call to answer, through the public API: scripts/profile_cold_plan.py on the Llama shape with
 # SmolLM2's tokenizer; carry .carry/smollm2-tokenizer, a copy of the prepared SmolLM2 folder's
@@ -67,9 +67,10 @@ for step in $STEPS; do
     mpretain) # multiprocess k=50 with every staged span kept for reuse: no staging copies
       MP_KS=50 MP_REPEATS=20 MP_THROUGHPUT=0 MP_STAGED_GIB=4 python3 scripts/h200_mp.py "$M" "$OUT" multiprocess \
         > "$OUT/mpretain.log" 2>&1; grep -E "^multiprocess " "$OUT/mpretain.log" | tail -8 ;;
-    cudatests) # the tiers', the exchange's and the injection streams' CUDA tests
+    cudatests) # the CUDA tests: tiers, exchange, injection streams and table, retrieval's query graph and index
       python3 -m pytest -q -p no:cacheprovider tests/test_memory_tiers.py tests/test_kv_exchange.py \
-        tests/test_injection_streams.py 2>&1 | tail -6 ;;
+        tests/test_injection_streams.py tests/test_injection_table.py tests/test_query_encoder.py \
+        tests/test_memory_search.py 2>&1 | tail -6 ;;
     profile) python3 scripts/h200_profile.py "$M" 2>&1 | grep "k=" ;;
     promote) python3 scripts/h200_promote.py 50 2>&1 | grep -E "k=|copies" ;;
     tierspromo) python3 scripts/tiers_promotion.py cuda 50 2>&1 | tee "$OUT/tiers-promotion.txt" ;;
