@@ -13,10 +13,12 @@ row recomputed (``first:1000``) must come within the attention kernels' rounding
 
 Run: ``python scripts/token_recompute_cost.py --k 5,50`` (niced on a shared box); on the H200,
 ``STEPS=tokenrecompute bash scripts/h200_core.sh`` (the CUDA path: the prefix read back from the
-cache by the block table). ``--profile FILE`` then serves the ``header`` row of the last k
+cache by the block table, each recompute replayed as a CUDA graph). ``--profile FILE`` then serves the ``header`` row of the last k
 ``--repeats`` times more under torch's profiler and writes its op tables there (by self CPU time,
 and by device time where there is a device): whether the recompute waits on the host or on the
-GPU (on an H100 it cost ~1.5 ms per layer whatever the row count).
+GPU (on an H100, eagerly, it cost ~1.5 ms per layer whatever the row count). On CUDA each row
+also says how far its last request's top logprobs lie from its first's
+(``max_logprob_diff_last_to_first``): the graph's replays against its eager first run.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def main() -> None:
                     times.append(time.perf_counter() - t0)
                     first.setdefault(spec, (result.token_ids[0], result.first_logprobs or {}))
                 token, logprobs = first[spec]
+                last = result.first_logprobs or {}
                 prompt_token, prompt_logprobs = first["prompt"]
                 rows.append({"k": k, "recompute_tokens": spec, "prompt_tokens": len(flat),
                              "median_ms": round(1e3 * statistics.median(times[1:]), 2),
@@ -89,7 +92,10 @@ def main() -> None:
                              # over the prompt's top 20 that this row's top 20 also holds
                              "top20_shared_with_prompt": len(both := prompt_logprobs.keys() & logprobs.keys()),
                              "max_logprob_diff_to_prompt": max((abs(logprobs[t] - prompt_logprobs[t]) for t in both),
-                                                               default=None)})
+                                                               default=None),
+                             # a CUDA graph's replays against the first request (run eagerly, then captured)
+                             "max_logprob_diff_last_to_first": max((abs(last[t] - logprobs[t])
+                                                                    for t in logprobs.keys() & last.keys()), default=None)})
                 print(json.dumps(rows[-1]), flush=True)
         if args.profile:
             _profile(engine, segments, args.repeats, Path(args.profile))
@@ -107,24 +113,37 @@ def _profile(engine, segments, repeats: int, out: Path) -> None:
 
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    run, seen, took = blend.LayerwiseRecompute.run, [], []
+    seen, took, depth = [], [], [0]
 
-    def profiled(self, *args, **kwargs):
-        with profile(activities=activities) as prof:
-            t0 = time.perf_counter()
-            run(self, *args, **kwargs)
-            if cuda:
-                torch.cuda.synchronize()
-            took.append(time.perf_counter() - t0)
-        seen.append(prof)
+    def profiled(run):
+        def wrapper(self, *args, **kwargs):
+            if depth[0]:  # a graph's first run calls the eager one: time the outer call only
+                return run(self, *args, **kwargs)
+            depth[0] += 1
+            try:
+                with profile(activities=activities) as prof:
+                    t0 = time.perf_counter()
+                    out = run(self, *args, **kwargs)
+                    if cuda:
+                        torch.cuda.synchronize()
+                    took.append(time.perf_counter() - t0)
+            finally:
+                depth[0] -= 1
+            seen.append(prof)
+            return out
+        return wrapper
 
-    blend.LayerwiseRecompute.run = profiled
+    # Eager recomputes, and CUDA graph replays (where the worker replays one)
+    originals = {cls: cls.run for cls in (blend.LayerwiseRecompute, blend.GraphedRecompute)}
+    for cls, run in originals.items():
+        cls.run = profiled(run)
     engine.config.recompute_tokens = "header"
     try:
         for _ in range(repeats):
             engine.generate_segments(segments, max_tokens=1)
     finally:
-        blend.LayerwiseRecompute.run = run
+        for cls, run in originals.items():
+            cls.run = run
     tables = [seen[-1].key_averages().table(sort_by="self_cpu_time_total", row_limit=40)]
     if cuda:
         tables.append(seen[-1].key_averages().table(sort_by="self_cuda_time_total", row_limit=40))

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from inferscale_engine import vllm_compat as compat
-from inferscale_engine.connector.blend import LayerwiseRecompute
+from inferscale_engine.connector.blend import GraphedRecompute, LayerwiseRecompute, PrefixReader, RowWriter
 from inferscale_engine.connector.exchange import ExchangeReader, Geometry, Location
 from inferscale_engine.connector.plan import CaptureSlots, InferScaleConnectorMetadata, LoadPieces, LoadRequest
 from inferscale_engine.connector.table import InjectionTable, SpanColumns
@@ -64,6 +64,7 @@ class ConnectorWorker:
         self._matched_step = -1
         self._matches: list[tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]] = []
         self._recompute: LayerwiseRecompute | None = None  # built on the first load that asks
+        self._graphed_recompute: GraphedRecompute | None = None
         self._warned_recompute = False
 
     def start_load_kv(self, meta: InferScaleConnectorMetadata, forward_context: ForwardContext) -> None:
@@ -286,7 +287,8 @@ class ConnectorWorker:
         forward_context: ForwardContext,
     ) -> None:
         """Compute the chosen injected rows of each load again, over its whole prefix
-        (:mod:`inferscale_engine.connector.blend`), before the forward pass reads them."""
+        (:mod:`inferscale_engine.connector.blend`), before the forward pass reads them: replayed
+        as a CUDA graph where the cache's layout is known and every chosen row is kept."""
         if self._recompute is None:
             model = compat.running_model()
             if model is None:
@@ -305,29 +307,54 @@ class ConnectorWorker:
                     logger.warning("token-level recompute skipped: part of a prefix came from vLLM's prefix "
                                    "cache, whose layout this attention backend does not expose")
                 continue
-            positions = torch.from_numpy(load.recompute).to(device)
-            slots = torch.from_numpy(_position_slots(load.block_ids, load.recompute, self._block_size)).to(device)
-            prefix = self._prefix_reader(load, hand, views, device)
+            slots = _position_slots(load.block_ids, load.recompute, self._block_size)
+            if views is not None and load.recompute_keep is None and device.type == "cuda":
+                prefix_slots = _position_slots(load.block_ids, np.arange(load.stop), self._block_size)
+                if self._graphed(views, forward_context, device).run(load.recompute_ids, load.recompute, slots,
+                                                                     prefix_slots):
+                    continue
+            on_device = torch.from_numpy(slots).to(device)
 
-            def write(index: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor, _slots: torch.Tensor = slots) -> None:
-                name, layer = self._layers[index]
-                cache = compat.layer_kv_cache(layer, forward_context)
+            def write(index: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      _slots: torch.Tensor = on_device) -> None:
                 where = _slots if len(rows) == len(_slots) else _slots[rows]
-                self._writers[name](layer, k.to(cache.dtype), v.to(cache.dtype), cache, where)
+                self._write_rows(index, where, k, v, compat.layer_kv_cache(self._layers[index][1], forward_context))
 
-            self._recompute.run(torch.from_numpy(load.recompute_ids).to(device), positions, prefix, write,
+            positions = torch.from_numpy(load.recompute).to(device)
+            if views is None:
+                assert hand is not None
+                prefix, writer = _live_rows(hand, positions, write)
+            else:
+                prefix, writer = self._prefix_reader(load, views, device), write
+            self._recompute.run(torch.from_numpy(load.recompute_ids).to(device), positions, prefix, writer,
                                 keep=load.recompute_keep)
 
+    def _graphed(self, views: list[tuple[torch.Tensor, torch.Tensor]], forward_context: ForwardContext,
+                 device: torch.device) -> GraphedRecompute:
+        if self._graphed_recompute is None:
+            assert self._recompute is not None
+            size = views[0][0].shape[1]
+
+            def read(index: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                block, offset = slots // size, slots % size
+                return views[index][0][block, offset], views[index][1][block, offset]
+
+            caches = [compat.layer_kv_cache(layer, forward_context) for _, layer in self._layers]  # never move
+            self._graphed_recompute = GraphedRecompute(
+                self._recompute, read, lambda index, slots, k, v: self._write_rows(index, slots, k, v, caches[index]),
+                device)
+        return self._graphed_recompute
+
+    def _write_rows(self, index: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cache: torch.Tensor) -> None:
+        """Write rows of layer ``index`` to ``cache`` ``slots`` with the backend's own write."""
+        name, layer = self._layers[index]
+        self._writers[name](layer, k.to(cache.dtype), v.to(cache.dtype), cache, slots)
+
     def _prefix_reader(
-        self, load: LoadRequest, hand: tuple[torch.Tensor, torch.Tensor] | None,
-        views: list[tuple[torch.Tensor, torch.Tensor]] | None, device: torch.device,
+        self, load: LoadRequest, views: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
     ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer, the request's rows ``[0, stop)``: read from the cache where its layout is
-        known, else the rows just injected (the whole prefix: ``load.start`` is 0)."""
-        if views is None:
-            assert hand is not None
-            k, v = hand
-            return lambda index: (k[index], v[index])
+        """Per layer, the request's rows ``[0, stop)`` read from the cache by its block table."""
         where = torch.from_numpy(_position_slots(load.block_ids, np.arange(load.stop), self._block_size)).to(device)
         size = views[0][0].shape[1]
         block, offset = where // size, where % size
@@ -404,6 +431,28 @@ def _position_slots(block_ids: list[int], positions: np.ndarray, block_size: int
     """Cache slot (``block * block_size + offset``) of each prompt position of a request."""
     blocks = np.asarray(block_ids, dtype=np.int64)
     return blocks[positions // block_size] * block_size + positions % block_size
+
+
+def _live_rows(
+    hand: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, write: RowWriter,
+) -> tuple[PrefixReader, RowWriter]:
+    """A prefix reader over the rows a load injected (``hand``: ``[layers, stop, heads, head_dim]``,
+    K rotated), and a writer that writes the cache and those rows too, as the cache would show
+    them. A layer's rows are copied on its first write: they may be the stored spans' own."""
+    copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def read(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return copies.get(index) or (hand[0][index], hand[1][index])
+
+    def write_both(index: int, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        write(index, rows, k, v)
+        if index not in copies:
+            copies[index] = (hand[0][index].clone(), hand[1][index].clone())
+        keys, values = copies[index]
+        keys[positions[rows]] = k.to(keys.dtype)
+        values[positions[rows]] = v.to(values.dtype)
+
+    return read, write_both
 
 
 def _gathered(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
