@@ -71,6 +71,8 @@ for step in $STEPS; do
       python3 -m pytest -q -p no:cacheprovider tests/test_memory_tiers.py tests/test_kv_exchange.py \
         tests/test_injection_streams.py tests/test_injection_table.py tests/test_query_encoder.py \
         tests/test_memory_search.py "tests/test_token_recompute.py::test_cuda_graph_replays_give_the_first_runs_rows" 2>&1 | tail -6 ;;
+    retrievalvariants) # one query's retrieval by encoder precision; warm, paused, after other GPU work
+      python3 scripts/h200_retrieval_variants.py 2>&1 | tee "$OUT/retrieval-variants.txt" | grep -E "^(fp|tf|bf)|Error" ;;
     profile) python3 scripts/h200_profile.py "$M" 2>&1 | grep "k=" ;;
     promote) python3 scripts/h200_promote.py 50 2>&1 | grep -E "k=|copies" ;;
     tierspromo) python3 scripts/tiers_promotion.py cuda 50 2>&1 | tee "$OUT/tiers-promotion.txt" ;;

@@ -1,6 +1,8 @@
 """One query's retrieval on the GPU, by encoder precision (diagnostic): the MiniLM-shaped encoder as
 the store's CUDA graph in fp32, with TF32 matmuls, and in fp16/bf16, each against fp32's vector
-(cosine) and the exact top-50 it finds over 10k stored vectors.
+(cosine) and the exact top-50 it finds over 10k stored vectors. ``whole`` is timed three ways: in
+a warm loop; 20 ms after the last call, as one request among others (`bench ttft` runs one
+retrieval per repeat); and right after ~10 ms of other GPU work, as after vLLM's forward pass.
 
 usage: python scripts/h200_retrieval_variants.py
 """
@@ -15,9 +17,11 @@ from inferscale_engine.memory.meta.index import ExactIndex
 from inferscale_engine.memory.text.query_graph import GraphedQueryEncoder
 
 
-def timed(fn, reps=100):
+def timed(fn, reps=100, before=None):
     out = []
     for _ in range(reps + 10):
+        if before is not None:
+            before()
         torch.cuda.synchronize()
         t = time.perf_counter()
         fn()
@@ -25,7 +29,14 @@ def timed(fn, reps=100):
     return median(out[10:])
 
 
+def gpu_work():
+    """~10 ms of matmuls on the GPU (bf16 8k x 8k, a few), finished before the call is timed."""
+    for _ in range(8):
+        busy @ busy
+
+
 torch.manual_seed(0)
+busy = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
 cfg = BertConfig(hidden_size=384, num_hidden_layers=6, num_attention_heads=12, intermediate_size=1536)
 base = BertModel(cfg).eval()
 index = ExactIndex(384, device="cuda")
@@ -47,5 +58,8 @@ for name in ("fp32", "tf32", "fp16", "bf16"):
     encode = timed(lambda: enc(ids))  # noqa: B023  (timed in this iteration)
     search = timed(lambda: index.search(query, 50))  # noqa: B023
     whole = timed(lambda: index.search(enc(ids).numpy(), 50))  # noqa: B023
-    print(f"{name}: encode {encode:.3f} ms, search {search:.3f} ms, whole {whole:.3f} ms; cosine to fp32 {cos:.6f}, "
+    paused = timed(lambda: index.search(enc(ids).numpy(), 50), reps=50, before=lambda: time.sleep(0.02))  # noqa: B023
+    after_gpu = timed(lambda: index.search(enc(ids).numpy(), 50), reps=50, before=gpu_work)  # noqa: B023
+    print(f"{name}: encode {encode:.3f} ms, search {search:.3f} ms, whole {whole:.3f} ms, whole 20 ms after the last "
+          f"{paused:.3f} ms, whole after other GPU work {after_gpu:.3f} ms; cosine to fp32 {cos:.6f}, "
           f"top-50 overlap {len(ref[1] & set(top))}/50", flush=True)
