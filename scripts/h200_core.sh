@@ -22,7 +22,9 @@
 # config and tokenizer files; vLLM's prefix cache off: the two requests have the same tokens, so
 # whichever ran second would be served from the first's blocks), tokenrecompute (recompute_tokens' cost
 # and distance to the prompt on the CUDA path, scripts/token_recompute_cost.py; carry
-# .carry/smollm2-tokenizer as for coldtext). TIERS_REPEATS sets the tiers repeats.
+# .carry/smollm2-tokenizer as for coldtext), retrievalvariants (scripts/h200_retrieval_variants.py: one
+# query's retrieval warm, 20 ms after the last call, and after other GPU work). TIERS_REPEATS sets the
+# tiers repeats.
 set -uo pipefail
 source .gpu/device-env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
