@@ -1,8 +1,9 @@
 """One query's retrieval on the GPU, by encoder precision (diagnostic): the MiniLM-shaped encoder as
 the store's CUDA graph in fp32, with TF32 matmuls, and in fp16/bf16, each against fp32's vector
-(cosine) and the exact top-50 it finds over 10k stored vectors. ``whole`` is timed three ways: in
-a warm loop; 20 ms after the last call, as one request among others (`bench ttft` runs one
-retrieval per repeat); and right after ~10 ms of other GPU work, as after vLLM's forward pass.
+(cosine) and the exact top-50 it finds over 10k stored vectors. The whole retrieval, with the
+vector brought to the host and back or left on the device (as the store searches), is timed three
+ways: in a warm loop; 20 ms after the last call, as one request among others (`bench ttft` runs
+one retrieval per repeat); and right after ~10 ms of other GPU work, as after vLLM's forward pass.
 
 usage: python scripts/h200_retrieval_variants.py
 """
@@ -57,9 +58,14 @@ for name in ("fp32", "tf32", "fp16", "bf16"):
     query = vec.numpy()
     encode = timed(lambda: enc(ids))  # noqa: B023  (timed in this iteration)
     search = timed(lambda: index.search(query, 50))  # noqa: B023
-    whole = timed(lambda: index.search(enc(ids).numpy(), 50))  # noqa: B023
-    paused = timed(lambda: index.search(enc(ids).numpy(), 50), reps=50, before=lambda: time.sleep(0.02))  # noqa: B023
-    after_gpu = timed(lambda: index.search(enc(ids).numpy(), 50), reps=50, before=gpu_work)  # noqa: B023
-    print(f"{name}: encode {encode:.3f} ms, search {search:.3f} ms, whole {whole:.3f} ms, whole 20 ms after the last "
-          f"{paused:.3f} ms, whole after other GPU work {after_gpu:.3f} ms; cosine to fp32 {cos:.6f}, "
+    assert [s for s, _ in index.search(enc.on_device(ids), 50)] == top
+    print(f"{name}: encode {encode:.3f} ms, search {search:.3f} ms; cosine to fp32 {cos:.6f}, "
           f"top-50 overlap {len(ref[1] & set(top))}/50", flush=True)
+    # The vector through the host (two waits, a copy back) and left on the device (one wait).
+    for way, whole in (("host", lambda: index.search(enc(ids).numpy(), 50)),  # noqa: B023
+                       ("device", lambda: index.search(enc.on_device(ids), 50))):  # noqa: B023
+        warm = timed(whole)
+        paused = timed(whole, reps=50, before=lambda: time.sleep(0.02))
+        after_gpu = timed(whole, reps=50, before=gpu_work)
+        print(f"{name}: whole, vector via the {way}: warm {warm:.3f} ms, 20 ms after the last {paused:.3f} ms, "
+              f"after other GPU work {after_gpu:.3f} ms", flush=True)

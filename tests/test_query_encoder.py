@@ -76,3 +76,36 @@ def test_each_query_embeds_as_it_would_alone_whatever_came_before(device):
         got = encoder(ids)
         assert got.device.type == "cpu" and got.shape == (32,)
         assert torch.allclose(got, query_embedding_eager(model, ids).cpu(), atol=1e-5)
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+])
+def test_queries_left_on_the_device_find_what_their_host_vectors_find(device):
+    """The store's search path: each vector stays on the device and the index's stream waits for
+    it. Queries embedded back to back, before any is searched (on CUDA each replays the bucket's
+    graph over the last one's input and output buffers), each rank as their host vectors do."""
+    from transformers import BertConfig, BertModel
+
+    from inferscale_engine.memory.meta.index import ExactIndex, FaissIndex
+
+    torch.manual_seed(0)
+    cfg = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    model = BertModel(cfg).to(device).eval()
+    encoder = GraphedQueryEncoder(model, dtype=None)
+    index = ExactIndex(32, device=device)
+    stored = torch.nn.functional.normalize(torch.randn(500, 32), dim=-1).numpy()
+    index.add(list(range(1000, 1500)), stored)
+    queries = [torch.randint(1000, 30000, (n,)).tolist() for n in (30, 5, 17, 16, 3)]
+    on_device = [encoder.on_device(ids) for ids in queries]
+    for ids, query in zip(queries, on_device):
+        assert query.vec.device.type == device and (query.ready is not None) == (device == "cuda")
+        host = encoder(ids).numpy()
+        assert np.abs(query.numpy() - host).max() < 1e-6
+        assert index.search(query, 20) == index.search(host, 20)
+    if device == "cpu":
+        pytest.importorskip("faiss")
+        flat = FaissIndex(32)
+        flat.add(list(range(1000, 1500)), stored)
+        assert [s for s, _ in flat.search(on_device[0], 20)] == [s for s, _ in index.search(on_device[0], 20)]

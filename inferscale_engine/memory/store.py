@@ -326,7 +326,7 @@ class MemoryStore:
         with self._lock:
             if not self.table.has_facts(user_id):
                 return []
-        vec = self.embedder.embed([query])[0]
+        vec = self.embedder.embed_query(query)
         with self._lock:
             found = self.table.search(user_id, vec, k)
             items = [self._item(f, score=score) for f, score in found]

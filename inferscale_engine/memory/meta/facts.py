@@ -19,6 +19,7 @@ import numpy as np
 
 from inferscale_engine.errors import FactNotFoundError, ForgedHandleError
 from inferscale_engine.memory.text.context import Context, ContextBuilder
+from inferscale_engine.memory.text.query_graph import DeviceQuery
 from inferscale_engine.memory.meta.db import FactRow
 from inferscale_engine.memory.meta.index import IndexKind, UserIndex
 from inferscale_engine.memory.validation import check_user
@@ -152,7 +153,7 @@ class FactTable:
     def has_facts(self, user_id: str) -> bool:
         return bool(self._of_user.get(user_id))
 
-    def search(self, user_id: str, vec: np.ndarray, k: int) -> list[tuple[FactRow, float]]:
+    def search(self, user_id: str, vec: np.ndarray | DeviceQuery, k: int) -> list[tuple[FactRow, float]]:
         index = self._indexes.get(user_id)
         if index is None:
             return []

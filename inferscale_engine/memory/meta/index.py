@@ -3,7 +3,9 @@
 * :class:`ExactIndex` – one ``[n, d]`` tensor on the engine's device; a search is one matmul
   and a ``topk``. Exact, and the fastest choice up to tens of thousands of facts per user. On
   CUDA every access runs on the index's own stream, so a search does not queue behind the
-  forward passes a co-located engine puts on the default stream.
+  forward passes a co-located engine puts on the default stream. A query may stay on the
+  device (:class:`~inferscale_engine.memory.text.query_graph.DeviceQuery`): the index's stream
+  waits for it there, and the host waits once, for the top-k.
 * :class:`FaissIndex` – ``faiss.IndexIDMap2(IndexFlatIP)`` (faiss-cpu; moved to the GPU when
   faiss-gpu and CUDA are present). Also exact; for very large per-user stores.
 * :class:`UserIndex` – picks one (``"auto"``: exact until :data:`AUTO_FAISS_THRESHOLD` facts,
@@ -21,6 +23,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from inferscale_engine.memory.text.query_graph import DeviceQuery
+
 logger = logging.getLogger(__name__)
 
 IndexKind = Literal["auto", "exact", "faiss"]
@@ -31,6 +35,9 @@ class ExactIndex:
     def __init__(self, dim: int, device: str | torch.device = "cpu") -> None:
         self.dim = dim
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # Named in full, so that a query's device compares equal to it.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         with self._on_stream():
             self._mat = torch.empty((64, dim), dtype=torch.float32, device=self.device)
@@ -78,13 +85,13 @@ class ExactIndex:
             self._pos[moved] = pos
         self._seqs.pop()
 
-    def search(self, query: np.ndarray, k: int) -> list[tuple[int, float]]:
+    def search(self, query: np.ndarray | DeviceQuery, k: int) -> list[tuple[int, float]]:
         n = len(self._seqs)
         if n == 0:
             return []
         m = min(k, n)
         with self._on_stream():
-            q = torch.as_tensor(query, dtype=torch.float32).to(self.device)
+            q = self._query(query)
             top = torch.topk(self._mat[:n] @ q, m)
             if self._stream is None:  # on the CPU: read in place (packing costs ~40 µs at k=200 there)
                 scores, rows = top.values.tolist(), top.indices.tolist()
@@ -95,6 +102,17 @@ class ExactIndex:
                 scores, rows = both[:m].view(torch.float32).tolist(), both[m:].tolist()
         seqs = self._seqs
         return [(seqs[i], s) for s, i in zip(scores, rows)]
+
+    def _query(self, query: np.ndarray | DeviceQuery) -> torch.Tensor:
+        """The query as an fp32 vector on the index's device, ready for this stream's next kernel."""
+        if not isinstance(query, DeviceQuery):
+            return torch.as_tensor(query, dtype=torch.float32).to(self.device)
+        if query.vec.device != self.device:
+            return torch.as_tensor(query.numpy(), dtype=torch.float32).to(self.device)
+        if query.ready is not None and self._stream is not None:
+            self._stream.wait_event(query.ready)
+            query.vec.record_stream(self._stream)  # made on the encoder's stream, read on this one
+        return query.vec.float()
 
     def items(self) -> tuple[list[int], np.ndarray]:
         with self._on_stream():
@@ -138,9 +156,11 @@ class FaissIndex:
         # The selector faiss's Python wrapper makes of an array of ids, which its stubs do not take.
         self._index.remove_ids(self._faiss.IDSelectorBatch(np.asarray(seqs, dtype=np.int64)))
 
-    def search(self, query: np.ndarray, k: int) -> list[tuple[int, float]]:
+    def search(self, query: np.ndarray | DeviceQuery, k: int) -> list[tuple[int, float]]:
         if not self._seqs:
             return []
+        if isinstance(query, DeviceQuery):
+            query = query.numpy()
         scores, ids = self._index.search(np.ascontiguousarray(query.reshape(1, -1), dtype=np.float32), min(k, len(self)))
         return [(int(i), float(s)) for s, i in zip(scores[0], ids[0]) if i >= 0]
 
@@ -191,5 +211,5 @@ class UserIndex:
     def remove(self, seq: int) -> None:
         self.backend.remove(seq)
 
-    def search(self, query: np.ndarray, k: int) -> list[tuple[int, float]]:
+    def search(self, query: np.ndarray | DeviceQuery, k: int) -> list[tuple[int, float]]:
         return self.backend.search(query, k)

@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from inferscale_engine.memory.text.query_graph import DeviceQuery, GraphedQueryEncoder
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_EMBEDDER = "sentence-transformers/all-MiniLM-L6-v2"
@@ -44,7 +46,7 @@ class Embedder:
             self._model = model
             self.name = getattr(model, "inferscale_name", None) or _object_name(model)
         self._dim: int | None = None
-        self._query_encoder: Any = None  # CUDA-graphed single-query path, when the model allows
+        self._query_encoder: GraphedQueryEncoder | None = None  # CUDA-graphed single-query path, when the model allows
         self._graph_ok: bool | None = None
 
     @property
@@ -98,6 +100,20 @@ class Embedder:
         return np.ascontiguousarray(vecs, dtype=np.float32)
 
 
+    def embed_query(self, text: str) -> np.ndarray | DeviceQuery:
+        """One search query's ``[dim]`` unit-length float32 embedding. Where a search query runs
+        as a CUDA graph it stays on the device (:class:`DeviceQuery`), which the index reads there
+        without a round trip through the host; elsewhere a host array, as :meth:`embed` gives."""
+        model = self.model
+        if self._graph_ok is None:
+            self._graph_ok = self._graphable(model)
+        if not self._graph_ok:
+            return self.embed([text])[0]
+        with self._lock:
+            query = self._query_graph(model).on_device(self._query_ids(model, text))
+        self._dim = query.vec.shape[0]
+        return query
+
     def _graphable(self, model: Any) -> bool:
         """A search's one query goes through a CUDA graph when the model is a plain mean-pooled
         transformer (MiniLM and its kind) on a CUDA device."""
@@ -113,14 +129,18 @@ class Embedder:
         return modes == {"pooling_mode_mean_tokens"}
 
     def _embed_query(self, model: Any, text: str) -> np.ndarray:
-        from inferscale_engine.memory.text.query_graph import GraphedQueryEncoder
-
-        if self._query_encoder is None:
-            self._query_encoder = GraphedQueryEncoder(model[0].auto_model)
-        ids = model.tokenizer(text, truncation=True, max_length=model.max_seq_length)["input_ids"]
-        vec = self._query_encoder(ids).cpu().numpy()[None]
+        vec = self._query_graph(model)(self._query_ids(model, text)).numpy()[None]
         self._dim = vec.shape[1]
         return np.ascontiguousarray(vec, dtype=np.float32)
+
+    def _query_graph(self, model: Any) -> GraphedQueryEncoder:
+        if self._query_encoder is None:
+            self._query_encoder = GraphedQueryEncoder(model[0].auto_model)
+        return self._query_encoder
+
+    @staticmethod
+    def _query_ids(model: Any, text: str) -> list[int]:
+        return model.tokenizer(text, truncation=True, max_length=model.max_seq_length)["input_ids"]
 
 
 def _is_sentence_transformer(model: Any) -> bool:

@@ -13,6 +13,11 @@ same top 50 of 10k (``scripts/h200_retrieval_variants.py``).
 On CUDA the query runs on a high-priority stream of its own: a search in a process that also
 serves (vLLM's forward passes queue on the default stream) does not queue behind whatever the
 engine has queued, though its kernels still share the SMs with the engine's.
+
+A search needs the vector on the device, not on the host: :meth:`GraphedQueryEncoder.on_device`
+leaves it there as a :class:`DeviceQuery`, and the index's stream waits for its event. The host
+then waits once per query (for the top-k) instead of twice, and the vector is not copied back
+to the device.
 """
 
 from __future__ import annotations
@@ -34,6 +39,22 @@ logger = logging.getLogger(__name__)
 BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
+@dataclass(frozen=True)
+class DeviceQuery:
+    """A query's unit-length fp32 embedding on the encoder's device. ``ready``: recorded on the
+    encoder's stream after the vector was written (``None`` on the CPU); a reader on another
+    stream waits for it first."""
+
+    vec: torch.Tensor
+    ready: torch.cuda.Event | None = None
+
+    def numpy(self) -> np.ndarray:
+        """The vector on the host (waits for it)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.vec.cpu().numpy()
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -41,6 +62,7 @@ class _Graph:
     out: torch.Tensor  # [dim], unit length
     host: torch.Tensor  # io's pinned host twin: one asynchronous copy a query
     host_view: np.ndarray  # host, written in place
+    copied: torch.cuda.Event  # recorded after the last copy out of host
 
 
 def _fill(io: np.ndarray, token_ids: list[int]) -> None:
@@ -87,22 +109,43 @@ class GraphedQueryEncoder:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the weights' upload
 
     def __call__(self, token_ids: list[int]) -> torch.Tensor:
+        with self._on_stream():
+            return self._run(token_ids).cpu()  # waits for this stream alone
+
+    def on_device(self, token_ids: list[int]) -> DeviceQuery:
+        """The embedding left on the device, without waiting for it: for a search there."""
+        with self._on_stream():
+            vec = self._run(token_ids)
+            if self._stream is None:
+                return DeviceQuery(vec)
+            # A copy: the next replay overwrites the graph's output buffer.
+            vec = vec.clone()
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+            return DeviceQuery(vec, ready)
+
+    def _on_stream(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
+
+    def _run(self, token_ids: list[int]) -> torch.Tensor:
+        """The embedding on the encoder's device, queued on the current stream."""
         n = len(token_ids)
         bucket = next((b for b in BUCKETS if b >= n), None)
-        stream = torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
-        # .cpu() waits for this stream alone.
-        with stream, torch.inference_mode():
+        with torch.inference_mode():
             graph = self._graph(bucket) if bucket is not None and self._stream is not None else None
             if graph is None:
                 host = np.empty((2, bucket or n), dtype=np.int64)
                 _fill(host, token_ids)
                 io = torch.from_numpy(host).to(self.device)
-                return _embed(self.model, io[0:1], io[1:2]).cpu()
-            # The last query's copy out of graph.host is done: its .cpu() waited for this stream.
+                return _embed(self.model, io[0:1], io[1:2])
+            # The last query may not have waited for its vector: its copy out of graph.host must
+            # be done before the buffer is written again (it is, unless queries come back to back).
+            graph.copied.synchronize()
             _fill(graph.host_view, token_ids)
             graph.io.copy_(graph.host, non_blocking=True)
+            graph.copied.record()
             graph.graph.replay()
-            return graph.out.cpu()
+            return graph.out
 
     def _graph(self, bucket: int) -> _Graph | None:
         if bucket not in self._graphs:
@@ -124,7 +167,7 @@ class GraphedQueryEncoder:
                 with torch.cuda.graph(graph):
                     out = _embed(self.model, io[0:1], io[1:2])
             host = torch.zeros(2, bucket, dtype=torch.long, pin_memory=True)
-            return _Graph(graph, io, out, host, host.numpy())
+            return _Graph(graph, io, out, host, host.numpy(), torch.cuda.Event())
         except Exception as exc:  # a forward that cannot be captured still embeds, eagerly
             logger.warning("query encoder runs eagerly for %d-token queries: CUDA graph capture failed: %s", bucket, exc)
             return None
