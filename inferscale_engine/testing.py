@@ -48,6 +48,7 @@ __all__ = [
     "query_embedding_eager",
     "query_graph_buckets",
     "rank_span_kvs",
+    "recompute_attention",
     "reset_prefix_cache",
     "segment_free_ranges",
     "share_embedder_weights",
@@ -262,6 +263,18 @@ def query_embedding_eager(model: Any, token_ids: list[int]) -> torch.Tensor:
 def query_graph_buckets(encoder: GraphedQueryEncoder) -> list[int]:
     """The query lengths (buckets) ``encoder`` holds a captured CUDA graph for, ascending."""
     return sorted(bucket for bucket, graph in encoder._graphs.items() if graph is not None)
+
+
+def recompute_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                        scale: float, *, fused: bool) -> torch.Tensor:
+    """The token-level recompute's causal attention of rows ``q`` ``[n, heads, d]`` at
+    ``positions`` over a prefix's ``keys``/``values`` ``[S, kv_heads, d]``: the fused path CUDA
+    takes (one SDPA call in ``q``'s precision) or the chunked float32 one of the CPU."""
+    from inferscale_engine.connector import blend
+
+    if fused:
+        return blend._attend_fused(q, keys, values, positions, scale)
+    return blend._attend_chunked(q, keys, values, positions, scale)
 
 
 # ---------------------------------------------------------------------------------- KV files, GPU

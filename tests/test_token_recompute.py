@@ -225,3 +225,35 @@ def test_cuda_graph_replays_give_the_first_runs_rows(tiny_llama):
         every_row, stale = compare(prompt, runs["first:1000"][-1]), compare(prompt, injected)
         print("\nall rows:", every_row, "injected:", stale)
         assert every_row["max_logit_diff"] < stale["max_logit_diff"] / 4, (every_row, stale)
+
+
+@pytest.mark.parametrize("device,dtype,tol", [
+    ("cpu", torch.float32, 1e-5),
+    pytest.param("cuda", torch.bfloat16, 5e-2,
+                 marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+])
+def test_fused_attention_sees_what_the_chunked_one_sees(device, dtype, tol):
+    """The recompute's attention on CUDA (one SDPA call, grouped-query heads stacked as rows under
+    a mask) against the chunked float32 one of the CPU: rows scattered over a prefix longer than a
+    chunk, each seeing the keys up to its own position and none past it."""
+    from inferscale_engine.testing import recompute_attention
+
+    torch.manual_seed(0)
+    heads, kv_heads, d, prefix = 8, 2, 16, 700
+    positions = torch.sort(torch.randperm(prefix)[:300]).values.to(device)
+    q = torch.randn(300, heads, d, device=device, dtype=dtype)
+    keys = torch.randn(prefix, kv_heads, d, device=device, dtype=dtype)
+    values = torch.randn(prefix, kv_heads, d, device=device, dtype=dtype)
+    fused = recompute_attention(q, keys, values, positions, d**-0.5, fused=True)
+    chunked = recompute_attention(q, keys, values, positions, d**-0.5, fused=False)
+    assert fused.shape == chunked.shape == (300, heads * d)
+    assert (fused.float() - chunked).abs().max() < tol
+    # A key past every row's position changes nothing; one at a row's own position does.
+    last = int(positions[-1])
+    if last + 1 < prefix:
+        moved = values.clone()
+        moved[last + 1 :] += 10
+        assert torch.equal(recompute_attention(q, keys, moved, positions, d**-0.5, fused=True), fused)
+    moved = values.clone()
+    moved[int(positions[0])] += 10
+    assert not torch.allclose(recompute_attention(q, keys, moved, positions, d**-0.5, fused=True)[0], fused[0])
