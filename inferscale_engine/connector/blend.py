@@ -233,8 +233,8 @@ def _attend_fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos
                   scale: float) -> torch.Tensor:
     """One SDPA call in ``q``'s precision (its kernels accumulate in float32, as the backend's
     attention does), each KV head's query heads stacked as the rows of one head, under a mask of
-    the keys each row may see. On an H200 the chunked float32 matmuls took 60% of a k=50 header
-    recompute (35 of 67 ms, Llama-3.1-8B shape), with no tensor cores."""
+    the keys each row may see. On an H200 the chunked float32 path, without tensor cores, was
+    more than half of a k=50 header recompute's GPU time (36 of 67 ms, Llama-3.1-8B shape)."""
     n, heads, d = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
@@ -250,9 +250,9 @@ def _attend_fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos
 def _attend_chunked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """In float32, by chunks of :data:`_CHUNK` queries, each over the keys up to its last
-    position: memory stays bounded, and the causal half is not computed. Each KV head's query heads attend as one batch, not over copies of its keys. Plain
-    matmul and softmax: torch's SDPA with a mask took 1.7x as long on the CPU (850 queries over
-    1,880 keys)."""
+    position: memory stays bounded, and the causal half is not computed. Each KV head's query
+    heads attend as one batch, not over copies of its keys. Plain matmul and softmax: torch's
+    SDPA with a mask took 1.7x as long on the CPU (850 queries over 1,880 keys)."""
     n, heads, d = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads

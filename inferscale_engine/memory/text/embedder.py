@@ -99,7 +99,6 @@ class Embedder:
         self._dim = vecs.shape[1]
         return np.ascontiguousarray(vecs, dtype=np.float32)
 
-
     def embed_query(self, text: str) -> np.ndarray | DeviceQuery:
         """One search query's ``[dim]`` unit-length float32 embedding. Where a search query runs
         as a CUDA graph it stays on the device (:class:`DeviceQuery`), which the index reads there

@@ -42,17 +42,17 @@ BUCKETS = (16, 32, 64, 128, 256, 512)
 @dataclass(frozen=True)
 class DeviceQuery:
     """A query's unit-length fp32 embedding on the encoder's device. ``ready``: recorded on the
-    encoder's stream after the vector was written (``None`` on the CPU); a reader on another
-    stream waits for it first."""
+    encoder's ``stream`` after the vector was written (both ``None`` on the CPU); a reader on
+    another stream waits for it first."""
 
     vec: torch.Tensor
     ready: torch.cuda.Event | None = None
+    stream: torch.cuda.Stream | None = None
 
     def numpy(self) -> np.ndarray:
-        """The vector on the host (waits for it)."""
-        if self.ready is not None:
-            self.ready.synchronize()
-        return self.vec.cpu().numpy()
+        """The vector on the host (waits for it, not for the default stream's queue)."""
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            return self.vec.cpu().numpy()
 
 
 @dataclass
@@ -122,7 +122,7 @@ class GraphedQueryEncoder:
             vec = vec.clone()
             ready = torch.cuda.Event()
             ready.record(self._stream)
-            return DeviceQuery(vec, ready)
+            return DeviceQuery(vec, ready, self._stream)
 
     def _on_stream(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
