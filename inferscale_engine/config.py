@@ -102,7 +102,8 @@ class EngineConfig:
     #: speaker for 1.07x the all-injected TTFT at k=50 (docs/benchmarks-locomo.md).
     recompute: int = 4
     #: Token-level recompute inside the injected region: ``"header"`` (each injected memory's
-    #: tokens up to its first ``": "``, e.g. LoCoMo's ``[date] Speaker:``), ``"first:N"`` (each
+    #: tokens up to its first ``": "``, e.g. LoCoMo's ``[date] Speaker:``; ``"header:M"``: of the
+    #: last M memories only, the most relevant where they are listed last), ``"first:N"`` (each
     #: injected memory's first N tokens) or ``"deviating:P"`` (CacheBlend's: the P % of memory
     #: rows whose second-layer K/V deviate most, after a first layer over them all). Those rows' KV is computed again at serving time, layer
     #: by layer, attending over the whole served prefix, and replaces the injected rows
@@ -257,7 +258,8 @@ def check_recompute(value: Any) -> int:
 
 
 def check_recompute_tokens(value: Any) -> str | None:
-    """``value`` as a ``recompute_tokens`` setting: None, ``"header"``, ``"first:N"`` or ``"deviating:P"``."""
+    """``value`` as a ``recompute_tokens`` setting: None, ``"header"``, ``"header:M"``, ``"first:N"`` or
+    ``"deviating:P"``."""
     if value is not None:
         from inferscale_engine.token_recompute import TokenSet
 

@@ -703,7 +703,8 @@ class InferScaleEngine:
         token_set = TokenSet.parse(spec)
         memories = {id(s) for s in segments if isinstance(s, Span)}  # heads and separators are the engine's
         return token_recompute.positions([(s.token_ids, id(s) in memories) for s in spans],
-                                         functools.partial(self._memory_rows, token_set)), token_set.keep
+                                         functools.partial(self._memory_rows, token_set),
+                                         token_set.last_memories), token_set.keep
 
     def _memory_rows(self, token_set: TokenSet, token_ids: Sequence[int]) -> int:
         """How many of a memory's first tokens ``token_set`` recomputes; headers kept per memory

@@ -12,6 +12,10 @@ The rule is the engine's, not the model's: it reads only a memory's token ids an
   followed by whitespace, looked for in its first :data:`HEADER_TOKENS` tokens (LoCoMo's
   ``[1:56 pm on 8 May, 2023] Caroline:``: the time's colon has no space after it; a fact
   ``"User: likes tea"``: ``User:``). A memory without one has no header: nothing recomputed.
+* ``header:M``: the headers of the last ``M`` memories only: the most relevant ones where the
+  caller lists memories most relevant last, as ``recompute=R`` assumes. A row costs about what
+  a prefilled token does, so a budget is a count of rows whatever k is; all the headers of k=50
+  short memories are most of their rows (docs/benchmarks-locomo.md).
 * ``first:N``: each memory's first ``N`` tokens (EPIC's chunk starts; all of a memory shorter
   than ``N``).
 * ``deviating:P``: CacheBlend's selection. Every memory row is a candidate; the worker computes
@@ -28,28 +32,38 @@ from dataclasses import dataclass
 #: Tokens of a memory the header rule looks at: a header longer than this is not a header.
 HEADER_TOKENS = 32
 
-_SPEC = re.compile(r"^header$|^(first|deviating):(\d+)$")
+_SPEC = re.compile(r"^(header|first|deviating)(?::(\d+))?$")
 _COLON = re.compile(r":\s")
 
 
 @dataclass(frozen=True)
 class TokenSet:
-    """A parsed ``recompute_tokens`` value: ``kind`` ``"header"``, ``"first"`` (``size`` tokens)
-    or ``"deviating"`` (``size`` %)."""
+    """A parsed ``recompute_tokens`` value: ``kind`` ``"header"`` (of the last ``size``
+    memories; 0: of all), ``"first"`` (``size`` tokens) or ``"deviating"`` (``size`` %)."""
 
     kind: str
     size: int = 0
 
     @classmethod
     def parse(cls, spec: str) -> TokenSet:
-        """``"header"``, ``"first:N"`` (N >= 1) or ``"deviating:P"`` (1 <= P <= 100); a
-        ``ValueError`` that names them otherwise."""
+        """``"header"``, ``"header:M"`` (M >= 1), ``"first:N"`` (N >= 1) or ``"deviating:P"``
+        (1 <= P <= 100); a ``ValueError`` that names them otherwise."""
         m = _SPEC.match(spec) if isinstance(spec, str) else None
+        kind = m.group(1) if m is not None else ""
         size = int(m.group(2)) if m is not None and m.group(2) is not None else 0
-        if m is None or (m.group(1) and not 1 <= size <= (100 if m.group(1) == "deviating" else size)):
-            raise ValueError("recompute_tokens must be 'header', 'first:N' (N >= 1) or 'deviating:P' "
-                             f"(1 <= P <= 100), or None: off; got {spec!r}")
-        return cls(m.group(1), size) if m.group(1) else cls("header")
+        valid = m is not None and (
+            (kind == "header" and (m.group(2) is None or size >= 1))
+            or (kind != "header" and m.group(2) is not None and 1 <= size <= (100 if kind == "deviating" else size))
+        )
+        if not valid:
+            raise ValueError("recompute_tokens must be 'header', 'header:M' (M >= 1), 'first:N' (N >= 1) or "
+                             f"'deviating:P' (1 <= P <= 100), or None: off; got {spec!r}")
+        return cls(kind, size)
+
+    @property
+    def last_memories(self) -> int | None:
+        """How many memories, counted from the last, the set takes rows of; None: every one."""
+        return self.size if self.kind == "header" and self.size else None
 
     @property
     def keep(self) -> float | None:
@@ -84,14 +98,20 @@ def tokens_spelling(token_ids: Sequence[int], detokenize: Callable[[Sequence[int
     return len(token_ids)
 
 
-def positions(spans: Sequence[tuple[Sequence[int], bool]], rows: Callable[[Sequence[int]], int]) -> list[int]:
+def positions(spans: Sequence[tuple[Sequence[int], bool]], rows: Callable[[Sequence[int]], int],
+              last_memories: int | None = None) -> list[int]:
     """Prompt positions to recompute: ``spans`` are the injected region's spans in order, each as
     (token ids, whether it is a memory), ``rows`` a memory's count of first tokens to recompute
-    (:meth:`TokenSet.rows`); heads and separators are never chosen."""
+    (:meth:`TokenSet.rows`), of the last ``last_memories`` memories only where given; heads and
+    separators are never chosen."""
+    skip = 0 if last_memories is None else max(0, sum(memory for _, memory in spans) - last_memories)
     out: list[int] = []
     at = 0
     for token_ids, memory in spans:
         if memory:
-            out.extend(range(at, at + rows(token_ids)))
+            if skip:
+                skip -= 1
+            else:
+                out.extend(range(at, at + rows(token_ids)))
         at += len(token_ids)
     return out

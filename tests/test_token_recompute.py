@@ -129,6 +129,17 @@ def test_deviating_rows_are_a_selection(engine, served):
     assert some.first_logprobs != _run(engine, segments, "deviating:100").first_logprobs
 
 
+def test_headers_of_the_last_memories_only(engine, served):
+    """``header:M`` recomputes the headers of the last M memories: as many as there are is
+    ``header`` bit for bit; the last one alone is neither ``header`` nor plain injection."""
+    segments, _, injected = served
+    every = _run(engine, segments, "header")
+    assert _run(engine, segments, f"header:{len(segments) - 2}").first_logprobs == every.first_logprobs
+    last = _run(engine, segments, "header:1")
+    assert last.first_logprobs != every.first_logprobs
+    assert last.first_logprobs != injected.first_logprobs
+
+
 def test_option_off_or_nothing_chosen_leaves_injection_as_it_is(engine, served):
     segments, _, injected = served
     again = _run(engine, segments, None)
@@ -144,7 +155,7 @@ def test_option_off_or_nothing_chosen_leaves_injection_as_it_is(engine, served):
 
 def test_bad_values_are_refused(engine, served):
     segments = served[0]
-    for bad in ("headers", "first:0", "first:x", "deviating:0", "deviating:101", 3):
+    for bad in ("headers", "header:0", "header:", "first", "first:0", "first:x", "deviating:0", "deviating:101", 3):
         with pytest.raises(ValueError, match="recompute_tokens must be"):
             _engine(engine.model_path, recompute_tokens=bad)
         with pytest.raises(ValueError, match="recompute_tokens must be"):
