@@ -49,16 +49,14 @@ class TokenSet:
         """``"header"``, ``"header:M"`` (M >= 1), ``"first:N"`` (N >= 1) or ``"deviating:P"``
         (1 <= P <= 100); a ``ValueError`` that names them otherwise."""
         m = _SPEC.match(spec) if isinstance(spec, str) else None
-        kind = m.group(1) if m is not None else ""
-        size = int(m.group(2)) if m is not None and m.group(2) is not None else 0
-        valid = m is not None and (
-            (kind == "header" and (m.group(2) is None or size >= 1))
-            or (kind != "header" and m.group(2) is not None and 1 <= size <= (100 if kind == "deviating" else size))
-        )
-        if not valid:
-            raise ValueError("recompute_tokens must be 'header', 'header:M' (M >= 1), 'first:N' (N >= 1) or "
-                             f"'deviating:P' (1 <= P <= 100), or None: off; got {spec!r}")
-        return cls(kind, size)
+        if m is not None:
+            kind, given = m.group(1), m.group(2)
+            size = int(given or 0)
+            most = 100 if kind == "deviating" else size  # only a share has a bound above
+            if (given is None and kind == "header") or (given is not None and 1 <= size <= most):
+                return cls(kind, size)
+        raise ValueError("recompute_tokens must be 'header', 'header:M' (M >= 1), 'first:N' (N >= 1) or "
+                         f"'deviating:P' (1 <= P <= 100), or None: off; got {spec!r}")
 
     @property
     def last_memories(self) -> int | None:
