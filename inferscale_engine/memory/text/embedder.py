@@ -78,9 +78,7 @@ class Embedder:
         if not texts:
             return np.zeros((0, self._dim or 0), dtype=np.float32)
         model = self.model
-        if self._graph_ok is None:
-            self._graph_ok = self._graphable(model)
-        if len(texts) == 1 and self._graph_ok:
+        if len(texts) == 1 and self._takes_graph(model):
             with self._lock:
                 return self._embed_query(model, texts[0])
         with self._lock, torch.inference_mode():
@@ -104,14 +102,17 @@ class Embedder:
         as a CUDA graph it stays on the device (:class:`DeviceQuery`), which the index reads there
         without a round trip through the host; elsewhere a host array, as :meth:`embed` gives."""
         model = self.model
-        if self._graph_ok is None:
-            self._graph_ok = self._graphable(model)
-        if not self._graph_ok:
+        if not self._takes_graph(model):
             return self.embed([text])[0]
         with self._lock:
             query = self._query_graph(model).on_device(self._query_ids(model, text))
         self._dim = query.vec.shape[0]
         return query
+
+    def _takes_graph(self, model: Any) -> bool:
+        if self._graph_ok is None:
+            self._graph_ok = self._graphable(model)
+        return self._graph_ok
 
     def _graphable(self, model: Any) -> bool:
         """A search's one query goes through a CUDA graph when the model is a plain mean-pooled
