@@ -32,7 +32,7 @@ FACTS = [
     "Caroline's favourite food is mushroom risotto.\n",
 ]
 QUESTION = "Question: When did Caroline run her first marathon, and what is her cat called?\nAnswer:"
-SLOW_DISK = 2e6  # bytes a second: a fact of SmolLM2 (~0.5 MB of KV) then takes ~1/4 s to read
+SLOW_DISK = 2e6  # bytes a second at most: a fact of SmolLM2 (~0.5 MB of KV) then takes ~1/4 s to read
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +95,19 @@ def _disk(engine, read_bps):
     return rates
 
 
+def _slow_disk(engine, reference):
+    """A disk on which reading every memory costs what prefilling the whole prompt four times
+    does on this machine: how slow that is follows the calibrated prefill, since shared CI cores
+    prefill these ~100 tokens in anywhere from 0.05 to 2 s. (Not slower than needed: the
+    calibration itself reads ~34 MB through the throttle.)"""
+    kv_bytes = sum(engine.memory.tiers.path(key).stat().st_size for key in _keys(engine))
+    prompt_tokens = len(reference.prompt_token_ids)
+    fast = _disk(engine, None)
+    rates = _disk(engine, min(SLOW_DISK, kv_bytes / (4 * fast.prefill_s(prompt_tokens))))
+    assert rates.disk_s(kv_bytes, len(FACTS)) > 2 * rates.prefill_s(prompt_tokens), rates  # it saw the slow disk
+    return rates
+
+
 def _wait_in_memory(engine, keys, timeout=60.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -106,11 +119,10 @@ def _wait_in_memory(engine, keys, timeout=60.0):
 
 def test_slow_disk_recomputes_then_promotes(engine, prompt, reference):
     keys = _keys(engine)
-    rates = _disk(engine, SLOW_DISK)
-    assert rates.disk_bytes_per_s < 2 * SLOW_DISK  # the calibration saw the slow disk
+    _slow_disk(engine, reference)
     _to_cold_disk(engine, keys)
     cold = _ask(engine, prompt)
-    # Reading ~3 MB at 2 MB/s costs more than prefilling ~80 tokens: every cold memory is prefilled.
+    # Reading the memories costs more than prefilling them: every cold memory is prefilled.
     assert cold.usage.memory_mix == MemoryMix(injected=0, from_disk=0, recomputed=len(FACTS)), cold.usage
     assert cold.token_ids == reference.token_ids
     # Nothing injected: the very request prompt injection sends.
@@ -125,7 +137,7 @@ def test_slow_disk_recomputes_then_promotes(engine, prompt, reference):
 
 def test_mixed_injected_and_recomputed_give_the_same_answer(engine, prompt, reference):
     keys = _keys(engine)
-    _disk(engine, SLOW_DISK)
+    _slow_disk(engine, reference)
     _to_device(engine, keys)
     _to_cold_disk(engine, keys[3:])
     mixed = _ask(engine, prompt)
@@ -152,7 +164,7 @@ def test_fast_disk_is_read_and_answers_match(engine, prompt, reference):
 def test_files_in_the_page_cache_are_served_as_memory(engine, prompt, reference):
     """A file the page cache holds is read like a memory tier, whatever the disk's speed."""
     keys = _keys(engine)
-    _disk(engine, SLOW_DISK)
+    _slow_disk(engine, reference)
     tiers = engine.memory.tiers
     for key in keys:
         tiers.evict(key, to="disk")
@@ -167,7 +179,7 @@ def test_a_file_removed_behind_the_stores_back_is_prefilled_then_re_encoded(engi
     """Resolving asks the filesystem nothing: a missing file is found by the read that needed it
     (here the promotion after a recompute), and the next request re-encodes the memory."""
     keys = _keys(engine)
-    _disk(engine, SLOW_DISK)
+    _slow_disk(engine, reference)
     _to_cold_disk(engine, keys)
     gone = keys[2]
     os.remove(engine.memory.tiers.path(gone))
