@@ -353,6 +353,27 @@ def test_answer_cache_takes_another_runs_answers_it_lacks(tmp_path):
     assert again.get("c") is None
 
 
+def test_header_m_rows_serve_the_next_best_ranked_memories_before_the_recomputed_ones():
+    """With recompute_tokens="header:M" an inject row's list puts the R best-ranked memories last
+    (prefilled as text) and the next M just before them: the headers the engine repairs, those
+    of the last M injected memories, are then the most relevant injected memories' ones."""
+    table = AnswerTable(AnswerCache(None), [], recompute=[0, 2, 8, 10], recompute_tokens="header:3")
+    assert [table.served_order(r, 5) for r in table.rs] == [
+        "relevance-last-3", "relevance-last-2+3", "relevance-last-8", "conversation"]  # 10 memories
+    assert AnswerTable(AnswerCache(None), [], recompute_tokens="header:10").served_order(0, 5) == "conversation"
+    plain = AnswerTable(AnswerCache(None), [], recompute=[0, 2])
+    assert [plain.served_order(r, 5) for r in plain.rs] == ["conversation", "relevance-last-2"]
+    # Every order a row serves has its same-order prompt row.
+    assert set(table.prompt_orders(5)) >= {table.served_order(r, 5) for r in table.rs}
+
+    turns = list(range(10))
+    ranked = [(i, "A") for i in (9, 0, 5, 2, 7, 1)]  # best first
+    served = LocomoBench.arrange(turns, ranked, "relevance-last-2+3")
+    assert served[-2:] == [0, 9] and served[-5:-2] == [2, 5, 7]  # each group in conversation order
+    assert sorted(served) == turns
+    assert LocomoBench.arrange(turns, ranked, "relevance-last-3") == [1, 2, 3, 4, 6, 7, 8, 0, 5, 9]
+
+
 def test_answers_with_recompute_tokens_are_kept_apart():
     """A run with the engine's recompute_tokens must not reuse a plain run's injected answers
     from a shared workdir (its prompt answers are the same)."""

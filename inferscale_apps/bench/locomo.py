@@ -23,8 +23,10 @@ Setup (see ``docs/benchmarks-locomo.md``):
 * **Recompute** (``--recompute R,…``, the engine's quality knob): inject rows are answered once per
   ``R``. The ``R`` retrieved memories most similar to the question move to the end of the list
   (each group keeps conversation order) and are prefilled as text after the injected rest; at
-  ``R >= 2k`` that is the prompt itself. ``--order conversation`` keeps the list as it is and
-  recomputes its last ``R`` memories instead.
+  ``R >= 2k`` that is the prompt itself. With the engine's ``recompute_tokens="header:M"``
+  the next ``M`` best-ranked go just before them (``relevance-last-R+M``), so the headers it
+  repairs are the most relevant injected memories'. ``--order conversation`` keeps the list as
+  it is and recomputes its last ``R`` memories (and ``M`` headers) instead.
 * **Answers**: greedy, ``max_tokens=32``; categories 1-4 (5, adversarial, is skipped).
 * **Score**: token F1 with the upstream LoCoMo scorer (``snap-research/locomo``
   ``task_eval/evaluation.py``): lower-case, drop punctuation and commas, drop ``a an the and``,
@@ -33,7 +35,7 @@ Setup (see ``docs/benchmarks-locomo.md``):
 * **Fair baseline.** Every inject row is scored against the prompt row with the *identical*
   memory order (the same token ids: the bench checks it), so its ratio measures the injection,
   not the reordering. The prompt is answered once per order a row serves (``order``:
-  ``conversation``, or ``relevance-last-R``).
+  ``conversation``, ``relevance-last-R`` or ``relevance-last-R+M``).
 * **Noise floor.** The prompt in another order against the prompt in conversation order, per
   category: what moving memories around alone does to F1, the yardstick for an inject row's
   ratio. Every order the inject rows serve counts; when they serve none but the conversation's,
@@ -81,6 +83,7 @@ from inferscale_apps.bench.locomo_data import (
 )
 from inferscale_apps.bench.locomo_oracle import Oracle, Region, header_tokens, recovered, splice
 from inferscale_engine.runtime import facts_from
+from inferscale_engine.token_recompute import TokenSet
 from inferscale_engine.types import EncodeWindow, Span
 
 if TYPE_CHECKING:
@@ -274,12 +277,25 @@ class AnswerTable:
         # Answers with recomputed memories depend on the order; the stores and the rest do not.
         self.order_tag = "" if order == "relevance" else f"-{order}"
         self.recompute_tokens = recompute_tokens
+        # header:M repairs the headers of the last M injected memories: the next best-ranked.
+        self._header_memories = (TokenSet.parse(recompute_tokens).last_memories or 0) if recompute_tokens else 0
 
     def served_order(self, recompute: int, k: int) -> str:
-        """The memory order an inject row with ``recompute`` serves at ``k`` (2k memories)."""
-        if recompute == 0 or recompute >= 2 * k or self.order == "conversation":
+        """The memory order an inject row with ``recompute`` serves at ``k`` (2k memories): the
+        R best-ranked last, and with ``recompute_tokens="header:M"`` the next M best-ranked just
+        before them (``relevance-last-R+M``), so the headers repaired are the most relevant
+        injected memories' ones."""
+        n = 2 * k
+        if self.order == "conversation" or recompute >= n:
+            return CONVERSATION
+        headers = min(self._header_memories, n - recompute)
+        if headers == n - recompute:
+            headers = 0  # every injected memory repaired: their order is the list's
+        if recompute == 0:
+            recompute, headers = headers, 0
+        if recompute == 0:
             return CONVERSATION  # relevance_last of every memory keeps them in place
-        return f"relevance-last-{recompute}"
+        return f"relevance-last-{recompute}" + (f"+{headers}" if headers else "")
 
     def prompt_orders(self, k: int) -> list[str]:
         """Orders the prompt is answered in at ``k``: each one an inject row serves, and at least
@@ -587,10 +603,15 @@ class LocomoBench:
 
     @staticmethod
     def arrange(turns: list[int], ranked: list[tuple[int, str]], order: str) -> list[int]:
-        """``turns`` in ``order``: as listed, or with the R best-ranked moved last."""
+        """``turns`` in ``order``: as listed, or with the R best-ranked moved last
+        (``relevance-last-R``) and the next M just before them (``relevance-last-R+M``)."""
         if order == CONVERSATION:
             return turns
-        return relevance_last(turns, [i for i, _ in ranked], int(order.removeprefix("relevance-last-")))
+        best, _, then = order.removeprefix("relevance-last-").partition("+")
+        ids = [i for i, _ in ranked]
+        if then:
+            turns = relevance_last(turns, ids, int(best) + int(then))
+        return relevance_last(turns, ids, int(best))
 
     # -------------------------------------------------------------- answering
 
