@@ -43,8 +43,8 @@ class TestChatInferScaleQwenIntegration(InjectedChatModelTests):
         # max_tokens: room for a structured joke (~45 tokens); chat answers end well before it.
         # repetition_penalty: greedy decoding of a 0.5B model can loop inside a JSON string until
         # max_tokens ("A cat is like a superhero, but..." on some CPUs and not others: the kernels'
-        # rounding differs by instruction set), and a truncated joke fails the schema. The mild
-        # penalty Qwen2.5's own generation config recommends breaks the loop.
+        # rounding differs by instruction set), and a truncated joke fails the schema. A mild
+        # penalty, of the kind Qwen's instruct models ship in their generation configs, breaks it.
         return {"engine": _STATE["engine"], "user_id": USER, "max_tokens": 80,
                 "model_kwargs": {"min_tokens": 2, "repetition_penalty": 1.05}}
 

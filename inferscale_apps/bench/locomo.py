@@ -288,10 +288,10 @@ class AnswerTable:
         n = 2 * k
         if self.order == "conversation" or recompute >= n:
             return CONVERSATION
-        headers = min(self._header_memories, n - recompute)
-        if headers == n - recompute:
+        headers = self._header_memories
+        if headers >= n - recompute:
             headers = 0  # every injected memory repaired: their order is the list's
-        if recompute == 0:
+        if recompute == 0:  # headers alone: the list recompute=M serves
             recompute, headers = headers, 0
         if recompute == 0:
             return CONVERSATION  # relevance_last of every memory keeps them in place
