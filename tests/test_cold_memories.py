@@ -105,7 +105,6 @@ def _slow_disk(engine, reference):
     fast = _disk(engine, None)
     rates = _disk(engine, min(SLOW_DISK, kv_bytes / (4 * fast.prefill_s(prompt_tokens))))
     assert rates.disk_s(kv_bytes, len(FACTS)) > 2 * rates.prefill_s(prompt_tokens), rates  # it saw the slow disk
-    return rates
 
 
 def _wait_in_memory(engine, keys, timeout=60.0):
