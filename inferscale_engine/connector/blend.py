@@ -61,6 +61,7 @@ class LayerwiseRecompute:
         hidden = self._embed(token_ids)
         residual = hidden
         last = len(self._layers) - 1
+        mask: torch.Tensor | None = None  # the fused attention's, the same at every layer: made once
         for index, (block, attn) in enumerate(self._layers):
             if index == 0:
                 hidden = block.input_layernorm(hidden)
@@ -73,11 +74,18 @@ class LayerwiseRecompute:
                 injected_k, injected_v = prefix(index)  # read before this layer's rows are written
                 chosen = _most_deviating(k, v, injected_k[positions], injected_v[positions], keep)
                 rows, positions, q, k, v, residual = (t[chosen] for t in (rows, positions, q, k, v, residual))
+                mask = None
             write(index, rows, k, v)
             if index == last:
                 break  # the last layer's output feeds nothing that is kept
             keys, values = prefix(index)
-            out = _attend(q.reshape(len(positions), -1, attn.head_dim), keys, values, positions, float(attn.scaling))
+            q = q.reshape(len(positions), -1, attn.head_dim)
+            if q.is_cuda:
+                if mask is None:
+                    mask = _fused_mask(positions, len(keys), q.shape[1] // keys.shape[1])
+                out = _attend_fused(q, keys, values, mask, float(attn.scaling))
+            else:
+                out = _attend_chunked(q, keys, values, positions, float(attn.scaling))
             hidden, _ = attn.o_proj(out.to(hidden.dtype))
             hidden, residual = block.post_attention_layernorm(hidden, residual)
             hidden = block.mlp(hidden)
@@ -219,37 +227,35 @@ def _qkv(attn: Any, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torc
     return q, k, v
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    """Causal attention of ``q`` ``[n, heads, d]`` at ``positions`` over ``keys``/``values``
-    ``[S, kv_heads, d]`` (grouped-query heads shared), flattened to ``[n, heads * d]``: on CUDA
-    :func:`_attend_fused`, elsewhere :func:`_attend_chunked`."""
-    if q.is_cuda:
-        return _attend_fused(q, keys, values, positions, scale)
-    return _attend_chunked(q, keys, values, positions, scale)
+def _fused_mask(positions: torch.Tensor, keys: int, group: int) -> torch.Tensor:
+    """:func:`_attend_fused`'s mask: row ``g * n + i`` (query ``i`` of a KV head's ``g``-th query
+    head, ``group`` query heads per KV head) sees the ``keys`` up to ``positions[i]``."""
+    seen = torch.arange(keys, device=positions.device) <= positions[:, None]  # [n, keys]
+    return seen.repeat(group, 1)
 
 
-def _attend_fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+def _attend_fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                   scale: float) -> torch.Tensor:
-    """One SDPA call in ``q``'s precision (its kernels accumulate in float32, as the backend's
-    attention does), each KV head's query heads stacked as the rows of one head, under a mask of
-    the keys each row may see. On an H200 the chunked float32 path, without tensor cores, was
-    more than half of a k=50 header recompute's GPU time (36 of 67 ms, Llama-3.1-8B shape)."""
+    """Causal attention of ``q`` ``[n, heads, d]`` over ``keys``/``values`` ``[S, kv_heads, d]``
+    (grouped-query heads shared) under :func:`_fused_mask`, flattened to ``[n, heads * d]``: one
+    SDPA call in ``q``'s precision (its kernels accumulate in float32, as the backend's attention
+    does), each KV head's query heads stacked as the rows of one head. On an H200 the chunked
+    float32 path, without tensor cores, was more than half of a k=50 header recompute's GPU time
+    (36 of 67 ms, Llama-3.1-8B shape)."""
     n, heads, d = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
     k = keys.to(q.dtype).transpose(0, 1)[None]  # [1, kv_heads, S, d]
     v = values.to(q.dtype).transpose(0, 1)[None]
     rows = q.reshape(n, kv_heads, group, d).permute(1, 2, 0, 3).reshape(1, kv_heads, group * n, d)
-    seen = torch.arange(keys.shape[0], device=q.device) <= positions[:, None]  # [n, S]
-    mask = seen.repeat(group, 1)  # row g * n + i: query i of the KV head's g-th query head
     out = torch.nn.functional.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale)
     return out.reshape(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
 
 
 def _attend_chunked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                     scale: float) -> torch.Tensor:
-    """In float32, by chunks of :data:`_CHUNK` queries, each over the keys up to its last
+    """Causal attention as :func:`_attend_fused`'s, at ``positions``, in float32 (the CPU's path),
+    by chunks of :data:`_CHUNK` queries, each over the keys up to its last
     position: memory stays bounded, and the causal half is not computed. Each KV head's query
     heads attend as one batch, not over copies of its keys. Plain matmul and softmax: torch's
     SDPA with a mask took 1.7x as long on the CPU (850 queries over 1,880 keys)."""
