@@ -255,10 +255,10 @@ def _attend_fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
 def _attend_chunked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """Causal attention as :func:`_attend_fused`'s, at ``positions``, in float32 (the CPU's path),
-    by chunks of :data:`_CHUNK` queries, each over the keys up to its last
-    position: memory stays bounded, and the causal half is not computed. Each KV head's query
-    heads attend as one batch, not over copies of its keys. Plain matmul and softmax: torch's
-    SDPA with a mask took 1.7x as long on the CPU (850 queries over 1,880 keys)."""
+    by chunks of :data:`_CHUNK` queries, each over the keys up to its last position: memory stays
+    bounded, and the causal half is not computed. Each KV head's query heads attend as one batch,
+    not over copies of its keys. Plain matmul and softmax: torch's SDPA with a mask took 1.7x as
+    long on the CPU (850 queries over 1,880 keys)."""
     n, heads, d = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
