@@ -110,7 +110,7 @@ def _engine_options(p: argparse.ArgumentParser, model: str = "smollm2") -> None:
     g.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present, else cpu")
     g.add_argument("--store", default=None, metavar="DIR|URL", help="memory store folder, or a postgresql:// URL that replicas share (default: $INFERSCALE_HOME/store or the user data dir)")
     g.add_argument("--max-model-len", type=int, default=None, metavar="N", help="context length (default: the model's, 8192 for smollm2)")
-    g.add_argument("--dtype", default=None, help="weights/activations dtype, e.g. bfloat16, float32 (default: the model's)")
+    g.add_argument("--dtype", default=None, help="weights/activations dtype, e.g. bfloat16, float32 (default: the model's; float32 on a CPU without AVX-512 BF16)")
     g.add_argument("--window", type=int, default=None, metavar="W", help="turns of context each memory is encoded after (default 5)")
     g.add_argument("--resolve-dates", action="store_true", default=None,
                    help="store memories with the absolute date after each relative one: 'yesterday' becomes "

@@ -63,6 +63,8 @@ class EngineConfig:
     device: Device | None = None
     #: A store folder, or a ``postgresql://`` URL for a store that replicas share.
     store_path: Path | str | None = None
+    #: ``"auto"``: the model's own, except float32 on an x86 CPU without AVX-512 BF16, where
+    #: bfloat16 is emulated and ~4.5× slower (:func:`~inferscale_engine.vllm_compat.engine_dtype`).
     dtype: str = "auto"
     #: Context length; None takes the model's own.
     max_model_len: int | None = None

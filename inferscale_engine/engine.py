@@ -193,7 +193,7 @@ class InferScaleEngine:
             **graph_options,
             **cfg.vllm_options,
             "model": self.model_path,
-            "dtype": cfg.dtype,
+            "dtype": compat.engine_dtype(cfg.dtype, cfg.device),
             "max_model_len": cfg.max_model_len,
             "enforce_eager": cfg.enforce_eager,
             "seed": cfg.seed,

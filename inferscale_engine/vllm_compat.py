@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import platform
 import re
 import sys
 from typing import TYPE_CHECKING, Any
@@ -133,6 +134,24 @@ def paged_kv_views(layer: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, to
     if kv_cache.dim() == 5 and kv_cache.shape[0] == 2 and kv_cache.shape[3] == heads and kv_cache.shape[4] == dim:
         return kv_cache[0], kv_cache[1]  # (2, B, N, H, D) of earlier flash/triton backends
     return None
+
+
+def engine_dtype(dtype: str, device: str | None) -> str:
+    """The dtype to start vLLM with for the configured ``dtype`` on ``device``.
+
+    vLLM's CPU platform calls bfloat16 native on every x86 CPU (``CpuPlatform.supported_dtypes``),
+    so ``"auto"`` runs a bfloat16 model in bfloat16 there. Without AVX-512 BF16, PyTorch emulates
+    it: on a 2-core AVX2 EPYC, Qwen2.5-Coder-0.5B encoded a conversation turn in 4.6 s in
+    bfloat16 against 1.0 s in float32. On such a CPU ``"auto"`` means float32; a dtype named
+    outright is kept.
+    """
+    if dtype != "auto" or device != "cpu" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return dtype
+    if torch.cpu._is_avx512_bf16_supported():
+        return dtype
+    logger.info("this CPU has no AVX-512 BF16, so bfloat16 would be emulated: the model runs in float32 "
+                "(dtype='bfloat16' keeps it)")
+    return "float32"
 
 
 def calling_engine_core() -> Any:
