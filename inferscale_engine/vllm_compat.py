@@ -136,6 +136,13 @@ def paged_kv_views(layer: Any, kv_cache: torch.Tensor) -> tuple[torch.Tensor, to
     return None
 
 
+def cpu_emulates_bfloat16() -> bool:
+    """Whether this machine is an x86 CPU without AVX-512 BF16, where PyTorch emulates bfloat16."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    return not torch.cpu._is_avx512_bf16_supported()
+
+
 def engine_dtype(dtype: str, device: str | None) -> str:
     """The dtype to start vLLM with for the configured ``dtype`` on ``device``.
 
@@ -145,9 +152,7 @@ def engine_dtype(dtype: str, device: str | None) -> str:
     bfloat16 against 1.0 s in float32. On such a CPU ``"auto"`` means float32; a dtype named
     outright is kept.
     """
-    if dtype != "auto" or device != "cpu" or platform.machine().lower() not in ("x86_64", "amd64"):
-        return dtype
-    if torch.cpu._is_avx512_bf16_supported():
+    if dtype != "auto" or device != "cpu" or not cpu_emulates_bfloat16():
         return dtype
     logger.info("this CPU has no AVX-512 BF16, so bfloat16 would be emulated: the model runs in float32 "
                 "(dtype='bfloat16' keeps it)")

@@ -14,6 +14,7 @@ import torch
 from tiny_models import build_tiny_model
 
 from inferscale_engine import InferScaleEngine
+from inferscale_engine.vllm_compat import cpu_emulates_bfloat16
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -33,8 +34,7 @@ def _served_dtype(model: str, **options: str) -> torch.dtype:
 
 
 def test_auto_runs_bfloat16_natively_or_in_float32(bf16_model: str) -> None:
-    native = torch.cpu._is_avx512_bf16_supported()
-    assert _served_dtype(bf16_model) == (torch.bfloat16 if native else torch.float32)
+    assert _served_dtype(bf16_model) == (torch.float32 if cpu_emulates_bfloat16() else torch.bfloat16)
 
 
 def test_a_named_dtype_is_kept(bf16_model: str) -> None:
