@@ -128,11 +128,17 @@ def test_throughput_quick(tmp_path, tiny_llama):
     plot = tmp_path / "throughput.png"
     data = _run(tmp_path, "throughput", [*_tiny(tiny_llama), "--users", "1,4", "--k", "5", "--output-tokens", "4",
                                          "--plot", str(plot)])
-    got = {(r["mode"], r["users"]) for r in data["results"]}
-    assert got == {(m, u) for m in ("prompt", "inject") for u in (1, 4)}
-    for r in data["results"]:
+    rows = {(r["mode"], r["users"]): r for r in data["results"]}
+    assert set(rows) == {(m, u) for m in ("prompt", "inject", "floor") for u in (1, 4)}
+    for r in rows.values():
         assert r["k"] == 5
         assert _finite_positive(r["req_per_s"]) and _finite_positive(r["tok_per_s"])
+    for u in (1, 4):
+        # Prompt tokens not computed: injection skips head and facts; the floor finds them in
+        # vLLM's prefix cache (whole blocks: all but the one the question shares with them); the
+        # prompt wave, its facts in new random orders, at most the head.
+        cached = {m: rows[(m, u)]["cached_tokens_p50"] for m in ("prompt", "inject", "floor")}
+        assert cached["inject"] >= cached["floor"] > cached["prompt"], cached
     assert _is_png(plot)
 
 

@@ -61,7 +61,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="inject every fact of the pool once before timing, as a warm server has (multiprocess: "
                         "they are then staged for vLLM's workers)")
 
-    p = add("throughput", "concurrent users, k facts each, prompt vs KV injection")
+    p = add("throughput", "concurrent users, k facts each: prompt vs KV injection vs the prefix-cache floor")
     p.add_argument("--users", type=_ints, default=[1, 10, 50, 100], help="concurrent users per wave (default: 1,10,50,100)")
     p.add_argument("--k", type=int, default=50, help="facts per user's question (default: %(default)s)")
     p.add_argument("--output-tokens", type=int, default=32, help="tokens each answer generates (default: %(default)s)")
@@ -176,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
         with engine_from(args) as engine:
             rows = run_throughput(engine, args.users, k=args.k, output_tokens=args.output_tokens)
             env = common.environment(engine)
-        common.print_table(rows, ["mode", "users", "k", "req_per_s", "tok_per_s", "ttft_ms_p50", "ttft_ms_p95"])
+        common.print_table(rows, ["mode", "users", "k", "req_per_s", "tok_per_s", "ttft_ms_p50", "ttft_ms_p95",
+                                  "cached_tokens_p50"])
         title = f"Concurrent users, k={args.k} facts each — {_hardware(env)}, {args.model}"
     elif args.bench == "locomo":
         rows, env = _locomo(args)

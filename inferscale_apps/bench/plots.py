@@ -48,7 +48,7 @@ def plot_ttft(rows: Rows, path: str, *, title: str) -> None:
 def plot_throughput(rows: Rows, path: str, *, title: str) -> None:
     """Requests/s and TTFT (p50, p95 dashed) vs concurrent users, a line per mode."""
     with _figure(path, title, ncols=2) as (rate, ttft):
-        labels = {"prompt": "prompt injection", "inject": "KV injection"}
+        labels = {"prompt": "prompt injection", "inject": "KV injection", "floor": "prefix-cache floor"}
         for i, (mode, label) in enumerate(labels.items()):
             mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["users"])
             if not mine:
