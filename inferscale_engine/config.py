@@ -113,6 +113,11 @@ class EngineConfig:
     #: None (the default): off, injection unchanged. Llama, Mistral, Qwen2 and Qwen3 models only;
     #: read per request, like ``recompute``.
     recompute_tokens: str | None = None
+    #: Where ``recompute_tokens`` computes its rows: in the padding tail of vLLM's own forward
+    #: pass, in its weight reads (:mod:`inferscale_engine.connector.forward_recompute`), where a
+    #: step can carry them; else, or with False, in a pass of its own ahead of vLLM's
+    #: (:mod:`inferscale_engine.connector.blend`).
+    recompute_in_forward: bool = True
     #: Run vLLM as ``vllm serve`` does: its engine core and model workers in processes of their
     #: own, fed fact KV through shared memory. ``None``: only where it is needed, i.e. with
     #: ``tensor_parallel_size`` or ``pipeline_parallel_size`` above 1 or a ``vllm_url``; else all

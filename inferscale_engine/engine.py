@@ -203,7 +203,8 @@ class InferScaleEngine:
                 kv_connector="InferScaleConnector",
                 kv_connector_module_path="inferscale_engine.connector",
                 kv_role="kv_both",
-                kv_connector_extra_config={"fused_rope": cfg.fused_rope},
+                kv_connector_extra_config={"fused_rope": cfg.fused_rope,
+                                           "recompute_in_forward": cfg.recompute_in_forward},
             ),
         })
         t0 = time.perf_counter()

@@ -273,9 +273,9 @@ def recompute_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     from inferscale_engine.connector import blend
 
     if fused:
-        mask = blend._fused_mask(positions, keys.shape[0], q.shape[1] // keys.shape[1])
-        return blend._attend_fused(q, keys, values, mask, scale)
-    return blend._attend_chunked(q, keys, values, positions, scale)
+        mask = blend.fused_mask(positions, keys.shape[0], q.shape[1] // keys.shape[1])
+        return blend.attend_fused(q, keys, values, mask, scale)
+    return blend.attend_chunked(q, keys, values, positions, scale)
 
 
 # ---------------------------------------------------------------------------------- KV files, GPU

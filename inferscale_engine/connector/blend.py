@@ -72,7 +72,7 @@ class LayerwiseRecompute:
             v = v.reshape(len(positions), -1, attn.head_dim)
             if keep is not None and index == SELECTION_LAYER:
                 injected_k, injected_v = prefix(index)  # read before this layer's rows are written
-                chosen = _most_deviating(k, v, injected_k[positions], injected_v[positions], keep)
+                chosen = most_deviating(k, v, injected_k[positions], injected_v[positions], keep)
                 rows, positions, q, k, v, residual = (t[chosen] for t in (rows, positions, q, k, v, residual))
                 mask = None
             write(index, rows, k, v)
@@ -82,10 +82,10 @@ class LayerwiseRecompute:
             q = q.reshape(len(positions), -1, attn.head_dim)
             if q.is_cuda:
                 if mask is None:
-                    mask = _fused_mask(positions, len(keys), q.shape[1] // keys.shape[1])
-                out = _attend_fused(q, keys, values, mask, float(attn.scaling))
+                    mask = fused_mask(positions, len(keys), q.shape[1] // keys.shape[1])
+                out = attend_fused(q, keys, values, mask, float(attn.scaling))
             else:
-                out = _attend_chunked(q, keys, values, positions, float(attn.scaling))
+                out = attend_chunked(q, keys, values, positions, float(attn.scaling))
             hidden, _ = attn.o_proj(out.to(hidden.dtype))
             hidden, residual = block.post_attention_layernorm(hidden, residual)
             hidden = block.mlp(hidden)
@@ -201,7 +201,7 @@ def _stops(positions: torch.Tensor) -> list[int]:
     return [at[min(len(at), lo + _CHUNK) - 1] + 1 for lo in range(0, len(at), _CHUNK)]
 
 
-def _most_deviating(k: torch.Tensor, v: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor,
+def most_deviating(k: torch.Tensor, v: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor,
                     keep: float) -> torch.Tensor:
     """Indices (increasing) of the ``keep`` share of rows whose recomputed K and V deviate most
     from the injected ones, each relative to the injected row's own size (heads differ in scale)."""
@@ -227,17 +227,17 @@ def _qkv(attn: Any, positions: torch.Tensor, hidden: torch.Tensor) -> tuple[torc
     return q, k, v
 
 
-def _fused_mask(positions: torch.Tensor, keys: int, group: int) -> torch.Tensor:
-    """:func:`_attend_fused`'s mask: row ``g * n + i`` (query ``i`` of a KV head's ``g``-th query
+def fused_mask(positions: torch.Tensor, keys: int, group: int) -> torch.Tensor:
+    """:func:`attend_fused`'s mask: row ``g * n + i`` (query ``i`` of a KV head's ``g``-th query
     head, ``group`` query heads per KV head) sees the ``keys`` up to ``positions[i]``."""
     seen = torch.arange(keys, device=positions.device) <= positions[:, None]  # [n, keys]
     return seen.repeat(group, 1)
 
 
-def _attend_fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+def attend_fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                   scale: float) -> torch.Tensor:
     """Causal attention of ``q`` ``[n, heads, d]`` over ``keys``/``values`` ``[S, kv_heads, d]``
-    (grouped-query heads shared) under :func:`_fused_mask`, flattened to ``[n, heads * d]``: one
+    (grouped-query heads shared) under :func:`fused_mask`, flattened to ``[n, heads * d]``: one
     SDPA call in ``q``'s precision (its kernels accumulate in float32, as the backend's attention
     does), each KV head's query heads stacked as the rows of one head. On an H200 the chunked
     float32 path, without tensor cores, was more than half of a k=50 header recompute's GPU time
@@ -252,9 +252,9 @@ def _attend_fused(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     return out.reshape(kv_heads, group, n, d).permute(2, 0, 1, 3).reshape(n, heads * d)
 
 
-def _attend_chunked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+def attend_chunked(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                     scale: float) -> torch.Tensor:
-    """Causal attention as :func:`_attend_fused`'s, at ``positions``, in float32 (the CPU's path),
+    """Causal attention as :func:`attend_fused`'s, at ``positions``, in float32 (the CPU's path),
     by chunks of :data:`_CHUNK` queries, each over the keys up to its last position: memory stays
     bounded, and the causal half is not computed. Each KV head's query heads attend as one batch,
     not over copies of its keys. Plain matmul and softmax: torch's SDPA with a mask took 1.7x as

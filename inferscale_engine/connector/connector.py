@@ -64,7 +64,8 @@ class InferScaleConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = ConnectorScheduler(block_size)
         else:
-            self._worker = ConnectorWorker(block_size, fused=bool(extra.get("fused_rope", True)))
+            self._worker = ConnectorWorker(block_size, fused=bool(extra.get("fused_rope", True)),
+                                           in_forward=bool(extra.get("recompute_in_forward", True)))
 
     # ------------------------------------------------------------------ scheduler side
 

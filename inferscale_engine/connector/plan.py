@@ -304,6 +304,12 @@ class LoadRequest:
         return every[offset : offset + self.stop - self.start]
 
 
+def position_slots(block_ids: Sequence[int], positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slot (``block * block_size + offset``) of each prompt position of a request."""
+    blocks = np.asarray(block_ids, dtype=np.int64)
+    return blocks[positions // block_size] * block_size + positions % block_size
+
+
 @dataclass(slots=True)
 class CaptureSlots:
     """Slots (``block * block_size + offset``) of the rows of a capture range that vLLM computes

@@ -24,7 +24,14 @@ import torch
 from inferscale_engine import vllm_compat as compat
 from inferscale_engine.connector.blend import GraphedRecompute, LayerwiseRecompute, PrefixReader, RowWriter
 from inferscale_engine.connector.exchange import ExchangeReader, Geometry, Location
-from inferscale_engine.connector.plan import CaptureSlots, InferScaleConnectorMetadata, LoadPieces, LoadRequest
+from inferscale_engine.connector.forward_recompute import ForwardRecompute
+from inferscale_engine.connector.plan import (
+    CaptureSlots,
+    InferScaleConnectorMetadata,
+    LoadPieces,
+    LoadRequest,
+    position_slots,
+)
 from inferscale_engine.connector.table import InjectionTable, SpanColumns
 from inferscale_engine.errors import ConnectorError
 from inferscale_engine.kv import FactKV
@@ -40,9 +47,12 @@ class ConnectorWorker:
     """The worker half of :class:`~inferscale_engine.connector.connector.InferScaleConnector`:
     its worker-side methods, handed each step's metadata by it."""
 
-    def __init__(self, block_size: int, fused: bool) -> None:
+    def __init__(self, block_size: int, fused: bool, in_forward: bool = True) -> None:
+        """``fused``: write injected KV with the Triton kernel where it knows the layout;
+        ``in_forward``: recompute rows inside vLLM's forward pass where a step can carry them."""
         self._block_size = block_size
         self._fused = fused
+        self._in_forward = in_forward
         # Per layer [blocks, block_size, heads, head_dim] K/V views of vLLM's cache, and the Triton
         # writer's per-layer addresses; once known (False: the backend's layout is not known).
         self._paged: list[tuple[torch.Tensor, torch.Tensor]] | bool | None = None
@@ -63,6 +73,7 @@ class ConnectorWorker:
         self._hooked_captures: list[CaptureSlots] = []
         self._matched_step = -1
         self._matches: list[tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]] = []
+        self._forward: ForwardRecompute | None = None  # where the runner can carry rows
         self._recompute: LayerwiseRecompute | None = None  # built on the first load that asks
         self._graphed_recompute: GraphedRecompute | None = None
         self._warned_recompute = False
@@ -84,7 +95,10 @@ class ConnectorWorker:
             self._hooked_captures = meta.captures
         if meta.loads:
             in_hand = self._inject(meta.loads, forward_context)
-            if any(load.recompute is not None for load in meta.loads):
+            chosen = [index for index, load in enumerate(meta.loads) if _recomputes(load)]
+            if chosen and not (self._forward is not None and self._forward.start(
+                    [meta.loads[i] for i in chosen], [in_hand[i] for i in chosen],
+                    self._paged_views(forward_context), self._block_size, forward_context)):
                 self._recompute_rows(meta.loads, in_hand, forward_context)
 
     def wait_for_save(self) -> None:
@@ -109,8 +123,20 @@ class ConnectorWorker:
                 if self._hooked_captures:
                     self._capture(_index, key, value, slot_mapping)
 
-            self._writers[name] = compat.wrap_kv_cache_update(layer, after_write)
-        logger.debug("InferScaleConnector hooked %d attention layers", len(self._layers))
+            def before_write(
+                key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, _index: int = index
+            ) -> None:
+                if self._forward is not None:
+                    self._forward.before_write(_index, key, value)
+
+            self._writers[name] = compat.wrap_kv_cache_update(layer, after_write, before_write)
+        runner = compat.running_runner() if self._in_forward else None
+        if runner is not None and ForwardRecompute.supported(runner):
+            # The cache's layout is looked up on the first load (it may not be allocated yet).
+            self._forward = ForwardRecompute(runner, self._layers,
+                                             lambda loads: _rows_in_forward(loads, paged=bool(self._paged)))
+        logger.debug("InferScaleConnector hooked %d attention layers%s", len(self._layers),
+                     "; recomputed rows ride the forward pass" if self._forward else "")
 
     def _check_geometry(self, g: Geometry) -> None:
         """Check the owner's KV fits this model, and find this rank's KV heads: with tensor
@@ -307,9 +333,9 @@ class ConnectorWorker:
                     logger.warning("token-level recompute skipped: part of a prefix came from vLLM's prefix "
                                    "cache, whose layout this attention backend does not expose")
                 continue
-            slots = _position_slots(load.block_ids, load.recompute, self._block_size)
+            slots = position_slots(load.block_ids, load.recompute, self._block_size)
             if views is not None and load.recompute_keep is None and device.type == "cuda":
-                prefix_slots = _position_slots(load.block_ids, np.arange(load.stop), self._block_size)
+                prefix_slots = position_slots(load.block_ids, np.arange(load.stop), self._block_size)
                 if self._graphed(views, forward_context, device).run(load.recompute_ids, load.recompute, slots,
                                                                      prefix_slots):
                     continue
@@ -355,7 +381,7 @@ class ConnectorWorker:
         self, load: LoadRequest, views: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
     ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the request's rows ``[0, stop)`` read from the cache by its block table."""
-        where = torch.from_numpy(_position_slots(load.block_ids, np.arange(load.stop), self._block_size)).to(device)
+        where = torch.from_numpy(position_slots(load.block_ids, np.arange(load.stop), self._block_size)).to(device)
         size = views[0][0].shape[1]
         block, offset = where // size, where % size
         return lambda index: (views[index][0][block, offset], views[index][1][block, offset])
@@ -427,10 +453,18 @@ def rank_heads(heads: int, local: int, rank: int, ranks: int) -> tuple[int, int]
     return first, first + local
 
 
-def _position_slots(block_ids: list[int], positions: np.ndarray, block_size: int) -> np.ndarray:
-    """Cache slot (``block * block_size + offset``) of each prompt position of a request."""
-    blocks = np.asarray(block_ids, dtype=np.int64)
-    return blocks[positions // block_size] * block_size + positions % block_size
+def _recomputes(load: LoadRequest) -> bool:
+    return load.recompute is not None and load.recompute_ids is not None
+
+
+def _rows_in_forward(loads: Sequence[LoadRequest], paged: bool) -> int:
+    """The rows a step with ``loads`` carries in its forward pass: every recomputed row, where
+    each load's prefix can be read (from the cache, or, where its layout is not known, a load
+    starting at 0 has it all in hand); else none."""
+    chosen = [load for load in loads if _recomputes(load)]
+    if not paged and any(load.start for load in chosen):
+        return 0
+    return sum(len(load.recompute) for load in chosen if load.recompute is not None)
 
 
 def _live_rows(

@@ -1,0 +1,250 @@
+"""Token-level recompute riding vLLM's own forward pass (``EngineConfig.recompute_tokens``), in
+the connector's worker half.
+
+:mod:`~inferscale_engine.connector.blend` recomputes the chosen rows of the injected region in a
+pass of its own before vLLM's: every linear layer reads its weights a second time, ~13 ms for
+~100 rows on an H100 (Llama-3.1-8B shape) against a ~10 ms request. Here the rows join the
+step's batch instead, past its scheduled tokens in the padding tail
+(:class:`~inferscale_engine.vllm_compat.ExtraRows`): their prompt token ids, their served
+positions and their cache slots. vLLM's forward pass computes them with the request's own
+tokens, in the same weight reads, and its KV write puts each layer's rows over the injected ones
+before that layer's attention, so the request's tokens attend over them as over a prompt's.
+
+Only the rows' own attention is InferScale's: vLLM's covers the scheduled tokens. After it, each
+layer's rows attend causally over their request's prefix in the cache, the rows just written
+included (blend's attention: one fused SDPA call on CUDA, float32 in chunks on the CPU), into
+the layer's output rows. Where the cache's layout is not known (the CPU backend's), the prefix
+is the rows this step injected, kept in hand with each layer's recomputed rows written over them.
+
+With CacheBlend's selection (``recompute_keep``), each request's rows whose K/V deviate least
+from the injected ones at :data:`~inferscale_engine.connector.blend.SELECTION_LAYER` get slot -1
+there: vLLM's writes skip them from that layer up, and what was injected stays.
+
+A step that cannot carry its rows (past the batch's buffers, a full CUDA graph) recomputes them
+with blend.py instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from inferscale_engine import vllm_compat as compat
+from inferscale_engine.connector.blend import SELECTION_LAYER, attend_chunked, attend_fused, most_deviating
+from inferscale_engine.connector.plan import position_slots
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+
+    from inferscale_engine.connector.plan import LoadRequest
+
+#: Per layer ``[blocks, block_size, kv_heads, head_dim]`` K and V views of the paged cache.
+PagedViews = Sequence[tuple[torch.Tensor, torch.Tensor]]
+#: What a load injected this step (``[layers, stop - start, kv_heads, head_dim]`` K rotated, V).
+InHand = tuple[torch.Tensor, torch.Tensor]
+
+
+class ForwardRecompute:
+    """Recomputes the chosen rows of a step's loads inside that step's forward pass."""
+
+    def __init__(self, runner: Any, layers: Sequence[tuple[str, Any]],
+                 rows_for: Callable[[Sequence[LoadRequest]], int]) -> None:
+        """``runner``: the vLLM model runner; ``layers``: its attention layers in model order;
+        ``rows_for(loads)``: the rows a step with these loads carries (0: it recomputes with
+        blend.py, or not at all)."""
+        def step_rows(scheduler_output: Any) -> int:
+            return rows_for(getattr(scheduler_output.kv_connector_metadata, "loads", ()))
+
+        self._extra = compat.ExtraRows(runner, step_rows)
+        self._last = len(layers) - 1
+        self._head_dims = [int(layer.head_size) for _, layer in layers]
+        self._scales = [compat.attention_scale(layer) for _, layer in layers]
+        self._step: _Step | None = None
+        for index, (_, layer) in enumerate(layers):
+            compat.wrap_attention_forward(layer, functools.partial(self._attend, index))
+
+    @staticmethod
+    def supported(runner: Any) -> bool:
+        """Whether ``runner`` runs steps this can add rows to (what vLLM pads or reorders
+        otherwise is not verified: speculative decoding, LoRA, multimodal inputs, data or
+        pipeline parallelism)."""
+        return compat.extra_rows_supported(runner)
+
+    def start(self, loads: Sequence[LoadRequest], in_hand: Sequence[InHand | None], views: PagedViews | None,
+              block_size: int, forward_context: ForwardContext) -> bool:
+        """Put this step's rows of ``loads`` (each with ``recompute`` and ``recompute_ids``) into
+        its batch; False where the step does not carry them (the caller recomputes them itself)."""
+        extra = self._extra
+        rows = sum(len(load.recompute) for load in loads if load.recompute is not None)
+        padded = compat.step_row_count(forward_context)
+        if not rows or extra.rows != rows or padded is None or padded < extra.scheduled + rows:
+            return False
+        if views is None and any(hand is None or load.start for load, hand in zip(loads, in_hand)):
+            return False
+        device = extra.device
+        chosen = [load.recompute for load in loads if load.recompute is not None]
+        positions = np.concatenate(chosen)
+        slots = np.concatenate([position_slots(load.block_ids, rows_of, block_size)
+                                for load, rows_of in zip(loads, chosen)])
+        ids = np.concatenate([load.recompute_ids for load in loads])
+        staged = torch.from_numpy(np.concatenate([ids, positions, slots]).astype(np.int64)).to(device)
+        mappings = compat.step_slot_mappings(forward_context)
+        extra.write(staged[:rows], staged[rows : 2 * rows], staged[2 * rows :], mappings)
+        bounds = np.cumsum([0, *map(len, chosen)])
+        step = _Step(first=extra.scheduled, rows=rows, positions=staged[rows : 2 * rows], mappings=mappings,
+                     parts=[slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])],
+                     keeps=[load.recompute_keep for load in loads])
+        if views is not None:
+            step.paged = _PagedPrefix.build(loads, views, positions, block_size, slots, device)
+        else:
+            step.in_hand = [_HandPrefix(hand[0], hand[1]) for hand in in_hand]  # type: ignore[index]
+        self._step = step
+        return True
+
+    def before_write(self, index: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """At :data:`SELECTION_LAYER`, ahead of vLLM's KV write: where the step's loads keep a
+        share of their rows, give the others slot -1 from this layer up."""
+        step = self._step
+        if step is None or index != SELECTION_LAYER or all(keep is None for keep in step.keeps):
+            return
+        at = step.at
+        heads, dim = -1, self._head_dims[index]
+        new_k, new_v = key[at].reshape(step.rows, heads, dim), value[at].reshape(step.rows, heads, dim)
+        old_k, old_v = step.rows_now(index)
+        kept = torch.ones(step.rows, dtype=torch.bool, device=key.device)
+        for part, keep in zip(step.parts, step.keeps):
+            if keep is not None:
+                kept[part] = False
+                chosen = most_deviating(new_k[part], new_v[part], old_k[part], old_v[part], keep)
+                kept[part][chosen] = True
+        step.kept = kept
+        for mapping in step.mappings:
+            mapping[at] = torch.where(kept, mapping[at], torch.full_like(mapping[at], -1))
+
+    def _attend(self, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                output: torch.Tensor) -> None:
+        """After vLLM's attention at layer ``index``: the rows' own, over their prefixes."""
+        step = self._step
+        if step is None:
+            return
+        if index == self._last:
+            self._step = None  # nothing reads the last layer's output rows: its KV write was all
+            return
+        at, dim, scale = step.at, self._head_dims[index], self._scales[index]
+        q = query[at].reshape(step.rows, -1, dim)
+        if step.paged is not None:
+            keys, values = step.paged.read(index)
+            out = attend_fused(q, keys, values, step.paged.mask(q.shape[1] // keys.shape[1]), scale)
+        else:
+            k, v = key[at].reshape(step.rows, -1, dim), value[at].reshape(step.rows, -1, dim)
+            outs = []
+            assert step.in_hand is not None
+            for part, hand in zip(step.parts, step.in_hand):
+                kept = None if step.kept is None else step.kept[part]
+                keys, values = hand.write(index, step.positions[part], k[part], v[part], kept)
+                outs.append(attend_chunked(q[part], keys, values, step.positions[part], scale))
+            out = torch.cat(outs)
+        output.view(output.shape[0], -1)[at] = out.to(output.dtype)
+
+
+@dataclass
+class _Step:
+    """The rows one step carries: rows ``[first, first + rows)`` of its batch, by load
+    (``parts`` of them, each load's share kept or None); the prefix they attend over."""
+
+    first: int
+    rows: int
+    positions: torch.Tensor
+    mappings: list[torch.Tensor]
+    parts: list[slice]
+    keeps: list[float | None]
+    paged: _PagedPrefix | None = None
+    in_hand: list[_HandPrefix] | None = None
+    kept: torch.Tensor | None = None  # from SELECTION_LAYER up: the rows still written
+
+    @property
+    def at(self) -> slice:
+        return slice(self.first, self.first + self.rows)
+
+    def rows_now(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V the cache holds at the rows' positions at layer ``index`` (before its write)."""
+        if self.paged is not None:
+            return self.paged.at_rows(index)
+        assert self.in_hand is not None
+        ks, vs = zip(*(hand.rows(index, self.positions[part]) for part, hand in zip(self.parts, self.in_hand)))
+        return torch.cat(ks), torch.cat(vs)
+
+
+@dataclass
+class _PagedPrefix:
+    """Every load's prefix ``[0, stop)`` read from the paged cache, one after another, and the
+    mask that lets each row see its own load's keys up to its position."""
+
+    views: PagedViews
+    blocks: torch.Tensor
+    offsets: torch.Tensor
+    row_blocks: torch.Tensor
+    row_offsets: torch.Tensor
+    seen: torch.Tensor  # [rows, keys]
+    _masks: dict[int, torch.Tensor]
+
+    @classmethod
+    def build(cls, loads: Sequence[LoadRequest], views: PagedViews, positions: np.ndarray, block_size: int,
+              slots: np.ndarray, device: torch.device) -> _PagedPrefix:
+        key_slots = [position_slots(load.block_ids, np.arange(load.stop), block_size) for load in loads]
+        key_owner = np.repeat(np.arange(len(loads)), [load.stop for load in loads])
+        key_position = np.concatenate([np.arange(load.stop) for load in loads])
+        row_owner = np.repeat(np.arange(len(loads)), [len(load.recompute) for load in loads])  # type: ignore[arg-type]
+        seen = (key_owner[None] == row_owner[:, None]) & (key_position[None] <= positions[:, None])
+        where = torch.from_numpy(np.concatenate([*key_slots, slots])).to(device)
+        size = views[0][0].shape[1]
+        keys = sum(len(s) for s in key_slots)
+        block, offset = where // size, where % size
+        return cls(views, block[:keys], offset[:keys], block[keys:], offset[keys:],
+                   torch.from_numpy(seen).to(device), {})
+
+    def read(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.views[index]
+        return k[self.blocks, self.offsets], v[self.blocks, self.offsets]
+
+    def at_rows(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.views[index]
+        return k[self.row_blocks, self.row_offsets], v[self.row_blocks, self.row_offsets]
+
+    def mask(self, group: int) -> torch.Tensor:
+        """:func:`~inferscale_engine.connector.blend.attend_fused`'s mask for ``group`` query
+        heads per KV head, made once a step."""
+        mask = self._masks.get(group)
+        if mask is None:
+            mask = self._masks[group] = self.seen.repeat(group, 1)
+        return mask
+
+
+@dataclass
+class _HandPrefix:
+    """A load's prefix as injected this step (``[layers, stop, kv_heads, head_dim]``, the whole
+    of it: the load starts at 0), each layer's recomputed rows written over it as they come.
+    The rows are this step's own copies (the injection gathered and rotated them), so they are
+    written in place."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    def rows(self, index: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[index][positions], self.v[index][positions]
+
+    def write(self, index: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              kept: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer ``index``'s rows (those ``kept``, where a selection dropped some) and
+        return its K and V."""
+        keys, values = self.k[index], self.v[index]
+        if kept is not None:
+            positions, k, v = positions[kept], k[kept], v[kept]
+        keys[positions] = k.to(keys.dtype)
+        values[positions] = v.to(values.dtype)
+        return keys, values
