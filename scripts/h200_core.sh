@@ -21,7 +21,8 @@
 # SmolLM2's tokenizer; carry .carry/smollm2-tokenizer, a copy of the prepared SmolLM2 folder's
 # config and tokenizer files; vLLM's prefix cache off: the two requests have the same tokens, so
 # whichever ran second would be served from the first's blocks), tokenrecompute (recompute_tokens' cost
-# and distance to the prompt on the CUDA path, scripts/token_recompute_cost.py; carry
+# and distance to the prompt on the CUDA path, scripts/token_recompute_cost.py, the rows in vLLM's forward pass
+# and in a pass of their own: PASSES; carry
 # .carry/smollm2-tokenizer as for coldtext), retrievalvariants (scripts/h200_retrieval_variants.py: one
 # query's retrieval warm, 20 ms after the last call, and after other GPU work). TIERS_REPEATS sets the
 # tiers repeats.
@@ -73,6 +74,7 @@ for step in $STEPS; do
       python3 -m pytest -q -p no:cacheprovider tests/test_memory_tiers.py tests/test_kv_exchange.py \
         tests/test_injection_streams.py tests/test_injection_table.py tests/test_query_encoder.py \
         tests/test_memory_search.py "tests/test_token_recompute.py::test_cuda_graph_replays_give_the_first_runs_rows" \
+        "tests/test_token_recompute.py::test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them" \
         "tests/test_token_recompute.py::test_fused_attention_sees_what_the_chunked_one_sees" -m "not minilm" 2>&1 | tail -6 ;;
     retrievalvariants) # one query's retrieval by encoder precision; warm, paused, after other GPU work
       python3 scripts/h200_retrieval_variants.py 2>&1 | tee "$OUT/retrieval-variants.txt" | grep -E "^(fp|tf|bf)|Error" ;;
@@ -85,9 +87,11 @@ for step in $STEPS; do
         | grep -E "^(k=|disk|Traceback|[A-Za-z]*Error)" | tee "$OUT/cold-text.txt" ;;
     tokenrecompute) # recompute_tokens on the CUDA path: cost at k=5/50 and each row's distance to the prompt
       python3 scripts/make_configs.py /tmp/models --tokenizer .carry/smollm2-tokenizer > /dev/null
-      python3 scripts/token_recompute_cost.py --model /tmp/models/llama-3.1-8b-text --device cuda --dummy-weights \
-        --dtype bfloat16 --k ${KS:-5,50} --repeats ${REPEATS:-20} --profile "$OUT/token-recompute-profile.txt" 2>&1 | grep -E "^\{|Traceback|Error" \
-        | tee "$OUT/token-recompute.jsonl" ;;
+      for pass in ${PASSES:-forward separate}; do  # the rows in vLLM's forward pass, or a pass of their own
+        python3 scripts/token_recompute_cost.py --model /tmp/models/llama-3.1-8b-text --device cuda --dummy-weights \
+          --dtype bfloat16 --k ${KS:-5,50} --repeats ${REPEATS:-20} $([ $pass = separate ] && echo --separate-pass) \
+          2>&1 | grep -E "^\{|Traceback|Error" | tee -a "$OUT/token-recompute.jsonl"
+      done ;;
     promoteprof) python3 scripts/h200_promote.py 50 --cprofile 2>&1 | tail -26 ;;
     promotesplit) python3 scripts/h200_promote.py 50 --split 2>&1 | grep -E "^k=|^    " | tee "$OUT/promote-split.txt" ;;
     hosttier) python3 scripts/h200_hosttier.py "$M" 50 2>&1 | grep "^k=" ;;

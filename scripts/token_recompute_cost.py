@@ -5,7 +5,8 @@ everything injected, then with each memory's header recomputed (``header``), wit
 the last 5 only (``header:5``: where the knob serves the most relevant memories), with CacheBlend's
 selection (``deviating:15``), with every memory row recomputed (``first:1000``), then as a plain
 prompt (``prompt``, nothing injected), and prints the median time of each request
-(``max_tokens=1``: the first token). Model: a tiny random-weight one from tests/tiny_models.py
+(``max_tokens=1``: the first token). The rows ride vLLM's forward pass, or with
+``--separate-pass`` run a pass of their own ahead of it. Model: a tiny random-weight one from tests/tiny_models.py
 (``--arch``), or any local model folder (``--model``; ``--dummy-weights``: random weights of its
 shape, as on the H200). Each row also says how far its first token's top-20 logprobs lie from the
 prompt's (``max_logprob_diff_to_prompt``, over the tokens both top 20s hold:
@@ -45,7 +46,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dummy-weights", action="store_true", help="random weights (load_format=dummy)")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--profile", metavar="FILE", help="also profile the header row of the last k into FILE")
+    parser.add_argument("--profile", metavar="FILE", help="also profile the header row of the last k into FILE "
+                        "(the separate pass's recomputes: with --separate-pass)")
+    parser.add_argument("--separate-pass", action="store_true",
+                        help="recompute in a pass of its own ahead of vLLM's (recompute_in_forward=False)")
     args = parser.parse_args()
 
     from tiny_models import VLLM_CPU_TEST_ENV, build_tiny_model
@@ -60,7 +64,7 @@ def main() -> None:
     rows = []
     options = {"load_format": "dummy"} if args.dummy_weights else {}
     with InferScaleEngine(model=model, device=args.device, dtype=args.dtype, max_model_len=2048, recompute=0,
-                          **options) as engine:
+                          recompute_in_forward=not args.separate_pass, **options) as engine:
         head = engine.tokenize("<|im_start|>system\nThings you remember about the user:\n")
         tail = engine.tokenize("<|im_end|>\n<|im_start|>user\nWhen did Caroline adopt her cat?<|im_end|>\n"
                                "<|im_start|>assistant\n")
@@ -87,7 +91,8 @@ def main() -> None:
                 token, logprobs = first[spec]
                 last = result.first_logprobs or {}
                 prompt_token, prompt_logprobs = first["prompt"]
-                rows.append({"k": k, "recompute_tokens": spec, "prompt_tokens": len(flat),
+                rows.append({"k": k, "recompute_tokens": spec, "pass": "separate" if args.separate_pass else "forward",
+                             "prompt_tokens": len(flat),
                              "median_ms": round(1e3 * statistics.median(times[1:]), 2),
                              "greedy_is_prompts": token == prompt_token,
                              # over the prompt's top 20 that this row's top 20 also holds
@@ -98,7 +103,7 @@ def main() -> None:
                              "max_logprob_diff_last_to_first": max((abs(last[t] - logprobs[t])
                                                                     for t in logprobs.keys() & last.keys()), default=None)})
                 print(json.dumps(rows[-1]), flush=True)
-        if args.profile:
+        if args.profile and args.separate_pass:
             _profile(engine, segments, args.repeats, Path(args.profile))
         engine.config.recompute_tokens = None
 

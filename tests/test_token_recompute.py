@@ -215,13 +215,17 @@ def test_exact_context_stays_exact(engine, served):
     assert got["greedy_match"] and got["max_logit_diff"] < TOL_ALL_ROWS, got
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the recompute's CUDA graphs run on CUDA only")
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@_CUDA
 def test_cuda_graph_replays_give_the_first_runs_rows(tiny_llama):
-    """On CUDA the worker recomputes a bucket's first request eagerly, captures it as a graph and
-    replays that for the next: every replay gives the eager run's output, and every memory row
-    recomputed still comes within bfloat16 rounding of the prompt (injection does not)."""
+    """On CUDA the separate pass (``recompute_in_forward=False``) recomputes a bucket's first
+    request eagerly, captures it as a graph and replays that for the next: every replay gives the
+    eager run's output, and every memory row recomputed still comes within bfloat16 rounding of
+    the prompt (injection does not)."""
     with InferScaleEngine(model=tiny_llama, device="cuda", dtype="bfloat16", max_model_len=1024,
-                          max_logprobs=1000, recompute=0) as engine:
+                          max_logprobs=1000, recompute=0, recompute_in_forward=False) as engine:
         head, facts, tail = _case(engine)
         prompt = engine.generate_segments([head + [t for f in facts for t in f] + tail], mode="prompt",
                                           max_tokens=16, first_logprobs=1000)

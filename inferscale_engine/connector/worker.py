@@ -74,6 +74,7 @@ class ConnectorWorker:
         self._matched_step = -1
         self._matches: list[tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]] = []
         self._forward: ForwardRecompute | None = None  # where the runner can carry rows
+        self._runner_checked = False
         self._recompute: LayerwiseRecompute | None = None  # built on the first load that asks
         self._graphed_recompute: GraphedRecompute | None = None
         self._warned_recompute = False
@@ -96,7 +97,7 @@ class ConnectorWorker:
         if meta.loads:
             in_hand = self._inject(meta.loads, forward_context)
             chosen = [index for index, load in enumerate(meta.loads) if _recomputes(load)]
-            if chosen and not (self._forward is not None and self._forward.start(
+            if chosen and not (self._riding() and self._forward is not None and self._forward.start(
                     [meta.loads[i] for i in chosen], [in_hand[i] for i in chosen],
                     self._paged_views(forward_context), self._block_size, forward_context)):
                 self._recompute_rows(meta.loads, in_hand, forward_context)
@@ -130,13 +131,20 @@ class ConnectorWorker:
                     self._forward.before_write(_index, key, value)
 
             self._writers[name] = compat.wrap_kv_cache_update(layer, after_write, before_write)
-        runner = compat.running_runner() if self._in_forward else None
-        if runner is not None and ForwardRecompute.supported(runner):
-            # The cache's layout is looked up on the first load (it may not be allocated yet).
-            self._forward = ForwardRecompute(runner, self._layers,
-                                             lambda loads: _rows_in_forward(loads, paged=bool(self._paged)))
-        logger.debug("InferScaleConnector hooked %d attention layers%s", len(self._layers),
-                     "; recomputed rows ride the forward pass" if self._forward else "")
+        logger.debug("InferScaleConnector hooked %d attention layers", len(self._layers))
+
+    def _riding(self) -> bool:
+        """Whether recomputed rows can ride the forward pass, hooking the runner and the
+        attention layers for it on the first step that recomputes (that step runs the separate
+        pass: its batch is laid out already); a model that never recomputes is never hooked."""
+        if self._forward is None and self._in_forward and not self._runner_checked:
+            self._runner_checked = True
+            runner = compat.running_runner()
+            if runner is not None and ForwardRecompute.supported(runner):
+                self._forward = ForwardRecompute(runner, self._layers,
+                                                 lambda loads: _rows_in_forward(loads, paged=bool(self._paged)))
+                logger.debug("InferScaleConnector: recomputed rows ride the forward pass from the next step")
+        return self._forward is not None
 
     def _check_geometry(self, g: Geometry) -> None:
         """Check the owner's KV fits this model, and find this rank's KV heads: with tensor
