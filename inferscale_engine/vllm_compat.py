@@ -155,7 +155,9 @@ class ExtraRows:
     pads a step in ``_determine_batch_execution_and_padding(num_tokens=...)``; vllm 0.26 runs
     its V2 runner by default, which pads in ``model_runner.dispatch_cg_and_sync_dp`` (a module
     function). Either is asked for the scheduled tokens plus the extra rows, with no uniform
-    decode count, so a step that carries rows never replays a full CUDA graph."""
+    decode count. A step that carries rows never replays a full CUDA graph, whose captured
+    attention cannot see them: where vLLM would replay one (``cudagraph_mode=FULL``, as the
+    engine starts on CUDA: :mod:`inferscale_engine.cuda_graphs`), the step runs without a graph."""
 
     def __init__(self, runner: Any, rows_for: Callable[[SchedulerOutput], int]) -> None:
         """``rows_for(scheduler_output)``: the rows a step should carry (0: none)."""
@@ -193,21 +195,28 @@ class ExtraRows:
         runner.execute_model = execute_model
 
     def _wrap_v1_padding(self) -> None:
+        from vllm.config import CUDAGraphMode
+
         runner = self._runner
         determine = runner._determine_batch_execution_and_padding
 
         def padded(*args: Any, **kwargs: Any) -> Any:
-            if self.rows:
-                if "num_tokens" in kwargs:
-                    kwargs["num_tokens"] += self.rows
-                else:
-                    args = (args[0] + self.rows, *args[1:])
-                kwargs["force_uniform_decode"] = False
-            return determine(*args, **kwargs)
+            if not self.rows:
+                return determine(*args, **kwargs)
+            if "num_tokens" in kwargs:
+                kwargs["num_tokens"] += self.rows
+            else:
+                args = (args[0] + self.rows, *args[1:])
+            kwargs["force_uniform_decode"] = False
+            decided = determine(*args, **kwargs)
+            if decided[0] == CUDAGraphMode.FULL:
+                decided = determine(*args, **kwargs, force_eager=True)
+            return decided
 
         runner._determine_batch_execution_and_padding = padded
 
     def _wrap_v2_padding(self) -> None:
+        from vllm.config import CUDAGraphMode
         from vllm.v1.worker.gpu import model_runner as v2
 
         dispatch = v2.dispatch_cg_and_sync_dp
@@ -216,9 +225,13 @@ class ExtraRows:
 
         def padded(manager: Any, num_reqs: int, num_tokens: int, uniform: int | None, *args: Any,
                    **kwargs: Any) -> Any:
-            if self.rows:
-                num_tokens, uniform = num_tokens + self.rows, None
-            return dispatch(manager, num_reqs, num_tokens, uniform, *args, **kwargs)
+            if not self.rows:
+                return dispatch(manager, num_reqs, num_tokens, uniform, *args, **kwargs)
+            decided = dispatch(manager, num_reqs, num_tokens + self.rows, None, *args, **kwargs)
+            if decided[0].cg_mode == CUDAGraphMode.FULL:
+                kwargs["need_eager"] = True
+                decided = dispatch(manager, num_reqs, num_tokens + self.rows, None, *args, **kwargs)
+            return decided
 
         padded._inferscale_rows = dispatch  # type: ignore[attr-defined]
         v2.dispatch_cg_and_sync_dp = padded  # type: ignore[assignment]

@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--profile", metavar="FILE", help="also profile the header row of the last k into FILE "
                         "(the separate pass's recomputes: with --separate-pass)")
+    parser.add_argument("--cudagraph-mode", help="vLLM's cudagraph_mode (default: as the engine picks it)")
     parser.add_argument("--separate-pass", action="store_true",
                         help="recompute in a pass of its own ahead of vLLM's (recompute_in_forward=False)")
     args = parser.parse_args()
@@ -62,7 +63,9 @@ def main() -> None:
     model = args.model or str(build_tiny_model(Path(tempfile.mkdtemp()) / f"tiny-{args.arch}", args.arch))
     ks = [int(k) for k in args.k.split(",")]
     rows = []
-    options = {"load_format": "dummy"} if args.dummy_weights else {}
+    options: dict = {"load_format": "dummy"} if args.dummy_weights else {}
+    if args.cudagraph_mode:
+        options["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
     with InferScaleEngine(model=model, device=args.device, dtype=args.dtype, max_model_len=2048, recompute=0,
                           recompute_in_forward=not args.separate_pass, **options) as engine:
         head = engine.tokenize("<|im_start|>system\nThings you remember about the user:\n")
@@ -92,6 +95,7 @@ def main() -> None:
                 last = result.first_logprobs or {}
                 prompt_token, prompt_logprobs = first["prompt"]
                 rows.append({"k": k, "recompute_tokens": spec, "pass": "separate" if args.separate_pass else "forward",
+                             "cudagraph_mode": str(engine.vllm_config.compilation_config.cudagraph_mode),
                              "prompt_tokens": len(flat),
                              "median_ms": round(1e3 * statistics.median(times[1:]), 2),
                              "greedy_is_prompts": token == prompt_token,

@@ -33,8 +33,9 @@ def test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them(tiny_llam
     """By default the rows recomputed join vLLM's own forward pass, in its padding tail (from the
     engine's second request that recomputes on): no recompute pass of their own runs, and they
     give what that pass gives
-    (``recompute_in_forward=False``); every memory row recomputed gives the prompt's output. On
-    CUDA the steps run vLLM's piecewise CUDA graphs, padded to hold the rows."""
+    (``recompute_in_forward=False``, on the CPU); every memory row recomputed gives the prompt's
+    output (on CUDA within bfloat16 rounding). On CUDA the steps run vLLM's piecewise CUDA graphs
+    (the tiny model's head_dim keeps the engine off full graphs), padded to hold the rows."""
     if runner == "v1":
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     passes = []
@@ -42,7 +43,8 @@ def test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them(tiny_llam
     monkeypatch.setattr(blend.LayerwiseRecompute, "run", lambda *a, **kw: passes.append(1) or run(*a, **kw))
     dtype = "float32" if device == "cpu" else "bfloat16"
     got: dict[bool, dict[str, object]] = {}
-    for in_forward in (True, False):
+    # On CUDA one engine a process: a second one in-process would see the first's memory go.
+    for in_forward in (True, False) if device == "cpu" else (True,):
         with InferScaleEngine(model=tiny_llama, device=device, dtype=dtype, max_model_len=1024, max_logprobs=1000,
                               recompute=0, recompute_in_forward=in_forward) as engine:
             head, facts, tail = _case(engine)
@@ -62,11 +64,13 @@ def test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them(tiny_llam
                 assert every_row["greedy_match"] and every_row["max_logit_diff"] < TOL_ALL_ROWS, every_row
             else:
                 assert every_row["max_logit_diff"] < stale["max_logit_diff"] / 4, (every_row, stale)
-    tol = TOL_ALL_ROWS if device == "cpu" else 0.1
-    for rule, results in got[True].items():
-        for ours, theirs in zip(results, got[False][rule]):
-            assert compare(theirs, ours)["max_logit_diff"] < tol, rule
-        assert results[1].first_logprobs != injected.first_logprobs
+            for results in got[in_forward].values():
+                assert results[0].first_logprobs != injected.first_logprobs
+                assert compare(results[0], results[1])["max_logit_diff"] < stale["max_logit_diff"] / 4
+    if device == "cpu":
+        for rule, results in got[True].items():
+            for ours, theirs in zip(results, got[False][rule]):
+                assert compare(theirs, ours)["max_logit_diff"] < TOL_ALL_ROWS, rule
 
 
 def test_requests_recomputed_in_one_step_each_get_their_own_rows(tiny_llama, monkeypatch):
