@@ -67,6 +67,8 @@ class ForwardRecompute:
         self._step: _Step | None = None
         for index, (_, layer) in enumerate(layers):
             compat.wrap_attention_forward(layer, functools.partial(self._attend, index))
+            if index == SELECTION_LAYER:
+                compat.wrap_kv_cache_update(layer, after=_nothing, before=self._select)
 
     @staticmethod
     def supported(runner: Any) -> bool:
@@ -106,13 +108,13 @@ class ForwardRecompute:
         self._step = step
         return True
 
-    def before_write(self, index: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    def _select(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """At :data:`SELECTION_LAYER`, ahead of vLLM's KV write: where the step's loads keep a
         share of their rows, give the others slot -1 from this layer up."""
         step = self._step
-        if step is None or index != SELECTION_LAYER or all(keep is None for keep in step.keeps):
+        if step is None or all(keep is None for keep in step.keeps):
             return
-        at = step.at
+        at, index = step.at, SELECTION_LAYER
         heads, dim = -1, self._head_dims[index]
         new_k, new_v = key[at].reshape(step.rows, heads, dim), value[at].reshape(step.rows, heads, dim)
         old_k, old_v = step.rows_now(index)
@@ -248,3 +250,7 @@ class _HandPrefix:
         keys[positions] = k.to(keys.dtype)
         values[positions] = v.to(values.dtype)
         return keys, values
+
+
+def _nothing(*_: Any) -> None:
+    pass

@@ -124,13 +124,7 @@ class ConnectorWorker:
                 if self._hooked_captures:
                     self._capture(_index, key, value, slot_mapping)
 
-            def before_write(
-                key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, _index: int = index
-            ) -> None:
-                if self._forward is not None:
-                    self._forward.before_write(_index, key, value)
-
-            self._writers[name] = compat.wrap_kv_cache_update(layer, after_write, before_write)
+            self._writers[name] = compat.wrap_kv_cache_update(layer, after_write)
         logger.debug("InferScaleConnector hooked %d attention layers", len(self._layers))
 
     def _riding(self) -> bool:
