@@ -109,6 +109,8 @@ def main() -> None:
                 print(json.dumps(rows[-1]), flush=True)
         if args.profile and args.separate_pass:
             _profile(engine, segments, args.repeats, Path(args.profile))
+        elif args.profile:
+            _host_split(engine, segments, args.repeats, Path(args.profile))
         engine.config.recompute_tokens = None
 
 
@@ -161,6 +163,45 @@ def _profile(engine, segments, repeats: int, out: Path) -> None:
     out.write_text(f"recompute_tokens=header: {len(took)} recomputes, {median_ms} ms each (median, profiled)\n\n"
                    + "\n\n".join(tables))
     print(json.dumps({"profile": str(out), "recomputes": len(took), "recompute_ms_profiled": median_ms}), flush=True)
+
+def _host_split(engine, segments, repeats: int, out: Path) -> None:
+    """Where the rows riding the forward pass spend host time, per request of the ``header:5``
+    row of the last k: arming the step (``start``) and the rows' attention after vLLM's, summed
+    over the layers (host time as the worker's thread spends it; no device sync is added)."""
+    from inferscale_engine.connector.forward_recompute import ForwardRecompute
+
+    spent = {"start": 0.0, "attend": 0.0, "attend_calls": 0}
+    originals = {name: getattr(ForwardRecompute, name) for name in ("start", "_attend")}
+
+    def timed(name):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return originals[name](*args, **kwargs)
+            finally:
+                spent[name.lstrip("_")] += time.perf_counter() - t0
+                spent["attend_calls"] += name == "_attend"
+        return wrapper
+
+    for name in originals:
+        setattr(ForwardRecompute, name, timed(name))
+    engine.config.recompute_tokens = "header:5"
+    took = []
+    try:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            engine.generate_segments(segments, max_tokens=1)
+            took.append(time.perf_counter() - t0)
+    finally:
+        for name, method in originals.items():
+            setattr(ForwardRecompute, name, method)
+    row = {"host_split": "header:5", "requests": repeats, "request_ms": round(1e3 * statistics.median(took), 2),
+           "start_ms_per_request": round(1e3 * spent["start"] / repeats, 3),
+           "attend_ms_per_request": round(1e3 * spent["attend"] / repeats, 3),
+           "attend_calls_per_request": spent["attend_calls"] / repeats}
+    out.write_text(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+
 
 if __name__ == "__main__":
     main()

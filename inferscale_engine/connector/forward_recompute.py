@@ -66,7 +66,7 @@ class ForwardRecompute:
         self._scales = [compat.attention_scale(layer) for _, layer in layers]
         self._step: _Step | None = None
         for index, (_, layer) in enumerate(layers):
-            compat.wrap_attention_forward(layer, functools.partial(self._attend, index))
+            compat.wrap_attention_forward(layer, functools.partial(_after_attention, self, index))
             if index == SELECTION_LAYER:
                 compat.wrap_kv_cache_update(layer, after=_nothing, before=self._select)
 
@@ -254,3 +254,8 @@ class _HandPrefix:
 
 def _nothing(*_: Any) -> None:
     pass
+
+
+def _after_attention(recompute: ForwardRecompute, index: int, *args: torch.Tensor) -> None:
+    # The method looked up per call, so a profiler may wrap it on the class.
+    recompute._attend(index, *args)
