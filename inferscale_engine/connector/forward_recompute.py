@@ -119,12 +119,18 @@ class ForwardRecompute:
         new_k, new_v = key[at].reshape(step.rows, heads, dim), value[at].reshape(step.rows, heads, dim)
         old_k, old_v = step.rows_now(index)
         kept = torch.ones(step.rows, dtype=torch.bool, device=key.device)
+        step.chosen_parts = []
         for part, keep in zip(step.parts, step.keeps):
-            if keep is not None:
+            if keep is None:
+                local = torch.arange(part.stop - part.start, device=key.device)
+            else:
+                local = most_deviating(new_k[part], new_v[part], old_k[part], old_v[part], keep)
                 kept[part] = False
-                chosen = most_deviating(new_k[part], new_v[part], old_k[part], old_v[part], keep)
-                kept[part][chosen] = True
-        step.kept = kept
+                kept[part][local] = True
+            step.chosen_parts.append(local)
+        # Static sizes (each load keeps a count known ahead): no device sync.
+        step.kept, step.chosen = kept, torch.cat([local + part.start for part, local in zip(step.parts,
+                                                                                             step.chosen_parts)])
         for mapping in step.mappings:
             mapping[at] = torch.where(kept, mapping[at], torch.full_like(mapping[at], -1))
 
@@ -137,21 +143,30 @@ class ForwardRecompute:
         if index == self._last:
             self._step = None  # nothing reads the last layer's output rows: its KV write was all
             return
-        at, dim, scale = step.at, self._head_dims[index], self._scales[index]
+        # From SELECTION_LAYER up only the rows kept attend: the others' outputs feed nothing kept.
+        at, rows, dim, scale = step.at, step.chosen, self._head_dims[index], self._scales[index]
         q = query[at].reshape(step.rows, -1, dim)
         if step.paged is not None:
             keys, values = step.paged.read(index)
-            out = attend_fused(q, keys, values, step.paged.mask(q.shape[1] // keys.shape[1]), scale)
+            mask = step.paged.mask(q.shape[1] // keys.shape[1], rows)
+            out = attend_fused(q if rows is None else q[rows], keys, values, mask, scale)
         else:
             k, v = key[at].reshape(step.rows, -1, dim), value[at].reshape(step.rows, -1, dim)
             outs = []
             assert step.in_hand is not None
-            for part, hand in zip(step.parts, step.in_hand):
+            for i, (part, hand) in enumerate(zip(step.parts, step.in_hand)):
                 kept = None if step.kept is None else step.kept[part]
                 keys, values = hand.write(index, step.positions[part], k[part], v[part], kept)
-                outs.append(attend_chunked(q[part], keys, values, step.positions[part], scale))
+                q_part, positions = q[part], step.positions[part]
+                if step.chosen_parts is not None:
+                    q_part, positions = q_part[step.chosen_parts[i]], positions[step.chosen_parts[i]]
+                outs.append(attend_chunked(q_part, keys, values, positions, scale))
             out = torch.cat(outs)
-        output.view(output.shape[0], -1)[at] = out.to(output.dtype)
+        target = output.view(output.shape[0], -1)
+        if rows is None:
+            target[at] = out.to(output.dtype)
+        else:
+            target[step.first + rows] = out.to(output.dtype)
 
 
 @dataclass
@@ -167,7 +182,11 @@ class _Step:
     keeps: list[float | None]
     paged: _PagedPrefix | None = None
     in_hand: list[_HandPrefix] | None = None
-    kept: torch.Tensor | None = None  # from SELECTION_LAYER up: the rows still written
+    # From SELECTION_LAYER up, where a load keeps a share: the rows still written (a mask), the
+    # same as indices, and each load's as indices into its part.
+    kept: torch.Tensor | None = None
+    chosen: torch.Tensor | None = None
+    chosen_parts: list[torch.Tensor] | None = None
 
     @property
     def at(self) -> slice:
@@ -193,7 +212,7 @@ class _PagedPrefix:
     row_blocks: torch.Tensor
     row_offsets: torch.Tensor
     seen: torch.Tensor  # [rows, keys]
-    _masks: dict[int, torch.Tensor]
+    _masks: dict[tuple[int, bool], torch.Tensor]
 
     @classmethod
     def build(cls, loads: Sequence[LoadRequest], views: PagedViews, positions: np.ndarray, block_size: int,
@@ -218,12 +237,14 @@ class _PagedPrefix:
         k, v = self.views[index]
         return k[self.row_blocks, self.row_offsets], v[self.row_blocks, self.row_offsets]
 
-    def mask(self, group: int) -> torch.Tensor:
+    def mask(self, group: int, rows: torch.Tensor | None) -> torch.Tensor:
         """:func:`~inferscale_engine.connector.blend.attend_fused`'s mask for ``group`` query
-        heads per KV head, made once a step."""
-        mask = self._masks.get(group)
+        heads per KV head, of every row or of ``rows`` (the same every layer once chosen), made
+        once a step each."""
+        key = (group, rows is None)
+        mask = self._masks.get(key)
         if mask is None:
-            mask = self._masks[group] = self.seen.repeat(group, 1)
+            mask = self._masks[key] = (self.seen if rows is None else self.seen[rows]).repeat(group, 1)
         return mask
 
 
