@@ -8,8 +8,10 @@ writes them with the attention backend's own write op, or with the fused Triton 
 requests are ordinary prefills whose rows the half copies out of the paged cache after the
 forward pass where the layout is known (full CUDA graph replays included), else out of the
 wrapped KV write as vLLM makes it. Where a load names positions to recompute
-(``EngineConfig.recompute_tokens``), their rows are computed again once injected, before the
-forward pass (:mod:`inferscale_engine.connector.blend`).
+(``EngineConfig.recompute_tokens``), their rows are computed again once injected: as extra rows
+of the step's own forward pass (:mod:`inferscale_engine.connector.forward_recompute`) where the
+step can carry them, else in a pass of their own before it
+(:mod:`inferscale_engine.connector.blend`).
 """
 
 from __future__ import annotations
