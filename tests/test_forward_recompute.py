@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
-from test_token_recompute import TOL_ALL_ROWS, _case, _engine, _run
+from test_token_recompute import TOL_ALL_ROWS, _case, _engine, _run, _serve
 
 from inferscale_apps.bench.exactness import compare, encode_spans
 from inferscale_engine import InferScaleEngine
@@ -47,12 +48,7 @@ def test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them(tiny_llam
     for in_forward in (True, False) if device == "cpu" else (True,):
         with InferScaleEngine(model=tiny_llama, device=device, dtype=dtype, max_model_len=1024, max_logprobs=1000,
                               recompute=0, recompute_in_forward=in_forward) as engine:
-            head, facts, tail = _case(engine)
-            prompt = engine.generate_segments([head + [t for f in facts for t in f] + tail], mode="prompt",
-                                              max_tokens=16, first_logprobs=1000)
-            spans = encode_spans(engine, head, facts, exact=False, key=f"w0-{device}-{in_forward}")
-            segments = [head, *spans, tail]
-            injected = _run(engine, segments, None)
+            segments, prompt, injected = _serve(engine, f"w0-{device}-{in_forward}")
             _run(engine, segments, "header")  # the first to recompute hooks the runner, then runs the separate pass
             passes.clear()
             got[in_forward] = {rule: [_run(engine, segments, rule) for _ in range(2)]
@@ -106,3 +102,35 @@ def test_requests_recomputed_in_one_step_each_get_their_own_rows(tiny_llama, mon
             assert largest[0] > 1, f"{rule}: no step carried more than one request's rows"
             for a, b in zip(alone, together):
                 assert compare(a, b)["max_logit_diff"] < TOL_ALL_ROWS, rule
+
+
+def test_paged_prefix_attention_sees_each_requests_own_keys():
+    """The CUDA path's attention of the rows (their requests' prefixes gathered from the paged
+    cache by block table, one fused call under a per-request mask), checked on the CPU against
+    the chunked attention over each request's own keys: two requests in one step, blocks
+    interleaved in the cache, every row and a chosen subset (CacheBlend's kept rows)."""
+    from inferscale_engine.connector.blend import attend_chunked
+    from inferscale_engine.connector.forward_recompute import PagedPrefix
+    from inferscale_engine.connector.plan import LoadRequest, position_slots
+
+    torch.manual_seed(0)
+    blocks, block_size, kv_heads, heads, dim = 12, 4, 2, 4, 8
+    cache = torch.randn(blocks, kv_heads, block_size, 2 * dim)  # FlashAttention's (B, H, N, 2D) layout
+    key_cache, value_cache = cache.transpose(1, 2).split(dim, dim=-1)
+    views = [(key_cache, value_cache)]
+    loads = [LoadRequest(block_ids=[5, 1, 9, 3, 7], start=0, stop=18, pieces=None),  # type: ignore[arg-type]
+             LoadRequest(block_ids=[0, 8, 2, 11], start=4, stop=13, pieces=None)]  # type: ignore[arg-type]
+    loads[0].recompute, loads[1].recompute = np.array([2, 3, 9, 17]), np.array([4, 5, 12])
+    positions = np.concatenate([load.recompute for load in loads])
+    slots = np.concatenate([position_slots(load.block_ids, load.recompute, block_size) for load in loads])
+    prefix = PagedPrefix.build(loads, views, positions, block_size, slots, torch.device("cpu"))
+    q = torch.randn(len(positions), heads, dim)
+    expected = []
+    for load, rows in zip(loads, (slice(0, 4), slice(4, 7))):
+        where = torch.from_numpy(position_slots(load.block_ids, np.arange(load.stop), block_size))
+        keys, values = key_cache[where // block_size, where % block_size], value_cache[where // block_size, where % block_size]
+        expected.append(attend_chunked(q[rows], keys, values, torch.from_numpy(load.recompute), dim**-0.5))
+    expected = torch.cat(expected)
+    assert torch.allclose(prefix.attend(0, q, None, dim**-0.5), expected, atol=1e-5)
+    chosen = torch.tensor([1, 3, 5])
+    assert torch.allclose(prefix.attend(0, q, chosen, dim**-0.5), expected[chosen], atol=1e-5)

@@ -69,14 +69,19 @@ def _distance(result, reference) -> float:
     return statistics.fmean(abs(result.first_logprobs[t] - reference.first_logprobs[t]) for t in top)
 
 
-@pytest.fixture(scope="module")
-def served(engine):
+def _serve(engine, key: str):
+    """The case's segments (memories encoded alone, as ``key``), its prompt's output and its
+    plainly injected output."""
     head, facts, tail = _case(engine)
     prompt = engine.generate_segments([head + [t for f in facts for t in f] + tail], mode="prompt",
                                       max_tokens=16, first_logprobs=1000)
-    spans = encode_spans(engine, head, facts, exact=False, key=f"w0-{engine.model_path}")
-    segments = [head, *spans, tail]
-    injected = _run(engine, segments, None)
+    segments = [head, *encode_spans(engine, head, facts, exact=False, key=key), tail]
+    return segments, prompt, _run(engine, segments, None)
+
+
+@pytest.fixture(scope="module")
+def served(engine):
+    segments, prompt, injected = _serve(engine, f"w0-{engine.model_path}")
     assert injected.usage.injected_tokens > 0
     assert injected.prompt_token_ids == prompt.prompt_token_ids
     return segments, prompt, injected

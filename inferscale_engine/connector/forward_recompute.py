@@ -94,7 +94,7 @@ class ForwardRecompute:
         slots = np.concatenate([position_slots(load.block_ids, rows_of, block_size)
                                 for load, rows_of in zip(loads, chosen)])
         ids = np.concatenate([load.recompute_ids for load in loads])
-        staged = torch.from_numpy(np.concatenate([ids, positions, slots]).astype(np.int64)).to(device)
+        staged = _to_device(np.concatenate([ids, positions, slots]).astype(np.int64), device)
         mappings = compat.step_slot_mappings(forward_context)
         extra.write(staged[:rows], staged[rows : 2 * rows], staged[2 * rows :], mappings)
         bounds = np.cumsum([0, *map(len, chosen)])
@@ -102,7 +102,7 @@ class ForwardRecompute:
                      parts=[slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])],
                      keeps=[load.recompute_keep for load in loads])
         if views is not None:
-            step.paged = _PagedPrefix.build(loads, views, positions, block_size, slots, device)
+            step.paged = PagedPrefix.build(loads, views, positions, block_size, slots, device)
         else:
             step.in_hand = [_HandPrefix(hand[0], hand[1]) for hand in in_hand]  # type: ignore[index]
         self._step = step
@@ -147,9 +147,7 @@ class ForwardRecompute:
         at, rows, dim, scale = step.at, step.chosen, self._head_dims[index], self._scales[index]
         q = query[at].reshape(step.rows, -1, dim)
         if step.paged is not None:
-            keys, values = step.paged.read(index)
-            mask = step.paged.mask(q.shape[1] // keys.shape[1], rows)
-            out = attend_fused(q if rows is None else q[rows], keys, values, mask, scale)
+            out = step.paged.attend(index, q, rows, scale)
         else:
             k, v = key[at].reshape(step.rows, -1, dim), value[at].reshape(step.rows, -1, dim)
             outs = []
@@ -180,7 +178,7 @@ class _Step:
     mappings: list[torch.Tensor]
     parts: list[slice]
     keeps: list[float | None]
-    paged: _PagedPrefix | None = None
+    paged: PagedPrefix | None = None
     in_hand: list[_HandPrefix] | None = None
     # From SELECTION_LAYER up, where a load keeps a share: the rows still written (a mask), the
     # same as indices, and each load's as indices into its part.
@@ -202,9 +200,10 @@ class _Step:
 
 
 @dataclass
-class _PagedPrefix:
+class PagedPrefix:
     """Every load's prefix ``[0, stop)`` read from the paged cache, one after another, and the
-    mask that lets each row see its own load's keys up to its position."""
+    mask that lets each row see its own load's keys up to its position (CUDA, where the cache's
+    layout is known)."""
 
     views: PagedViews
     blocks: torch.Tensor
@@ -216,18 +215,25 @@ class _PagedPrefix:
 
     @classmethod
     def build(cls, loads: Sequence[LoadRequest], views: PagedViews, positions: np.ndarray, block_size: int,
-              slots: np.ndarray, device: torch.device) -> _PagedPrefix:
+              slots: np.ndarray, device: torch.device) -> PagedPrefix:
         key_slots = [position_slots(load.block_ids, np.arange(load.stop), block_size) for load in loads]
         key_owner = np.repeat(np.arange(len(loads)), [load.stop for load in loads])
         key_position = np.concatenate([np.arange(load.stop) for load in loads])
         row_owner = np.repeat(np.arange(len(loads)), [len(load.recompute) for load in loads])  # type: ignore[arg-type]
         seen = (key_owner[None] == row_owner[:, None]) & (key_position[None] <= positions[:, None])
-        where = torch.from_numpy(np.concatenate([*key_slots, slots])).to(device)
+        where = _to_device(np.concatenate([*key_slots, slots]), device)
         size = views[0][0].shape[1]
         keys = sum(len(s) for s in key_slots)
         block, offset = where // size, where % size
         return cls(views, block[:keys], offset[:keys], block[keys:], offset[keys:],
-                   torch.from_numpy(seen).to(device), {})
+                   _to_device(seen, device), {})
+
+    def attend(self, index: int, q: torch.Tensor, rows: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """Layer ``index``'s attention of the rows' queries ``q`` ``[rows, heads, head_dim]``
+        (of ``rows`` only, where given) over their requests' prefixes, ``[rows, heads * head_dim]``."""
+        keys, values = self.read(index)
+        mask = self.mask(q.shape[1] // keys.shape[1], rows)
+        return attend_fused(q if rows is None else q[rows], keys, values, mask, scale)
 
     def read(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.views[index]
@@ -280,3 +286,12 @@ def _nothing(*_: Any) -> None:
 def _after_attention(recompute: ForwardRecompute, index: int, *args: torch.Tensor) -> None:
     # The method looked up per call, so a profiler may wrap it on the class.
     recompute._attend(index, *args)
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` on ``device``, queued behind the step's work on CUDA: a copy from pageable
+    memory would hold the host until the kernels queued ahead of it (the injection's) ran."""
+    host = torch.from_numpy(array)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
