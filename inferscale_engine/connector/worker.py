@@ -99,10 +99,12 @@ class ConnectorWorker:
         if meta.loads:
             in_hand = self._inject(meta.loads, forward_context)
             chosen = [index for index, load in enumerate(meta.loads) if _recomputes(load)]
-            if chosen and not (self._riding() and self._forward is not None and self._forward.start(
-                    [meta.loads[i] for i in chosen], [in_hand[i] for i in chosen],
-                    self._paged_views(forward_context), self._block_size, forward_context)):
-                self._recompute_rows(meta.loads, in_hand, forward_context)
+            if chosen:
+                riding = self._riding()
+                if riding is None or not riding.start([meta.loads[i] for i in chosen], [in_hand[i] for i in chosen],
+                                                      self._paged_views(forward_context), self._block_size,
+                                                      forward_context):
+                    self._recompute_rows(meta.loads, in_hand, forward_context)
 
     def wait_for_save(self) -> None:
         """Read this step's captures out of the cache, queued behind the forward pass."""
@@ -129,10 +131,11 @@ class ConnectorWorker:
             self._writers[name] = compat.wrap_kv_cache_update(layer, after_write)
         logger.debug("InferScaleConnector hooked %d attention layers", len(self._layers))
 
-    def _riding(self) -> bool:
-        """Whether recomputed rows can ride the forward pass, hooking the runner and the
-        attention layers for it on the first step that recomputes (that step runs the separate
-        pass: its batch is laid out already); a model that never recomputes is never hooked."""
+    def _riding(self) -> ForwardRecompute | None:
+        """What puts recomputed rows into the forward pass (None: the runner cannot carry them),
+        hooked into the runner and its attention layers on the first step that recomputes (that
+        step runs the separate pass: its batch is laid out already); a model that never
+        recomputes is never hooked."""
         if self._forward is None and self._in_forward and not self._runner_checked:
             self._runner_checked = True
             runner = compat.running_runner()
@@ -140,7 +143,7 @@ class ConnectorWorker:
                 self._forward = ForwardRecompute(runner, self._layers,
                                                  lambda loads: _rows_in_forward(loads, paged=bool(self._paged)))
                 logger.debug("InferScaleConnector: recomputed rows ride the forward pass from the next step")
-        return self._forward is not None
+        return self._forward
 
     def _check_geometry(self, g: Geometry) -> None:
         """Check the owner's KV fits this model, and find this rank's KV heads: with tensor
