@@ -22,7 +22,8 @@
 # config and tokenizer files; vLLM's prefix cache off: the two requests have the same tokens, so
 # whichever ran second would be served from the first's blocks), tokenrecompute (recompute_tokens' cost
 # and distance to the prompt on the CUDA path, scripts/token_recompute_cost.py, the rows in vLLM's forward pass
-# and in a pass of their own: PASSES; carry
+# and in a pass of their own: PASSES; forwardrecompute: the forward-pass rows' CUDA tests, cost under piecewise
+# graphs and host split; carry
 # .carry/smollm2-tokenizer as for coldtext), retrievalvariants (scripts/h200_retrieval_variants.py: one
 # query's retrieval warm, 20 ms after the last call, and after other GPU work). TIERS_REPEATS sets the
 # tiers repeats.
@@ -74,7 +75,6 @@ for step in $STEPS; do
       python3 -m pytest -q -p no:cacheprovider tests/test_memory_tiers.py tests/test_kv_exchange.py \
         tests/test_injection_streams.py tests/test_injection_table.py tests/test_query_encoder.py \
         tests/test_memory_search.py "tests/test_token_recompute.py::test_cuda_graph_replays_give_the_first_runs_rows" \
-        "tests/test_token_recompute.py::test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them" \
         "tests/test_token_recompute.py::test_fused_attention_sees_what_the_chunked_one_sees" -m "not minilm" 2>&1 | tail -6 ;;
     retrievalvariants) # one query's retrieval by encoder precision; warm, paused, after other GPU work
       python3 scripts/h200_retrieval_variants.py 2>&1 | tee "$OUT/retrieval-variants.txt" | grep -E "^(fp|tf|bf)|Error" ;;
@@ -92,6 +92,18 @@ for step in $STEPS; do
           --dtype bfloat16 --k ${KS:-5,50} --repeats ${REPEATS:-20} $([ $pass = separate ] && echo --separate-pass) \
           2>&1 | grep -E "^\{|Traceback|Error" | tee -a "$OUT/token-recompute.jsonl"
       done ;;
+    forwardrecompute) # the rows riding vLLM's forward pass: its CUDA tests (one in-process engine a pytest
+      # process; never the cpu params on this vLLM build), then its cost under piecewise graphs and the rows'
+      # host time per layer (--profile)
+      for p in cuda-default cuda-v1; do
+        python3 -m pytest -q -p no:cacheprovider \
+          "tests/test_forward_recompute.py::test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them[$p]" 2>&1 | tail -1
+      done
+      python3 scripts/make_configs.py /tmp/models --tokenizer .carry/smollm2-tokenizer > /dev/null
+      python3 scripts/token_recompute_cost.py --model /tmp/models/llama-3.1-8b-text --device cuda --dummy-weights \
+        --dtype bfloat16 --k ${KS:-5,50} --repeats ${REPEATS:-10} --cudagraph-mode FULL_AND_PIECEWISE \
+        --profile "$OUT/forward-recompute-host-split.json" 2>&1 | grep -E "^\{|Traceback|Error" \
+        | tee -a "$OUT/token-recompute-forward.jsonl" ;;
     promoteprof) python3 scripts/h200_promote.py 50 --cprofile 2>&1 | tail -26 ;;
     promotesplit) python3 scripts/h200_promote.py 50 --split 2>&1 | grep -E "^k=|^    " | tee "$OUT/promote-split.txt" ;;
     hosttier) python3 scripts/h200_hosttier.py "$M" 50 2>&1 | grep "^k=" ;;
