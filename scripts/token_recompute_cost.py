@@ -6,8 +6,8 @@ the last 5 only (``header:5``: where the knob serves the most relevant memories)
 selection (``deviating:15``), with every memory row recomputed (``first:1000``), then as a plain
 prompt (``prompt``, nothing injected), and prints the median time of each request
 (``max_tokens=1``: the first token). The rows ride vLLM's forward pass, or with
-``--separate-pass`` run a pass of their own ahead of it. Model: a tiny random-weight one from tests/tiny_models.py
-(``--arch``), or any local model folder (``--model``; ``--dummy-weights``: random weights of its
+``--separate-pass`` run a pass of their own ahead of it. Model: a tiny random-weight one from
+tests/tiny_models.py (``--arch``), or any local model folder (``--model``; ``--dummy-weights``: random weights of its
 shape, as on the H200). Each row also says how far its first token's top-20 logprobs lie from the
 prompt's (``max_logprob_diff_to_prompt``, over the tokens both top 20s hold:
 ``top20_shared_with_prompt``) and whether its greedy token is the prompt's: every memory
@@ -163,6 +163,7 @@ def _profile(engine, segments, repeats: int, out: Path) -> None:
     out.write_text(f"recompute_tokens=header: {len(took)} recomputes, {median_ms} ms each (median, profiled)\n\n"
                    + "\n\n".join(tables))
     print(json.dumps({"profile": str(out), "recomputes": len(took), "recompute_ms_profiled": median_ms}), flush=True)
+
 
 def _host_split(engine, segments, repeats: int, out: Path) -> None:
     """Where the rows riding the forward pass spend host time, per request of the ``header:5``
