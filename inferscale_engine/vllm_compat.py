@@ -51,20 +51,15 @@ def attention_layers(forward_context: ForwardContext) -> list[tuple[str, Any]]:
 
 
 def wrap_kv_cache_update(
-    layer: Any, after: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
-    before: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
+    layer: Any, after: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 ) -> Callable[..., None]:
-    """Make ``layer``'s KV write call ``before(key, value, slot_mapping)`` ahead of vLLM's own
-    write and ``after`` once it is done; returns vLLM's unwrapped write ``(layer, key, value,
-    kv_cache, slot_mapping)``, for writes nothing should see. ``slot_mapping`` is the step's own
-    tensor, shared by every layer of the cache group: what ``before`` sets in it, this layer's
-    write and the later layers' follow."""
+    """Make ``layer``'s KV write call ``after(key, value, slot_mapping)`` once vLLM's own write
+    is done; returns vLLM's unwrapped write ``(layer, key, value, kv_cache, slot_mapping)``, for
+    writes nothing should see."""
     original = layer.impl.do_kv_cache_update
 
     def write_then_after(layer_: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                          slot_mapping: torch.Tensor) -> None:
-        if before is not None:
-            before(key, value, slot_mapping)
         original(layer_, key, value, kv_cache, slot_mapping)
         after(key, value, slot_mapping)
 

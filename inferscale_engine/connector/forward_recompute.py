@@ -16,12 +16,11 @@ included (blend's attention: one fused SDPA call on CUDA, float32 in chunks on t
 the layer's output rows. Where the cache's layout is not known (the CPU backend's), the prefix
 is the rows this step injected, kept in hand with each layer's recomputed rows written over them.
 
-With CacheBlend's selection (``recompute_keep``), each request's rows whose K/V deviate least
-from the injected ones at :data:`~inferscale_engine.connector.blend.SELECTION_LAYER` get slot -1
-there: vLLM's writes skip them from that layer up, and what was injected stays.
-
-A step that cannot carry its rows (past the batch's buffers, a full CUDA graph) recomputes them
-with blend.py instead. On CUDA the rows' attention is what this costs: ~30 eager torch ops a
+Only rules that keep every row they recompute ride the pass (``header``, ``first:N``).
+CacheBlend's selection (``deviating:P``) drops most rows after the second layer, and in the
+forward pass every row runs every layer's linear layers: on the CPU with Qwen2.5-Coder-0.5B that
+cost 2–4x the separate pass (which drops them), so it keeps the separate pass. So does a step
+that cannot carry its rows (past the batch's buffers, a full CUDA graph). On CUDA the rows' attention is what this costs: ~30 eager torch ops a
 layer, 0.3 ms of host time each on an H100 (k=50; docs/benchmarks-locomo.md), while the GPU
 waits between vLLM's graph pieces.
 """
@@ -37,7 +36,7 @@ import numpy as np
 import torch
 
 from inferscale_engine import vllm_compat as compat
-from inferscale_engine.connector.blend import SELECTION_LAYER, attend_chunked, attend_fused, most_deviating
+from inferscale_engine.connector.blend import attend_chunked, attend_fused
 from inferscale_engine.connector.plan import position_slots
 
 if TYPE_CHECKING:
@@ -69,8 +68,6 @@ class ForwardRecompute:
         self._step: _Step | None = None
         for index, (_, layer) in enumerate(layers):
             compat.wrap_attention_forward(layer, functools.partial(_after_attention, self, index))
-            if index == SELECTION_LAYER:
-                compat.wrap_kv_cache_update(layer, after=_nothing, before=self._select)
 
     @staticmethod
     def supported(runner: Any) -> bool:
@@ -81,8 +78,9 @@ class ForwardRecompute:
 
     def start(self, loads: Sequence[LoadRequest], in_hand: Sequence[InHand | None], views: PagedViews | None,
               block_size: int, forward_context: ForwardContext) -> bool:
-        """Put this step's rows of ``loads`` (each with ``recompute`` and ``recompute_ids``) into
-        its batch; False where the step does not carry them (the caller recomputes them itself)."""
+        """Put this step's rows of ``loads`` (each with ``recompute`` and ``recompute_ids``, every
+        row kept) into its batch; False where the step does not carry them (the caller recomputes
+        them itself)."""
         extra = self._extra
         rows = sum(len(load.recompute) for load in loads if load.recompute is not None)
         padded = compat.step_row_count(forward_context)
@@ -100,41 +98,14 @@ class ForwardRecompute:
         mappings = compat.step_slot_mappings(forward_context)
         extra.write(staged[:rows], staged[rows : 2 * rows], staged[2 * rows :], mappings)
         bounds = np.cumsum([0, *map(len, chosen)])
-        step = _Step(first=extra.scheduled, rows=rows, positions=staged[rows : 2 * rows], mappings=mappings,
-                     parts=[slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])],
-                     keeps=[load.recompute_keep for load in loads])
+        step = _Step(first=extra.scheduled, rows=rows, positions=staged[rows : 2 * rows],
+                     parts=[slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])])
         if views is not None:
-            step.paged = PagedPrefix.build(loads, views, positions, block_size, slots, device)
+            step.paged = PagedPrefix.build(loads, views, positions, block_size, device)
         else:
             step.in_hand = [_HandPrefix(hand[0], hand[1]) for hand in in_hand]  # type: ignore[index]
         self._step = step
         return True
-
-    def _select(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """At :data:`SELECTION_LAYER`, ahead of vLLM's KV write: where the step's loads keep a
-        share of their rows, give the others slot -1 from this layer up."""
-        step = self._step
-        if step is None or all(keep is None for keep in step.keeps):
-            return
-        at, index = step.at, SELECTION_LAYER
-        heads, dim = -1, self._head_dims[index]
-        new_k, new_v = key[at].reshape(step.rows, heads, dim), value[at].reshape(step.rows, heads, dim)
-        old_k, old_v = step.rows_now(index)
-        kept = torch.ones(step.rows, dtype=torch.bool, device=key.device)
-        step.chosen_parts = []
-        for part, keep in zip(step.parts, step.keeps):
-            if keep is None:
-                local = torch.arange(part.stop - part.start, device=key.device)
-            else:
-                local = most_deviating(new_k[part], new_v[part], old_k[part], old_v[part], keep)
-                kept[part] = False
-                kept[part][local] = True
-            step.chosen_parts.append(local)
-        # Static sizes (each load keeps a count known ahead): no device sync.
-        step.kept, step.chosen = kept, torch.cat([local + part.start for part, local in zip(step.parts,
-                                                                                             step.chosen_parts)])
-        for mapping in step.mappings:
-            mapping[at] = torch.where(kept, mapping[at], torch.full_like(mapping[at], -1))
 
     def _attend(self, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 output: torch.Tensor) -> None:
@@ -145,60 +116,36 @@ class ForwardRecompute:
         if index == self._last:
             self._step = None  # nothing reads the last layer's output rows: its KV write was all
             return
-        # From SELECTION_LAYER up only the rows kept attend: the others' outputs feed nothing kept.
-        at, rows, dim, scale = step.at, step.chosen, self._head_dims[index], self._scales[index]
+        at, dim, scale = step.at, self._head_dims[index], self._scales[index]
         q = query[at].reshape(step.rows, -1, dim)
         if step.paged is not None:
-            out = step.paged.attend(index, q, rows, scale)
+            out = step.paged.attend(index, q, scale)
         else:
             k, v = key[at].reshape(step.rows, -1, dim), value[at].reshape(step.rows, -1, dim)
             outs = []
             assert step.in_hand is not None
-            for i, (part, hand) in enumerate(zip(step.parts, step.in_hand)):
-                kept = None if step.kept is None else step.kept[part]
-                keys, values = hand.write(index, step.positions[part], k[part], v[part], kept)
-                q_part, positions = q[part], step.positions[part]
-                if step.chosen_parts is not None:
-                    q_part, positions = q_part[step.chosen_parts[i]], positions[step.chosen_parts[i]]
-                outs.append(attend_chunked(q_part, keys, values, positions, scale))
+            for part, hand in zip(step.parts, step.in_hand):
+                keys, values = hand.write(index, step.positions[part], k[part], v[part])
+                outs.append(attend_chunked(q[part], keys, values, step.positions[part], scale))
             out = torch.cat(outs)
-        target = output.view(output.shape[0], -1)
-        if rows is None:
-            target[at] = out.to(output.dtype)
-        else:
-            target[step.first + rows] = out.to(output.dtype)
+        output.view(output.shape[0], -1)[at] = out.to(output.dtype)
 
 
 @dataclass
 class _Step:
-    """The rows one step carries: rows ``[first, first + rows)`` of its batch, by load
-    (``parts`` of them, each load's share kept or None); the prefix they attend over."""
+    """The rows one step carries: rows ``[first, first + rows)`` of its batch, by load (``parts``
+    of them); the prefix they attend over."""
 
     first: int
     rows: int
     positions: torch.Tensor
-    mappings: list[torch.Tensor]
     parts: list[slice]
-    keeps: list[float | None]
     paged: PagedPrefix | None = None
     in_hand: list[_HandPrefix] | None = None
-    # From SELECTION_LAYER up, where a load keeps a share: the rows still written (a mask), the
-    # same as indices, and each load's as indices into its part.
-    kept: torch.Tensor | None = None
-    chosen: torch.Tensor | None = None
-    chosen_parts: list[torch.Tensor] | None = None
 
     @property
     def at(self) -> slice:
         return slice(self.first, self.first + self.rows)
-
-    def rows_now(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V the cache holds at the rows' positions at layer ``index`` (before its write)."""
-        if self.paged is not None:
-            return self.paged.at_rows(index)
-        assert self.in_hand is not None
-        ks, vs = zip(*(hand.rows(index, self.positions[part]) for part, hand in zip(self.parts, self.in_hand)))
-        return torch.cat(ks), torch.cat(vs)
 
 
 @dataclass
@@ -210,49 +157,38 @@ class PagedPrefix:
     views: PagedViews
     blocks: torch.Tensor
     offsets: torch.Tensor
-    row_blocks: torch.Tensor
-    row_offsets: torch.Tensor
     seen: torch.Tensor  # [rows, keys]
-    _masks: dict[tuple[int, bool], torch.Tensor]
+    _masks: dict[int, torch.Tensor]
 
     @classmethod
     def build(cls, loads: Sequence[LoadRequest], views: PagedViews, positions: np.ndarray, block_size: int,
-              slots: np.ndarray, device: torch.device) -> PagedPrefix:
-        key_slots = [position_slots(load.block_ids, np.arange(load.stop), block_size) for load in loads]
+              device: torch.device) -> PagedPrefix:
+        """The prefixes of ``loads``, whose rows lie at ``positions`` (load after load)."""
         key_owner = np.repeat(np.arange(len(loads)), [load.stop for load in loads])
         key_position = np.concatenate([np.arange(load.stop) for load in loads])
         row_owner = np.repeat(np.arange(len(loads)), [len(load.recompute) for load in loads])  # type: ignore[arg-type]
         seen = (key_owner[None] == row_owner[:, None]) & (key_position[None] <= positions[:, None])
-        where = _to_device(np.concatenate([*key_slots, slots]), device)
+        where = _to_device(np.concatenate([position_slots(load.block_ids, np.arange(load.stop), block_size)
+                                           for load in loads]), device)
         size = views[0][0].shape[1]
-        keys = sum(len(s) for s in key_slots)
-        block, offset = where // size, where % size
-        return cls(views, block[:keys], offset[:keys], block[keys:], offset[keys:],
-                   _to_device(seen, device), {})
+        return cls(views, where // size, where % size, _to_device(seen, device), {})
 
-    def attend(self, index: int, q: torch.Tensor, rows: torch.Tensor | None, scale: float) -> torch.Tensor:
+    def attend(self, index: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Layer ``index``'s attention of the rows' queries ``q`` ``[rows, heads, head_dim]``
-        (of ``rows`` only, where given) over their requests' prefixes, ``[rows, heads * head_dim]``."""
+        over their requests' prefixes, ``[rows, heads * head_dim]``."""
         keys, values = self.read(index)
-        mask = self.mask(q.shape[1] // keys.shape[1], rows)
-        return attend_fused(q if rows is None else q[rows], keys, values, mask, scale)
+        return attend_fused(q, keys, values, self.mask(q.shape[1] // keys.shape[1]), scale)
 
     def read(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.views[index]
         return k[self.blocks, self.offsets], v[self.blocks, self.offsets]
 
-    def at_rows(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.views[index]
-        return k[self.row_blocks, self.row_offsets], v[self.row_blocks, self.row_offsets]
-
-    def mask(self, group: int, rows: torch.Tensor | None) -> torch.Tensor:
+    def mask(self, group: int) -> torch.Tensor:
         """:func:`~inferscale_engine.connector.blend.attend_fused`'s mask for ``group`` query
-        heads per KV head, of every row or of ``rows`` (the same every layer once chosen), made
-        once a step each."""
-        key = (group, rows is None)
-        mask = self._masks.get(key)
+        heads per KV head, made once a step."""
+        mask = self._masks.get(group)
         if mask is None:
-            mask = self._masks[key] = (self.seen if rows is None else self.seen[rows]).repeat(group, 1)
+            mask = self._masks[group] = self.seen.repeat(group, 1)
         return mask
 
 
@@ -266,23 +202,13 @@ class _HandPrefix:
     k: torch.Tensor
     v: torch.Tensor
 
-    def rows(self, index: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[index][positions], self.v[index][positions]
-
-    def write(self, index: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              kept: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write layer ``index``'s rows (those ``kept``, where a selection dropped some) and
-        return its K and V."""
+    def write(self, index: int, positions: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer ``index``'s rows and return its K and V."""
         keys, values = self.k[index], self.v[index]
-        if kept is not None:
-            positions, k, v = positions[kept], k[kept], v[kept]
         keys[positions] = k.to(keys.dtype)
         values[positions] = v.to(values.dtype)
         return keys, values
-
-
-def _nothing(*_: Any) -> None:
-    pass
 
 
 def _after_attention(recompute: ForwardRecompute, index: int, *args: torch.Tensor) -> None:

@@ -466,10 +466,11 @@ def _recomputes(load: LoadRequest) -> bool:
 
 def _rows_in_forward(loads: Sequence[LoadRequest], paged: bool) -> int:
     """The rows a step with ``loads`` carries in its forward pass: every recomputed row, where
-    each load's prefix can be read (from the cache, or, where its layout is not known, a load
-    starting at 0 has it all in hand); else none."""
+    each load keeps all it recomputes (CacheBlend's selection keeps the separate pass, which
+    drops the other rows after the second layer) and its prefix can be read (from the cache, or,
+    where its layout is not known, a load starting at 0 has it all in hand); else none."""
     chosen = [load for load in loads if _recomputes(load)]
-    if not paged and any(load.start for load in chosen):
+    if any(load.recompute_keep is not None for load in chosen) or (not paged and any(load.start for load in chosen)):
         return 0
     return sum(len(load.recompute) for load in chosen if load.recompute is not None)
 
