@@ -113,6 +113,9 @@ class ForwardRecompute:
         step = self._step
         if step is None:
             return
+        if (self._extra.rows, self._extra.scheduled) != (step.rows, step.first):
+            self._step = None  # left by a step that ended early: never attend into another step's rows
+            return
         if index == self._last:
             self._step = None  # nothing reads the last layer's output rows: its KV write was all
             return
