@@ -105,15 +105,10 @@ def step_slot_mappings(forward_context: ForwardContext) -> list[torch.Tensor]:
     return list(seen.values())
 
 
-def step_row_count(forward_context: ForwardContext) -> int | None:
-    """Rows the step's forward pass runs, padding included; None where it replays a full CUDA
-    graph (rows past the scheduled ones are then never computed the way an eager op sees them)."""
-    from vllm.config import CUDAGraphMode
-
-    if getattr(forward_context, "cudagraph_runtime_mode", None) == CUDAGraphMode.FULL:
-        return None
+def step_row_count(forward_context: ForwardContext) -> int:
+    """Rows the step's forward pass runs, padding included (0 where the context does not say)."""
     descriptor = getattr(forward_context, "batch_descriptor", None)
-    return None if descriptor is None else int(descriptor.num_tokens)
+    return 0 if descriptor is None else int(descriptor.num_tokens)
 
 
 def running_runner() -> Any:

@@ -69,13 +69,6 @@ class ForwardRecompute:
         for index, (_, layer) in enumerate(layers):
             compat.wrap_attention_forward(layer, functools.partial(_after_attention, self, index))
 
-    @staticmethod
-    def supported(runner: Any) -> bool:
-        """Whether ``runner`` runs steps this can add rows to (what vLLM pads or reorders
-        otherwise is not verified: speculative decoding, LoRA, multimodal inputs, data or
-        pipeline parallelism)."""
-        return compat.extra_rows_supported(runner)
-
     def start(self, loads: Sequence[LoadRequest], in_hand: Sequence[InHand | None], views: PagedViews | None,
               block_size: int, forward_context: ForwardContext) -> bool:
         """Put this step's rows of ``loads`` (each with ``recompute`` and ``recompute_ids``, every
@@ -83,8 +76,7 @@ class ForwardRecompute:
         them itself)."""
         extra = self._extra
         rows = sum(len(load.recompute) for load in loads if load.recompute is not None)
-        padded = compat.step_row_count(forward_context)
-        if not rows or extra.rows != rows or padded is None or padded < extra.scheduled + rows:
+        if not rows or extra.rows != rows or compat.step_row_count(forward_context) < extra.scheduled + rows:
             return False
         if views is None and any(hand is None or load.start for load, hand in zip(loads, in_hand)):
             return False

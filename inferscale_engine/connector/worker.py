@@ -139,7 +139,7 @@ class ConnectorWorker:
         if self._forward is None and self._in_forward and not self._runner_checked:
             self._runner_checked = True
             runner = compat.running_runner()
-            if runner is not None and ForwardRecompute.supported(runner):
+            if runner is not None and compat.extra_rows_supported(runner):
                 self._forward = ForwardRecompute(runner, self._layers,
                                                  lambda loads: _rows_in_forward(loads, paged=bool(self._paged)))
                 logger.debug("InferScaleConnector: recomputed rows ride the forward pass from the next step")
