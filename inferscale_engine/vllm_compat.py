@@ -17,12 +17,13 @@ import logging
 import platform
 import re
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
     from vllm import SamplingParams
     from vllm.config import VllmConfig
@@ -87,6 +88,42 @@ def wrap_attention_forward(
         return result
 
     layer.impl.forward = forward_then_after
+
+
+#: ``attend(q, key_cache, value_cache, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k,
+#: block_table)``: :func:`paged_varlen_attention`'s call for one layer.
+PagedVarlenAttention = Callable[..., None]
+
+
+def paged_varlen_attention(layer: Any) -> PagedVarlenAttention | None:
+    """FlashAttention's varlen kernel over ``layer``'s paged cache, called as vLLM 0.26's
+    ``FlashAttentionImpl.forward`` calls it for a prefill: ``q`` ``[rows, heads, head_dim]`` in
+    sequences cut by ``cu_seqlens_q``, sequence i reading its first ``seqused_k[i]`` keys
+    through row i of ``block_table`` (int32 pages of ``key_cache``), bottom-right causal, into
+    ``out`` in place. The layer's own window, soft cap, ALiBi and sinks apply. ``None`` where
+    the backend is not FlashAttention, quantizes its cache or splits it across ranks."""
+    impl = layer.impl
+    if (type(impl).__name__ != "FlashAttentionImpl" or getattr(impl, "kv_cache_dtype", "auto") != "auto"
+            or getattr(impl, "dcp_world_size", 1) != 1 or getattr(impl, "vllm_flash_attn_version", None) is None):
+        return None
+    try:
+        from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
+    except ImportError:
+        return None
+    window = getattr(impl, "sliding_window", None)
+
+    def attend(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, out: torch.Tensor,
+               cu_seqlens_q: torch.Tensor, max_seqlen_q: int, seqused_k: torch.Tensor, max_seqlen_k: int,
+               block_table: torch.Tensor) -> None:
+        flash_attn_varlen_func(
+            q=q, k=key_cache, v=value_cache, out=out, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+            seqused_k=seqused_k, max_seqlen_k=max_seqlen_k, softmax_scale=impl.scale, causal=True,
+            alibi_slopes=impl.alibi_slopes, window_size=None if window is None else list(window),
+            block_table=block_table, softcap=impl.logits_soft_cap, fa_version=impl.vllm_flash_attn_version,
+            s_aux=getattr(impl, "sinks", None),
+        )
+
+    return attend
 
 
 def attention_scale(layer: Any) -> float:

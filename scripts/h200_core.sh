@@ -95,9 +95,11 @@ for step in $STEPS; do
     forwardrecompute) # the rows riding vLLM's forward pass: its CUDA tests (one in-process engine a pytest
       # process; never the cpu params on this vLLM build), then its cost under piecewise graphs and the rows'
       # host time per layer (--profile)
-      for p in cuda-default cuda-v1; do
-        python3 -m pytest -q -p no:cacheprovider \
-          "tests/test_forward_recompute.py::test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them[$p]" 2>&1 | tail -1
+      for t in "test_forward_recompute.py::test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them[cuda-default]" \
+               "test_forward_recompute.py::test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them[cuda-v1]" \
+               "test_token_recompute.py::test_cuda_graph_replays_give_the_first_runs_rows"; do
+        python3 -m pytest -q -p no:cacheprovider -s "tests/$t" > "$OUT/pytest.log" 2>&1
+        grep -E "^cuda |in_forward=|Error|assert" "$OUT/pytest.log" | tail -4; grep -E "passed|failed|error" "$OUT/pytest.log" | tail -1
       done
       python3 scripts/make_configs.py /tmp/models --tokenizer .carry/smollm2-tokenizer > /dev/null
       python3 scripts/token_recompute_cost.py --model /tmp/models/llama-3.1-8b-text --device cuda --dummy-weights \

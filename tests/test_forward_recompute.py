@@ -36,9 +36,12 @@ def test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them(tiny_llam
     recompute pass of their own runs, and they give what that pass gives
     (``recompute_in_forward=False``, on the CPU); every memory row recomputed gives the prompt's
     output (on CUDA within bfloat16 rounding). On CUDA the steps run vLLM's piecewise CUDA graphs
-    (the tiny model's head_dim keeps the engine off full graphs), padded to hold the rows."""
+    (the tiny model's head_dim keeps the engine off full graphs), padded to hold the rows, and
+    the rows attend through FlashAttention's varlen kernel, which gives what gathering their
+    prefixes from the cache gives."""
     if runner == "v1":
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    flash_gaps = _shadow_flash_attention(monkeypatch) if device == "cuda" else []
     passes = []
     run = blend.LayerwiseRecompute.run
     monkeypatch.setattr(blend.LayerwiseRecompute, "run", lambda *a, **kw: passes.append(1) or run(*a, **kw))
@@ -65,10 +68,38 @@ def test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them(tiny_llam
             for results in got[in_forward].values():
                 assert results[0].first_logprobs != injected.first_logprobs
                 assert compare(results[0], results[1])["max_logit_diff"] < stale["max_logit_diff"] / 4
+    if device == "cuda":
+        assert flash_gaps, "no step's rows attended through FlashAttention"
+        assert max(flash_gaps) < 3e-2, f"FlashAttention against the gathered prefixes: {max(flash_gaps)}"
     if device == "cpu":
         for rule, results in got[True].items():
             for ours, theirs in zip(results, got[False][rule]):
                 assert compare(theirs, ours)["max_logit_diff"] < TOL_ALL_ROWS, rule
+
+
+def _shadow_flash_attention(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Make every layer's FlashAttention call for the rows also run ``PagedPrefix``'s attention
+    (the prefixes gathered from the cache, under a mask) on the same cache; returns the list
+    the largest gap of each call goes to."""
+    from inferscale_engine.connector.forward_recompute import PagedPrefix, PagedRuns
+
+    gaps: list[float] = []
+    build, attend = PagedRuns.build, PagedRuns.attend
+
+    def shadowed(cls, loads, views, block_size, device):
+        runs = build(loads, views, block_size, device)
+        runs.shadow = PagedPrefix.build(loads, views, np.concatenate([load.recompute for load in loads]),
+                                        block_size, device)
+        return runs
+
+    def compared(self, index, attention, q, out):
+        attend(self, index, attention, q, out)
+        expected = self.shadow.attend(index, q, q.shape[-1] ** -0.5)
+        gaps.append(float((out.reshape(len(q), -1).float() - expected.float()).abs().max()))
+
+    monkeypatch.setattr(PagedRuns, "build", classmethod(shadowed))
+    monkeypatch.setattr(PagedRuns, "attend", compared)
+    return gaps
 
 
 def test_requests_recomputed_in_one_step_each_get_their_own_rows(tiny_llama, monkeypatch):
@@ -106,17 +137,20 @@ def test_requests_recomputed_in_one_step_each_get_their_own_rows(tiny_llama, mon
                 assert compare(a, b)["max_logit_diff"] < TOL_ALL_ROWS, rule
 
 
-def test_paged_prefix_attention_sees_each_requests_own_keys():
-    """The CUDA path's attention of the rows (their requests' prefixes gathered from the paged
-    cache by block table, one fused call under a per-request mask), checked on the CPU against
-    the chunked attention over each request's own keys: two requests in one step, blocks
-    interleaved in the cache."""
+def test_paged_attention_sees_each_requests_own_keys():
+    """The CUDA paths' attention of the rows over their requests' prefixes in the paged cache,
+    checked on the CPU against the chunked attention over each request's own keys: two requests
+    in one step, blocks interleaved in the cache, rows in runs of consecutive positions.
+    ``PagedPrefix`` gathers the prefixes by block table and attends under a per-request mask;
+    ``PagedRuns`` hands FlashAttention's varlen kernel its sequences, run here by a torch
+    reference of that kernel's contract (the real kernel is checked on CUDA, in the engine)."""
     from inferscale_engine.connector.blend import attend_chunked
-    from inferscale_engine.connector.forward_recompute import PagedPrefix
+    from inferscale_engine.connector.forward_recompute import PagedPrefix, PagedRuns
     from inferscale_engine.connector.plan import LoadRequest, position_slots
 
     torch.manual_seed(0)
     blocks, block_size, kv_heads, heads, dim = 12, 4, 2, 4, 8
+    scale = dim**-0.5
     cache = torch.randn(blocks, kv_heads, block_size, 2 * dim)  # FlashAttention's (B, H, N, 2D) layout
     key_cache, value_cache = cache.transpose(1, 2).split(dim, dim=-1)
     views = [(key_cache, value_cache)]
@@ -124,11 +158,27 @@ def test_paged_prefix_attention_sees_each_requests_own_keys():
              LoadRequest(block_ids=[0, 8, 2, 11], start=4, stop=13, pieces=None)]  # type: ignore[arg-type]
     loads[0].recompute, loads[1].recompute = np.array([2, 3, 9, 17]), np.array([4, 5, 12])
     positions = np.concatenate([load.recompute for load in loads])
-    prefix = PagedPrefix.build(loads, views, positions, block_size, torch.device("cpu"))
     q = torch.randn(len(positions), heads, dim)
     expected = []
     for load, rows in zip(loads, (slice(0, 4), slice(4, 7))):
         where = torch.from_numpy(position_slots(load.block_ids, np.arange(load.stop), block_size))
         keys, values = key_cache[where // block_size, where % block_size], value_cache[where // block_size, where % block_size]
-        expected.append(attend_chunked(q[rows], keys, values, torch.from_numpy(load.recompute), dim**-0.5))
-    assert torch.allclose(prefix.attend(0, q, dim**-0.5), torch.cat(expected), atol=1e-5)
+        expected.append(attend_chunked(q[rows], keys, values, torch.from_numpy(load.recompute), scale))
+    prefix = PagedPrefix.build(loads, views, positions, block_size, torch.device("cpu"))
+    assert torch.allclose(prefix.attend(0, q, scale), torch.cat(expected), atol=1e-5)
+
+    def varlen(q, k, v, out, cu_seqlens_q, max_seqlen_q, seqused_k, max_seqlen_k, block_table):
+        """FlashAttention's paged varlen call, causal from the bottom right, in torch."""
+        assert max_seqlen_q == int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        assert max_seqlen_k == int(seqused_k.max())
+        for i, used in enumerate(seqused_k.tolist()):
+            a, b = int(cu_seqlens_q[i]), int(cu_seqlens_q[i + 1])
+            pages = block_table[i, : -(-used // k.shape[1])]
+            keys, values = k[pages].flatten(0, 1)[:used], v[pages].flatten(0, 1)[:used]
+            out[a:b] = attend_chunked(q[a:b], keys, values, torch.arange(used - (b - a), used), scale).view(b - a, heads, dim)
+
+    runs = PagedRuns.build(loads, views, block_size, torch.device("cpu"))
+    assert runs.cu_seqlens_q.tolist() == [0, 2, 3, 4, 6, 7]  # [2, 3] [9] [17] | [4, 5] [12]
+    out = torch.full_like(q, float("nan"))
+    runs.attend(0, varlen, q, out)
+    assert torch.allclose(out.view(len(positions), -1), torch.cat(expected), atol=1e-5)

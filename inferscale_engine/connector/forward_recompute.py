@@ -65,6 +65,8 @@ class ForwardRecompute:
         self._last = len(layers) - 1
         self._head_dims = [int(layer.head_size) for _, layer in layers]
         self._scales = [compat.attention_scale(layer) for _, layer in layers]
+        varlen = [compat.paged_varlen_attention(layer) for _, layer in layers]
+        self._varlen: list[compat.PagedVarlenAttention] | None = varlen if all(varlen) else None  # type: ignore[assignment]
         self._step: _Step | None = None
         for index, (_, layer) in enumerate(layers):
             compat.wrap_attention_forward(layer, functools.partial(_after_attention, self, index))
@@ -92,7 +94,9 @@ class ForwardRecompute:
         bounds = np.cumsum([0, *map(len, chosen)])
         step = _Step(first=extra.scheduled, rows=rows, positions=staged[rows : 2 * rows],
                      parts=[slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])])
-        if views is not None:
+        if views is not None and self._varlen is not None:
+            step.runs = PagedRuns.build(loads, views, block_size, device)
+        elif views is not None:
             step.paged = PagedPrefix.build(loads, views, positions, block_size, device)
         else:
             step.in_hand = [_HandPrefix(hand[0], hand[1]) for hand in in_hand]  # type: ignore[index]
@@ -113,6 +117,10 @@ class ForwardRecompute:
             return
         at, dim, scale = step.at, self._head_dims[index], self._scales[index]
         q = query[at].reshape(step.rows, -1, dim)
+        if step.runs is not None:
+            assert self._varlen is not None
+            step.runs.attend(index, self._varlen[index], q, output.view(output.shape[0], -1)[at].view(step.rows, -1, dim))
+            return
         if step.paged is not None:
             out = step.paged.attend(index, q, scale)
         else:
@@ -135,6 +143,7 @@ class _Step:
     rows: int
     positions: torch.Tensor
     parts: list[slice]
+    runs: PagedRuns | None = None
     paged: PagedPrefix | None = None
     in_hand: list[_HandPrefix] | None = None
 
@@ -144,10 +153,58 @@ class _Step:
 
 
 @dataclass
+class PagedRuns:
+    """The rows as FlashAttention sequences over the paged cache (CUDA, FlashAttention): each run
+    of consecutive positions of one load is a sequence whose last row sits at the run's last
+    position and reads the load's keys up to it through the load's pages. The kernel's
+    bottom-right causal mask then gives each row its own prefix ``[0, position]``: one call a
+    layer, reading the cache in place, with no gather and no mask."""
+
+    views: PagedViews
+    cu_seqlens_q: torch.Tensor  # [runs + 1] int32
+    seqused_k: torch.Tensor  # [runs] int32
+    block_table: torch.Tensor  # [runs, pages] int32: each run's load's pages
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @classmethod
+    def build(cls, loads: Sequence[LoadRequest], views: PagedViews, block_size: int,
+              device: torch.device) -> PagedRuns:
+        """The runs of ``loads``' rows (``load.recompute``, load after load, as the step
+        carries them)."""
+        page = int(views[0][0].shape[1])  # the kernel's page: the cache's, whatever the scheduler's block
+        lengths, ends, owners, tables = [], [], [], []
+        for owner, load in enumerate(loads):
+            rows = np.asarray(load.recompute)
+            bounds = np.concatenate([[0], np.flatnonzero(np.diff(rows) != 1) + 1, [len(rows)]])
+            lengths.append(np.diff(bounds))
+            ends.append(rows[bounds[1:] - 1])
+            owners.append(np.full(len(bounds) - 1, owner))
+            tables.append(position_slots(load.block_ids, np.arange(0, load.stop, page), block_size) // page)
+        table = np.zeros((len(loads), max(map(len, tables))), dtype=np.int64)
+        for owner, pages in enumerate(tables):
+            table[owner, : len(pages)] = pages
+        run_lengths, run_ends = np.concatenate(lengths), np.concatenate(ends)
+        runs = len(run_lengths)
+        cu = np.concatenate([[0], np.cumsum(run_lengths)])
+        staged = _to_device(np.concatenate([cu, run_ends + 1, table[np.concatenate(owners)].ravel()])
+                            .astype(np.int32), device)
+        return cls(views, staged[: runs + 1], staged[runs + 1 : 2 * runs + 1],
+                   staged[2 * runs + 1 :].view(runs, table.shape[1]), int(run_lengths.max()), int(run_ends.max()) + 1)
+
+    def attend(self, index: int, attention: compat.PagedVarlenAttention, q: torch.Tensor, out: torch.Tensor) -> None:
+        """Layer ``index``'s attention of the rows' queries ``q`` ``[rows, heads, head_dim]``
+        over their loads' prefixes, into ``out`` (the same shape)."""
+        k, v = self.views[index]
+        attention(q, k, v, out, self.cu_seqlens_q, self.max_seqlen_q, self.seqused_k, self.max_seqlen_k,
+                  self.block_table)
+
+
+@dataclass
 class PagedPrefix:
     """Every load's prefix ``[0, stop)`` read from the paged cache, one after another, and the
     mask that lets each row see its own load's keys up to its position (CUDA, where the cache's
-    layout is known)."""
+    layout is known but the backend is not FlashAttention)."""
 
     views: PagedViews
     blocks: torch.Tensor
