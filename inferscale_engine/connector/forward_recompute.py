@@ -12,17 +12,22 @@ before that layer's attention, so the request's tokens attend over them as over 
 
 Only the rows' own attention is InferScale's: vLLM's covers the scheduled tokens. After it, each
 layer's rows attend causally over their request's prefix in the cache, the rows just written
-included (blend's attention: one fused SDPA call on CUDA, float32 in chunks on the CPU), into
-the layer's output rows. Where the cache's layout is not known (the CPU backend's), the prefix
-is the rows this step injected, kept in hand with each layer's recomputed rows written over them.
+included, into the layer's output rows:
+
+- FlashAttention (CUDA): one call of its paged varlen kernel a layer (:class:`PagedRuns`), each
+  run of consecutive rows a sequence over its request's pages, as vLLM's own call for a prefill.
+- Another CUDA backend whose layout is known: the prefixes gathered by block table, one fused
+  SDPA call under a per-request mask (:class:`PagedPrefix`). On an H100 this was ~30 eager torch
+  ops and 0.3 ms of host time a layer (k=50; docs/benchmarks-locomo.md), while the GPU waited
+  between vLLM's graph pieces.
+- The CPU backend, whose layout is not known: the prefix is the rows this step injected, kept
+  in hand with each layer's recomputed rows written over them, float32 in chunks.
 
 Only rules that keep every row they recompute ride the pass (``header``, ``first:N``).
 CacheBlend's selection (``deviating:P``) drops most rows after the second layer, and in the
 forward pass every row runs every layer's linear layers: on the CPU with Qwen2.5-Coder-0.5B that
 cost 2–4x the separate pass (which drops them), so it keeps the separate pass. So does a step
-that cannot carry its rows (past the batch's buffers, a full CUDA graph). On CUDA the rows' attention is what this costs: ~30 eager torch ops a
-layer, 0.3 ms of host time each on an H100 (k=50; docs/benchmarks-locomo.md), while the GPU
-waits between vLLM's graph pieces.
+that cannot carry its rows (past the batch's buffers, a full CUDA graph).
 """
 
 from __future__ import annotations
