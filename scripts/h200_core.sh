@@ -23,7 +23,7 @@
 # whichever ran second would be served from the first's blocks), tokenrecompute (recompute_tokens' cost
 # and distance to the prompt on the CUDA path, scripts/token_recompute_cost.py, the rows in vLLM's forward pass
 # and in a pass of their own: PASSES; forwardrecompute: the forward-pass rows' CUDA tests, cost under piecewise
-# graphs and host split; carry
+# graphs and host split, and the default full graphs' separate pass beside it; carry
 # .carry/smollm2-tokenizer as for coldtext), retrievalvariants (scripts/h200_retrieval_variants.py: one
 # query's retrieval warm, 20 ms after the last call, and after other GPU work). TIERS_REPEATS sets the
 # tiers repeats.
@@ -105,6 +105,10 @@ for step in $STEPS; do
       python3 scripts/token_recompute_cost.py --model /tmp/models/llama-3.1-8b-text --device cuda --dummy-weights \
         --dtype bfloat16 --k ${KS:-5,50} --repeats ${REPEATS:-10} --cudagraph-mode FULL_AND_PIECEWISE \
         --profile "$OUT/forward-recompute-host-split.json" 2>&1 | grep -E "^\{|Traceback|Error" \
+        | tee -a "$OUT/token-recompute-forward.jsonl"
+      # the engine's default beside it, on the same card: full graphs, the rows in a pass of their own
+      python3 scripts/token_recompute_cost.py --model /tmp/models/llama-3.1-8b-text --device cuda --dummy-weights \
+        --dtype bfloat16 --k ${KS:-5,50} --repeats ${REPEATS:-10} --separate-pass 2>&1 | grep -E "^\{|Traceback|Error" \
         | tee -a "$OUT/token-recompute-forward.jsonl" ;;
     promoteprof) python3 scripts/h200_promote.py 50 --cprofile 2>&1 | tail -26 ;;
     promotesplit) python3 scripts/h200_promote.py 50 --split 2>&1 | grep -E "^k=|^    " | tee "$OUT/promote-split.txt" ;;
