@@ -191,11 +191,16 @@ class PagedRuns:
             table[owner, : len(pages)] = pages
         run_lengths, run_ends = np.concatenate(lengths), np.concatenate(ends)
         runs = len(run_lengths)
-        cu = np.concatenate([[0], np.cumsum(run_lengths)])
-        staged = _to_device(np.concatenate([cu, run_ends + 1, table[np.concatenate(owners)].ravel()])
-                            .astype(np.int32), device)
-        return cls(views, staged[: runs + 1], staged[runs + 1 : 2 * runs + 1],
-                   staged[2 * runs + 1 :].view(runs, table.shape[1]), int(run_lengths.max()), int(run_ends.max()) + 1)
+        # One upload; each part starts 16-byte aligned, as the kernel's own arguments do.
+        parts = [np.concatenate([[0], np.cumsum(run_lengths)]), run_ends + 1, table[np.concatenate(owners)].ravel()]
+        at = np.cumsum([0, *(-(-len(part) // 4) * 4 for part in parts)])
+        flat = np.zeros(at[-1], dtype=np.int32)
+        for start, part in zip(at, parts):
+            flat[start : start + len(part)] = part
+        staged = _to_device(flat, device)
+        cu_seqlens_q, seqused_k, block_table = (staged[a : a + len(part)] for a, part in zip(at, parts))
+        return cls(views, cu_seqlens_q, seqused_k, block_table.view(runs, table.shape[1]),
+                   int(run_lengths.max()), int(run_ends.max()) + 1)
 
     def attend(self, index: int, attention: compat.PagedVarlenAttention, q: torch.Tensor, out: torch.Tensor) -> None:
         """Layer ``index``'s attention of the rows' queries ``q`` ``[rows, heads, head_dim]``
