@@ -25,6 +25,7 @@ import torch
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    import numpy as np
     from vllm import SamplingParams
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
@@ -182,22 +183,33 @@ class ExtraRows:
     pads a step in ``_determine_batch_execution_and_padding(num_tokens=...)``; vllm 0.26 runs
     its V2 runner by default, which pads in ``model_runner.dispatch_cg_and_sync_dp`` (a module
     function). Either is asked for the scheduled tokens plus the extra rows, with no uniform
-    decode count. A full CUDA graph's captured attention cannot see rows: where vLLM would
-    replay one for the step (``cudagraph_mode=FULL``, as the engine starts on CUDA where its
-    check passes: :mod:`inferscale_engine.cuda_graphs`), the step goes without them (``rows``
-    is then 0). Running it without a graph instead cost more than the separate pass: 59 against
-    ~21 ms at k=5 on an H100, Llama-3.1-8B shape."""
+    decode count.
 
-    def __init__(self, runner: Any, rows_for: Callable[[SchedulerOutput], int]) -> None:
-        """``rows_for(scheduler_output)``: the rows a step should carry (0: none)."""
+    A full CUDA graph (``cudagraph_mode=FULL``, as the engine starts on CUDA where its check
+    passes: :mod:`inferscale_engine.cuda_graphs`) replays attention as captured, so nothing can
+    be launched for the rows between its layers. Where the V2 runner replays one with
+    FlashAttention 3, the rows become sequences of the step's own attention instead
+    (:class:`FullGraphSequences`, :attr:`full` is then true), as long as the graph has a spare
+    request slot for each of them; otherwise the step goes without its rows (``rows`` is then
+    0). Running it without a graph instead cost more than the separate pass: 59 against ~21 ms
+    at k=5 on an H100, Llama-3.1-8B shape."""
+
+    def __init__(self, runner: Any, rows_for: Callable[[SchedulerOutput], tuple[int, int]]) -> None:
+        """``rows_for(scheduler_output)``: the rows a step should carry (0: none), and the
+        sequences they form (runs of consecutive positions of one request)."""
         self._runner = runner
         self._rows_for = rows_for
         self.scheduled = 0  # this step's scheduled tokens, where it carries rows
         self.rows = 0
+        self.sequences = 0
+        self.requests = 0  # this step's requests, where it carries rows
+        self.full = False  # this step replays a full graph, its rows as sequences of its attention
         if hasattr(runner, "input_buffers"):  # V2
             self._input_ids, self._positions = runner.input_buffers.input_ids, runner.input_buffers.positions
+            self.full_graph = FullGraphSequences.of(runner)
         else:
             self._input_ids, self._positions = runner.input_ids.gpu, runner.positions
+            self.full_graph = None
         self._capacity = min(len(self._input_ids), len(self._positions))
         self.device = self._input_ids.device
         self._wrap_execute()
@@ -211,15 +223,18 @@ class ExtraRows:
         execute = runner.execute_model
 
         def execute_model(scheduler_output: SchedulerOutput, *args: Any, **kwargs: Any) -> Any:
-            rows = self._rows_for(scheduler_output) if getattr(scheduler_output, "kv_connector_metadata", None) else 0
+            rows, sequences = (self._rows_for(scheduler_output)
+                               if getattr(scheduler_output, "kv_connector_metadata", None) else (0, 0))
             scheduled = int(scheduler_output.total_num_scheduled_tokens)
             if not rows or scheduled + rows > self._capacity:
                 return execute(scheduler_output, *args, **kwargs)
-            self.scheduled, self.rows = scheduled, rows
+            self.scheduled, self.rows, self.sequences = scheduled, rows, sequences
+            self.requests = len(scheduler_output.num_scheduled_tokens)
             try:
                 return execute(scheduler_output, *args, **kwargs)
             finally:
-                self.scheduled = self.rows = 0
+                self.scheduled = self.rows = self.sequences = self.requests = 0
+                self.full = False
 
         runner.execute_model = execute_model
 
@@ -259,9 +274,11 @@ class ExtraRows:
             if not self.rows:
                 return dispatch(manager, num_reqs, num_tokens, uniform, *args, **kwargs)
             decided = dispatch(manager, num_reqs, num_tokens + self.rows, None, *args, **kwargs)
-            if decided[0].cg_mode == CUDAGraphMode.FULL:  # the step goes without its rows
-                self.rows = 0
-                return dispatch(manager, num_reqs, num_tokens, uniform, *args, **kwargs)
+            if decided[0].cg_mode == CUDAGraphMode.FULL:
+                self.full = self.full_graph is not None and num_reqs + self.sequences <= (decided[0].num_reqs or 0)
+                if not self.full:  # the step goes without its rows
+                    self.rows = 0
+                    return dispatch(manager, num_reqs, num_tokens, uniform, *args, **kwargs)
             return decided
 
         padded._inferscale_rows = dispatch  # type: ignore[attr-defined]
@@ -276,6 +293,86 @@ class ExtraRows:
         self._positions[at] = positions
         for mapping in slot_mappings:
             mapping[at] = slots
+
+
+class FullGraphSequences:
+    """Extra sequences in the attention of a full CUDA graph step of vllm 0.26's V2 runner with
+    FlashAttention 3: the rows :class:`ExtraRows` put in the step's padding tail, each run of
+    them a sequence of the step's own varlen attention, in the graph's spare request slots.
+
+    A full graph reads its attention's inputs from the runner's persistent buffers, which the
+    runner fills before each replay: ``query_start_loc`` (a padded request's query starts and
+    ends at the last scheduled token), ``seq_lens`` (0 for a padded request), the gathered block
+    table, the slot mapping, and FA3's ahead-of-time schedule, copied into the builder's own
+    buffer. :meth:`write` fills the spare slots with the runs, then has the builder schedule
+    the batch again: FA3 then attends for the rows as for a prefill, inside the replay, with
+    no launch of InferScale's own. Only the spare slots are written; the next step's
+    preparation overwrites them."""
+
+    def __init__(self, runner: Any, builder: Any) -> None:
+        self._buffers = runner.input_buffers
+        self._tables = runner.block_tables
+        self._builder = builder
+        self._common: Any = None  # the step's CommonAttentionMetadata, as the builder last got it
+        build = builder.build
+
+        def remembered(*args: Any, **kwargs: Any) -> Any:
+            self._common = kwargs["common_attn_metadata"] if "common_attn_metadata" in kwargs else args[1]
+            return build(*args, **kwargs)
+
+        builder.build = remembered
+
+    @classmethod
+    def of(cls, runner: Any) -> FullGraphSequences | None:
+        """The sequences for ``runner``'s full graphs; ``None`` where they cannot carry them: not
+        one KV-cache group of one FlashAttention 3 builder that schedules ahead of time into a
+        full graph's buffer, or context parallelism."""
+        groups = getattr(runner, "attn_groups", None)
+        if not groups or len(groups) != 1 or len(groups[0]) != 1 or not hasattr(runner, "block_tables"):
+            return None
+        builder = groups[0][0].get_metadata_builder(0)
+        if (type(builder).__name__ != "FlashAttentionMetadataBuilder" or not getattr(builder, "aot_schedule", False)
+                or not getattr(builder, "use_full_cuda_graph", False)
+                or getattr(builder, "scheduler_metadata", None) is None
+                or getattr(builder, "dcp_world_size", 1) != 1 or getattr(runner, "pcp_manager", None) is not None):
+            return None
+        return cls(runner, builder)
+
+    @property
+    def slot_mappings(self) -> list[torch.Tensor]:
+        """The slot mappings a full graph's KV writes read (one per KV-cache group)."""
+        return list(self._tables.slot_mappings)
+
+    def write(self, requests: int, tokens: int, cu_seqlens_q: torch.Tensor, seqused_k: torch.Tensor,
+              block_table: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, cu_host: np.ndarray) -> bool:
+        """Make the runs sequences ``requests..`` of this step's attention: sequence
+        ``requests + i`` is rows ``tokens + cu_seqlens_q[i] ..`` of the batch, reading its
+        first ``seqused_k[i]`` keys through row i of ``block_table`` (``cu_host``: the host's
+        ``cu_seqlens_q``). False where the graph has too few request slots."""
+        common = self._common
+        if common is None or requests + len(seqused_k) > int(common.num_reqs):  # the graph's request slots
+            return False
+        runs, slots = len(seqused_k), int(common.num_reqs)
+        first, end = requests + 1, requests + 1 + runs
+        starts = self._buffers.query_start_loc
+        starts[first:end] = cu_seqlens_q[1:] + tokens
+        starts[end : slots + 1] = tokens + int(cu_host[-1])
+        self._buffers.seq_lens[requests : requests + runs] = seqused_k
+        common.block_table_tensor[requests : requests + runs, : block_table.shape[1]] = block_table
+        starts_host = common.query_start_loc_cpu.clone()
+        starts_host[first:end] = torch.as_tensor(cu_host[1:], dtype=starts_host.dtype) + tokens
+        starts_host[end:] = tokens + int(cu_host[-1])
+        bound = common.seq_lens_cpu_upper_bound
+        if bound is not None:
+            bound = bound.clone()
+            bound[requests : requests + runs] = max_seqlen_k
+        self._builder.build(
+            common_prefix_len=0,
+            common_attn_metadata=common.replace(
+                query_start_loc_cpu=starts_host, seq_lens_cpu_upper_bound=bound,
+                max_query_len=max(int(common.max_query_len), max_seqlen_q),
+                max_seq_len=max(int(common.max_seq_len), max_seqlen_k)))
+        return True
 
 
 def layer_index(layer_name: str) -> int:

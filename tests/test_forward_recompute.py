@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from test_token_recompute import TOL_ALL_ROWS, _case, _engine, _run, _serve
+from tiny_models import build_tiny_model
 
 from inferscale_apps.bench.exactness import compare, encode_spans
 from inferscale_engine import InferScaleEngine
@@ -29,8 +30,10 @@ _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device
     ("cpu", "default"),
     pytest.param("cuda", "default", marks=_CUDA),  # vllm 0.26: its V2 model runner
     pytest.param("cuda", "v1", marks=_CUDA),
+    pytest.param("cuda", "full", marks=_CUDA),  # V2, full CUDA graphs
 ])
-def test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them(tiny_llama, device, runner, monkeypatch):
+def test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them(tiny_llama, tiny_models_dir, device, runner,
+                                                                        monkeypatch):
     """By default the rows recomputed join vLLM's own forward pass, in its padding tail (from the
     engine's second request that recomputes on; rules that keep every row they recompute): no
     recompute pass of their own runs, and they give what that pass gives
@@ -38,10 +41,18 @@ def test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them(tiny_llam
     output (on CUDA within bfloat16 rounding). On CUDA the steps run vLLM's piecewise CUDA graphs
     (the tiny model's head_dim keeps the engine off full graphs), padded to hold the rows, and
     the rows attend through FlashAttention's varlen kernel, which gives what gathering their
-    prefixes from the cache gives."""
+    prefixes from the cache gives. Under full CUDA graphs (``full``: a head_dim-128 model, the
+    graphs large enough for every row) each step replays one graph, the rows sequences of its
+    own attention."""
+    model, options = tiny_llama, {}
     if runner == "v1":
         monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    if runner == "full":
+        model = str(build_tiny_model(tiny_models_dir / "tiny-llama-hd128", "llama", num_attention_heads=2,
+                                     num_key_value_heads=1))
+        options = {"compilation_config": {"cudagraph_mode": "FULL", "max_cudagraph_capture_size": 1024}}
     flash_gaps = _shadow_flash_attention(monkeypatch) if device == "cuda" else []
+    in_graphs = _count_full_graph_sequences(monkeypatch) if runner == "full" else []
     passes = []
     run = blend.LayerwiseRecompute.run
     monkeypatch.setattr(blend.LayerwiseRecompute, "run", lambda *a, **kw: passes.append(1) or run(*a, **kw))
@@ -49,13 +60,17 @@ def test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them(tiny_llam
     got: dict[bool, dict[str, object]] = {}
     # On CUDA one engine a process: a second one in-process would see the first's memory go.
     for in_forward in (True, False) if device == "cpu" else (True,):
-        with InferScaleEngine(model=tiny_llama, device=device, dtype=dtype, max_model_len=1024, max_logprobs=1000,
-                              recompute=0, recompute_in_forward=in_forward) as engine:
+        with InferScaleEngine(model=model, device=device, dtype=dtype, max_model_len=1024, max_logprobs=1000,
+                              recompute=0, recompute_in_forward=in_forward, **options) as engine:
             segments, prompt, injected = _serve(engine, f"w0-{device}-{in_forward}")
             _run(engine, segments, "header")  # the first to recompute hooks the runner, then runs the separate pass
             passes.clear()
-            got[in_forward] = {rule: [_run(engine, segments, rule) for _ in range(2)]
-                               for rule in ("first:1000", "header")}
+            got[in_forward] = {}
+            for rule in ("first:1000", "header"):
+                in_graphs.clear()
+                got[in_forward][rule] = [_run(engine, segments, rule) for _ in range(2)]
+                if runner == "full":
+                    assert in_graphs == [True, True], f"{rule}: the full graphs' sequences {in_graphs}"
             assert bool(passes) is not in_forward, f"{len(passes)} separate passes, in_forward={in_forward}"
             _run(engine, segments, "deviating:15")
             assert passes, "CacheBlend's selection keeps the separate pass (it drops rows after the second layer)"
@@ -68,13 +83,25 @@ def test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them(tiny_llam
             for results in got[in_forward].values():
                 assert results[0].first_logprobs != injected.first_logprobs
                 assert compare(results[0], results[1])["max_logit_diff"] < stale["max_logit_diff"] / 4
-    if device == "cuda":
+    if device == "cuda" and runner != "full":
         assert flash_gaps, "no step's rows attended through FlashAttention"
+    if flash_gaps:
         assert max(flash_gaps) < 3e-2, f"FlashAttention against the gathered prefixes: {max(flash_gaps)}"
     if device == "cpu":
         for rule, results in got[True].items():
             for ours, theirs in zip(results, got[False][rule]):
                 assert compare(theirs, ours)["max_logit_diff"] < TOL_ALL_ROWS, rule
+
+
+def _count_full_graph_sequences(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Record whether each full-graph step took its rows as sequences of its attention; returns
+    the list the answers go to."""
+    from inferscale_engine.vllm_compat import FullGraphSequences
+
+    taken: list[bool] = []
+    write = FullGraphSequences.write
+    monkeypatch.setattr(FullGraphSequences, "write", lambda *a, **kw: taken.append(write(*a, **kw)) or taken[-1])
+    return taken
 
 
 def _shadow_flash_attention(monkeypatch: pytest.MonkeyPatch) -> list[float]:

@@ -10,9 +10,13 @@ positions and their cache slots. vLLM's forward pass computes them with the requ
 tokens, in the same weight reads, and its KV write puts each layer's rows over the injected ones
 before that layer's attention, so the request's tokens attend over them as over a prompt's.
 
-Only the rows' own attention is InferScale's: vLLM's covers the scheduled tokens. After it, each
-layer's rows attend causally over their request's prefix in the cache, the rows just written
-included, into the layer's output rows:
+In a full CUDA graph (the engine's default on CUDA), vLLM's own attention covers the rows too:
+each run of consecutive rows of one request becomes a sequence of the step's FlashAttention 3
+call, in a spare request slot of the graph
+(:class:`~inferscale_engine.vllm_compat.FullGraphSequences`), and nothing of InferScale's runs
+inside the replay. Elsewhere only the rows' own attention is InferScale's: vLLM's covers the
+scheduled tokens. After it, each layer's rows attend causally over their request's prefix in
+the cache, the rows just written included, into the layer's output rows:
 
 - FlashAttention (CUDA): one call of its paged varlen kernel a layer (:class:`PagedRuns`), each
   run of consecutive rows a sequence over its request's pages, as vLLM's own call for a prefill.
@@ -27,7 +31,8 @@ Only rules that keep every row they recompute ride the pass (``header``, ``first
 CacheBlend's selection (``deviating:P``) drops most rows after the second layer, and in the
 forward pass every row runs every layer's linear layers: on the CPU with Qwen2.5-Coder-0.5B that
 cost 2–4x the separate pass (which drops them), so it keeps the separate pass. So does a step
-that cannot carry its rows (past the batch's buffers, a full CUDA graph).
+that cannot carry its rows (past the batch's buffers, a full graph with too few spare request
+slots or of another runner or backend).
 """
 
 from __future__ import annotations
@@ -63,8 +68,11 @@ class ForwardRecompute:
         """``runner``: the vLLM model runner; ``layers``: its attention layers in model order;
         ``rows_for(loads)``: the rows a step with these loads carries (0: it recomputes with
         blend.py, or not at all)."""
-        def step_rows(scheduler_output: Any) -> int:
-            return rows_for(getattr(scheduler_output.kv_connector_metadata, "loads", ()))
+        def step_rows(scheduler_output: Any) -> tuple[int, int]:
+            loads = getattr(scheduler_output.kv_connector_metadata, "loads", ())
+            rows = rows_for(loads)
+            return rows, sum(len(_run_bounds(load.recompute)) - 1 for load in loads
+                             if rows and load.recompute is not None)
 
         self._extra = compat.ExtraRows(runner, step_rows)
         self._last = len(layers) - 1
@@ -83,20 +91,20 @@ class ForwardRecompute:
         them itself)."""
         extra = self._extra
         rows = sum(len(load.recompute) for load in loads if load.recompute is not None)
-        if not rows or extra.rows != rows or compat.step_row_count(forward_context) < extra.scheduled + rows:
+        if not rows or extra.rows != rows:
+            return False
+        if extra.full:  # a full graph's forward context tells nothing: the runner padded it for the rows
+            return views is not None and self._start_in_full_graph(loads, views, block_size)
+        if compat.step_row_count(forward_context) < extra.scheduled + rows:
             return False
         if views is None and any(hand is None or load.start for load, hand in zip(loads, in_hand)):
             return False
         device = extra.device
-        chosen = [load.recompute for load in loads if load.recompute is not None]
-        positions = np.concatenate(chosen)
-        slots = np.concatenate([position_slots(load.block_ids, rows_of, block_size)
-                                for load, rows_of in zip(loads, chosen)])
-        ids = np.concatenate([load.recompute_ids for load in loads])
-        staged = _to_device(np.concatenate([ids, positions, slots]).astype(np.int64), device)
+        ids, positions, slots = _row_inputs(loads, block_size)
+        staged = _to_device(np.concatenate([ids, positions, slots]), device)
         mappings = compat.step_slot_mappings(forward_context)
         extra.write(staged[:rows], staged[rows : 2 * rows], staged[2 * rows :], mappings)
-        bounds = np.cumsum([0, *map(len, chosen)])
+        bounds = np.cumsum([0, *(len(load.recompute) for load in loads)])  # type: ignore[arg-type]
         step = _Step(first=extra.scheduled, rows=rows, positions=staged[rows : 2 * rows],
                      parts=[slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])])
         if views is not None and self._varlen is not None:
@@ -106,6 +114,21 @@ class ForwardRecompute:
         else:
             step.in_hand = [_HandPrefix(hand[0], hand[1]) for hand in in_hand]  # type: ignore[index]
         self._step = step
+        return True
+
+    def _start_in_full_graph(self, loads: Sequence[LoadRequest], views: PagedViews, block_size: int) -> bool:
+        """The rows as sequences of the step's own attention, inside its full graph's replay
+        (:class:`~inferscale_engine.vllm_compat.FullGraphSequences`): no attention of ours."""
+        extra = self._extra
+        assert extra.full_graph is not None
+        runs = PagedRuns.build(loads, views, block_size, extra.device)
+        if not extra.full_graph.write(extra.requests, extra.scheduled, runs.cu_seqlens_q, runs.seqused_k,
+                                      runs.block_table, runs.max_seqlen_q, runs.max_seqlen_k, runs.cu_host):
+            return False
+        ids, positions, slots = _row_inputs(loads, block_size)
+        staged = _to_device(np.concatenate([ids, positions, slots]), extra.device)
+        rows = len(ids)
+        extra.write(staged[:rows], staged[rows : 2 * rows], staged[2 * rows :], extra.full_graph.slot_mappings)
         return True
 
     def _attend(self, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -171,6 +194,7 @@ class PagedRuns:
     block_table: torch.Tensor  # [runs, pages] int32: each run's load's pages
     max_seqlen_q: int
     max_seqlen_k: int
+    cu_host: np.ndarray  # cu_seqlens_q on the host
 
     @classmethod
     def build(cls, loads: Sequence[LoadRequest], views: PagedViews, block_size: int,
@@ -181,7 +205,7 @@ class PagedRuns:
         lengths, ends, owners, tables = [], [], [], []
         for owner, load in enumerate(loads):
             rows = np.asarray(load.recompute)
-            bounds = np.concatenate([[0], np.flatnonzero(np.diff(rows) != 1) + 1, [len(rows)]])
+            bounds = _run_bounds(rows)
             lengths.append(np.diff(bounds))
             ends.append(rows[bounds[1:] - 1])
             owners.append(np.full(len(bounds) - 1, owner))
@@ -200,7 +224,7 @@ class PagedRuns:
         staged = _to_device(flat, device)
         cu_seqlens_q, seqused_k, block_table = (staged[a : a + len(part)] for a, part in zip(at, parts))
         return cls(views, cu_seqlens_q, seqused_k, block_table.view(runs, table.shape[1]),
-                   int(run_lengths.max()), int(run_ends.max()) + 1)
+                   int(run_lengths.max()), int(run_ends.max()) + 1, parts[0])
 
     def attend(self, index: int, attention: compat.PagedVarlenAttention, q: torch.Tensor, out: torch.Tensor) -> None:
         """Layer ``index``'s attention of the rows' queries ``q`` ``[rows, heads, head_dim]``
@@ -271,6 +295,22 @@ class _HandPrefix:
         keys[positions] = k.to(keys.dtype)
         values[positions] = v.to(values.dtype)
         return keys, values
+
+
+def _run_bounds(rows: np.ndarray) -> np.ndarray:
+    """Where the runs of consecutive positions in ``rows`` (sorted) start, and ``len(rows)``."""
+    if not len(rows):
+        return np.zeros(1, dtype=np.int64)
+    return np.concatenate([[0], np.flatnonzero(np.diff(rows) != 1) + 1, [len(rows)]])
+
+
+def _row_inputs(loads: Sequence[LoadRequest], block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows' prompt token ids, positions and cache slots (int64), load after load (each with
+    ``recompute`` and ``recompute_ids``)."""
+    positions = [np.asarray(load.recompute) for load in loads]
+    slots = [position_slots(load.block_ids, rows, block_size) for load, rows in zip(loads, positions)]
+    ids = np.concatenate([load.recompute_ids for load in loads])
+    return ids.astype(np.int64), np.concatenate(positions).astype(np.int64), np.concatenate(slots).astype(np.int64)
 
 
 def _after_attention(recompute: ForwardRecompute, index: int, *args: torch.Tensor) -> None:
