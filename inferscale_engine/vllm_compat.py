@@ -190,9 +190,10 @@ class ExtraRows:
     be launched for the rows between its layers. Where the V2 runner replays one with
     FlashAttention 3, the rows become sequences of the step's own attention instead
     (:class:`FullGraphSequences`, :attr:`full` is then true), as long as the graph has a spare
-    request slot for each of them; otherwise the step goes without its rows (``rows`` is then
-    0). Running it without a graph instead cost more than the separate pass: 59 against ~21 ms
-    at k=5 on an H100, Llama-3.1-8B shape."""
+    request slot for each of them; otherwise, or where the rows would push a step vLLM replays
+    as a full graph past the largest one, the step goes without its rows (``rows`` is then 0).
+    Running it without a graph instead cost more than the separate pass: 59 against ~21 ms at
+    k=5 on an H100, Llama-3.1-8B shape."""
 
     def __init__(self, runner: Any, rows_for: Callable[[SchedulerOutput], tuple[int, int]]) -> None:
         """``rows_for(scheduler_output)``: the rows a step should carry (0: none), and the
@@ -271,14 +272,18 @@ class ExtraRows:
 
         def padded(manager: Any, num_reqs: int, num_tokens: int, uniform: int | None, *args: Any,
                    **kwargs: Any) -> Any:
+            plain = dispatch(manager, num_reqs, num_tokens, uniform, *args, **kwargs)
             if not self.rows:
-                return dispatch(manager, num_reqs, num_tokens, uniform, *args, **kwargs)
+                return plain
             decided = dispatch(manager, num_reqs, num_tokens + self.rows, None, *args, **kwargs)
-            if decided[0].cg_mode == CUDAGraphMode.FULL:
-                self.full = self.full_graph is not None and num_reqs + self.sequences <= (decided[0].num_reqs or 0)
-                if not self.full:  # the step goes without its rows
-                    self.rows = 0
-                    return dispatch(manager, num_reqs, num_tokens, uniform, *args, **kwargs)
+            mode = decided[0].cg_mode
+            self.full = (mode == CUDAGraphMode.FULL and self.full_graph is not None
+                         and num_reqs + self.sequences <= (decided[0].num_reqs or 0))
+            # Without its rows where they would cost it its full graph: the step run eagerly
+            # cost more than the separate pass (above).
+            if not self.full and CUDAGraphMode.FULL in (mode, plain[0].cg_mode):
+                self.rows = 0
+                return plain
             return decided
 
         padded._inferscale_rows = dispatch  # type: ignore[attr-defined]
