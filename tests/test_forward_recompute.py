@@ -85,8 +85,8 @@ def test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them(tiny_llam
                 assert compare(results[0], results[1])["max_logit_diff"] < stale["max_logit_diff"] / 4
     if device == "cuda" and runner != "full":
         assert flash_gaps, "no step's rows attended through FlashAttention"
-    if flash_gaps:
-        assert max(flash_gaps) < 3e-2, f"FlashAttention against the gathered prefixes: {max(flash_gaps)}"
+    if flash_gaps:  # in units of bfloat16's rounding (1 or less: the same values)
+        assert max(flash_gaps) <= 1, f"FlashAttention against the gathered prefixes: {max(flash_gaps)}"
     if device == "cpu":
         for rule, results in got[True].items():
             for ours, theirs in zip(results, got[False][rule]):
@@ -107,7 +107,8 @@ def _count_full_graph_sequences(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
 def _shadow_flash_attention(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """Make every layer's FlashAttention call for the rows also run ``PagedPrefix``'s attention
     (the prefixes gathered from the cache, under a mask) on the same cache; returns the list
-    the largest gap of each call goes to."""
+    the largest gap of each call goes to, in units of bfloat16's tolerance. On an H100 the two
+    differed by 0.03125, one bfloat16 step at values of 4 to 8."""
     from inferscale_engine.connector.forward_recompute import PagedPrefix, PagedRuns
 
     gaps: list[float] = []
@@ -122,7 +123,9 @@ def _shadow_flash_attention(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     def compared(self, index, attention, q, out):
         attend(self, index, attention, q, out)
         expected = self.shadow.attend(index, q, q.shape[-1] ** -0.5)
-        gaps.append(float((out.reshape(len(q), -1).float() - expected.float()).abs().max()))
+        got, want = out.reshape(len(q), -1).float(), expected.float()
+        # torch.testing's bfloat16 tolerance: one rounding step apart is the same value
+        gaps.append(float(((got - want).abs() / (1e-2 + 1.6e-2 * want.abs())).max()))
 
     monkeypatch.setattr(PagedRuns, "build", classmethod(shadowed))
     monkeypatch.setattr(PagedRuns, "attend", compared)
