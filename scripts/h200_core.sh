@@ -99,6 +99,7 @@ for step in $STEPS; do
       for t in "test_forward_recompute.py::test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them[cuda-full]" \
                "test_forward_recompute.py::test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them[cuda-default]" \
                "test_forward_recompute.py::test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them[cuda-v1]" \
+               "test_forward_recompute.py::test_requests_recomputed_in_one_step_each_get_their_own_rows[cuda]" \
                "test_token_recompute.py::test_cuda_graph_replays_give_the_first_runs_rows"; do
         python3 -m pytest -q -p no:cacheprovider -s "tests/$t" > "$OUT/pytest.log" 2>&1
         grep -E "^cuda |in_forward=|Error|assert" "$OUT/pytest.log" | tail -4; grep -E "passed|failed|error" "$OUT/pytest.log" | tail -1
