@@ -355,9 +355,11 @@ class FullGraphSequences:
         first ``seqused_k[i]`` keys through row i of ``block_table`` (``cu_host``: the host's
         ``cu_seqlens_q``). False where the graph has too few request slots."""
         common = self._common
-        if common is None or requests + len(seqused_k) > int(common.num_reqs):  # the graph's request slots
+        if common is None:
             return False
-        runs, slots = len(seqused_k), int(common.num_reqs)
+        runs, slots = len(seqused_k), int(common.num_reqs)  # the graph's request slots, padding included
+        if requests + runs > slots:
+            return False
         first, end = requests + 1, requests + 1 + runs
         starts = self._buffers.query_start_loc
         starts[first:end] = cu_seqlens_q[1:] + tokens

@@ -100,12 +100,9 @@ class ForwardRecompute:
         if views is None and any(hand is None or load.start for load, hand in zip(loads, in_hand)):
             return False
         device = extra.device
-        ids, positions, slots = _row_inputs(loads, block_size)
-        staged = _to_device(np.concatenate([ids, positions, slots]), device)
-        mappings = compat.step_slot_mappings(forward_context)
-        extra.write(staged[:rows], staged[rows : 2 * rows], staged[2 * rows :], mappings)
+        positions, on_device = self._write_rows(loads, block_size, compat.step_slot_mappings(forward_context))
         bounds = np.cumsum([0, *(len(load.recompute) for load in loads)])  # type: ignore[arg-type]
-        step = _Step(first=extra.scheduled, rows=rows, positions=staged[rows : 2 * rows],
+        step = _Step(first=extra.scheduled, rows=rows, positions=on_device,
                      parts=[slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])])
         if views is not None and self._varlen is not None:
             step.runs = PagedRuns.build(loads, views, block_size, device)
@@ -125,11 +122,21 @@ class ForwardRecompute:
         if not extra.full_graph.write(extra.requests, extra.scheduled, runs.cu_seqlens_q, runs.seqused_k,
                                       runs.block_table, runs.max_seqlen_q, runs.max_seqlen_k, runs.cu_host):
             return False
-        ids, positions, slots = _row_inputs(loads, block_size)
-        staged = _to_device(np.concatenate([ids, positions, slots]), extra.device)
-        rows = len(ids)
-        extra.write(staged[:rows], staged[rows : 2 * rows], staged[2 * rows :], extra.full_graph.slot_mappings)
+        self._write_rows(loads, block_size, extra.full_graph.slot_mappings)
         return True
+
+    def _write_rows(self, loads: Sequence[LoadRequest], block_size: int,
+                    slot_mappings: Sequence[torch.Tensor]) -> tuple[np.ndarray, torch.Tensor]:
+        """Write the rows' prompt token ids, positions and cache slots past the step's scheduled
+        tokens, in one upload; returns their positions, on the host and on the device."""
+        positions = np.concatenate([np.asarray(load.recompute) for load in loads]).astype(np.int64)
+        slots = np.concatenate([position_slots(load.block_ids, np.asarray(load.recompute), block_size)
+                                for load in loads])
+        ids = np.concatenate([load.recompute_ids for load in loads])
+        rows = len(positions)
+        staged = _to_device(np.concatenate([ids, positions, slots]).astype(np.int64), self._extra.device)
+        self._extra.write(staged[:rows], staged[rows : 2 * rows], staged[2 * rows :], slot_mappings)
+        return positions, staged[rows : 2 * rows]
 
     def _attend(self, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 output: torch.Tensor) -> None:
@@ -302,15 +309,6 @@ def _run_bounds(rows: np.ndarray) -> np.ndarray:
     if not len(rows):
         return np.zeros(1, dtype=np.int64)
     return np.concatenate([[0], np.flatnonzero(np.diff(rows) != 1) + 1, [len(rows)]])
-
-
-def _row_inputs(loads: Sequence[LoadRequest], block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The rows' prompt token ids, positions and cache slots (int64), load after load (each with
-    ``recompute`` and ``recompute_ids``)."""
-    positions = [np.asarray(load.recompute) for load in loads]
-    slots = [position_slots(load.block_ids, rows, block_size) for load, rows in zip(loads, positions)]
-    ids = np.concatenate([load.recompute_ids for load in loads])
-    return ids.astype(np.int64), np.concatenate(positions).astype(np.int64), np.concatenate(slots).astype(np.int64)
 
 
 def _after_attention(recompute: ForwardRecompute, index: int, *args: torch.Tensor) -> None:
