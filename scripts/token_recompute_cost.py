@@ -6,10 +6,12 @@ the last 5 only (``header:5``: where the knob serves the most relevant memories)
 selection (``deviating:15``), with every memory row recomputed (``first:1000``), then as a plain
 prompt (``prompt``, nothing injected), and prints the median time of each request
 (``max_tokens=1``: the first token). The rows ride vLLM's forward pass, or with
-``--separate-pass`` run a pass of their own ahead of it. Model: a tiny random-weight one from
-tests/tiny_models.py (``--arch``), or any local model folder (``--model``; ``--dummy-weights``: random weights of its
-shape, as on the H200). Each row also says how far its first token's top-20 logprobs lie from the
-prompt's (``max_logprob_diff_to_prompt``, over the tokens both top 20s hold:
+``--separate-pass`` run a pass of their own ahead of it. ``--rules`` picks the rules, and
+``--recompute 0,4`` serves each with the quality knob's last R memories prefilled as text too
+(the two together's cost). Model: a tiny random-weight one from tests/tiny_models.py
+(``--arch``), or any local model folder (``--model``; ``--dummy-weights``: random weights of its
+shape, as on the H200). Each row also says how far its first token's top-20 logprobs lie from
+the prompt's (``max_logprob_diff_to_prompt``, over the tokens both top 20s hold:
 ``top20_shared_with_prompt``) and whether its greedy token is the prompt's: every memory
 row recomputed (``first:1000``) must come within the attention kernels' rounding of the prompt.
 
@@ -49,6 +51,11 @@ def main() -> None:
     parser.add_argument("--profile", metavar="FILE", help="also profile the header row of the last k into FILE "
                         "(the separate pass's recomputes: with --separate-pass)")
     parser.add_argument("--cudagraph-mode", help="vLLM's cudagraph_mode (default: as the engine picks it)")
+    parser.add_argument("--recompute", default="0",
+                        help="the quality knob on the injected rows, comma-separated: each R serves every rule "
+                             "with its last R memories prefilled as text (the rules choose among the rest)")
+    parser.add_argument("--rules", default="header,header:5,deviating:15,first:1000",
+                        help="recompute_tokens rules, comma-separated (each beside plain injection and the prompt)")
     parser.add_argument("--separate-pass", action="store_true",
                         help="recompute in a pass of its own ahead of vLLM's (recompute_in_forward=False)")
     args = parser.parse_args()
@@ -62,6 +69,8 @@ def main() -> None:
 
     model = args.model or str(build_tiny_model(Path(tempfile.mkdtemp()) / f"tiny-{args.arch}", args.arch))
     ks = [int(k) for k in args.k.split(",")]
+    recomputes = [int(r) for r in args.recompute.split(",")]
+    rules = args.rules.split(",")
     rows = []
     options: dict = {"load_format": "dummy"} if args.dummy_weights else {}
     if args.cudagraph_mode:
@@ -79,7 +88,8 @@ def main() -> None:
             segments = [head, *spans, tail]
             flat = [*head, *(t for f in facts for t in f), *tail]
             first = {}  # per row: (greedy token, top logprobs) of its first request
-            for spec in ("prompt", None, "header", "header:5", "deviating:15", "first:1000"):
+            runs = [("prompt", 0)] + [(spec, r) for r in recomputes for spec in (None, *rules)]
+            for spec, recompute in runs:
                 engine.config.recompute_tokens = None if spec == "prompt" else spec
                 times = []
                 for i in range(args.repeats + 1):
@@ -88,13 +98,15 @@ def main() -> None:
                         result = engine.generate_segments([flat], mode="prompt", max_tokens=1, first_logprobs=20,
                                                           user_id=f"cost-{k}-{i}")
                     else:
-                        result = engine.generate_segments(segments, max_tokens=1, first_logprobs=20)
+                        result = engine.generate_segments(segments, max_tokens=1, first_logprobs=20,
+                                                          recompute=recompute)
                     times.append(time.perf_counter() - t0)
-                    first.setdefault(spec, (result.token_ids[0], result.first_logprobs or {}))
-                token, logprobs = first[spec]
+                    first.setdefault((spec, recompute), (result.token_ids[0], result.first_logprobs or {}))
+                token, logprobs = first[spec, recompute]
                 last = result.first_logprobs or {}
-                prompt_token, prompt_logprobs = first["prompt"]
-                rows.append({"k": k, "recompute_tokens": spec, "pass": "separate" if args.separate_pass else "forward",
+                prompt_token, prompt_logprobs = first["prompt", 0]
+                rows.append({"k": k, "recompute_tokens": spec, "recompute": recompute,
+                             "pass": "separate" if args.separate_pass else "forward",
                              "cudagraph_mode": str(engine.vllm_config.compilation_config.cudagraph_mode),
                              "prompt_tokens": len(flat),
                              "median_ms": round(1e3 * statistics.median(times[1:]), 2),
