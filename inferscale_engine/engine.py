@@ -51,7 +51,7 @@ from inferscale_engine.errors import (
 )
 from inferscale_engine.handles import split_on_handles
 from inferscale_engine.kv import FactKV, check_finite
-from inferscale_engine.logs import configure_vllm_logging
+from inferscale_engine.logs import configure_vllm_logging, progress_bars
 from inferscale_engine.loop import AsyncEngineLoop, EngineLoop, Loop
 from inferscale_engine.request import GenerationOptions
 from inferscale_engine.token_recompute import TokenSet
@@ -190,6 +190,7 @@ class InferScaleEngine:
             # Defaults a caller's vllm_options may override (prefix caching serves plain prompts).
             "enable_prefix_caching": True,
             "disable_log_stats": True,  # periodic stats lines drown a chat UI
+            "use_tqdm_on_load": progress_bars(),  # the weight shards' bar, quiet with vLLM's logs
             **graph_options,
             **cfg.vllm_options,
             "model": self.model_path,

@@ -3,15 +3,18 @@
 vLLM's default is INFO and WARNING lines on stdout, mixed into the host program's own output
 (about 33 per engine start). By default InferScale asks vLLM for errors only, on stderr; the
 switch ``INFERSCALE_VERBOSE=1`` (or ``InferScaleEngine(verbose=True)``) leaves vLLM's own
-defaults. Only what vLLM owns is touched: its ``VLLM_LOGGING_*`` settings (never over one the
+defaults. Progress bars of loading (vLLM's weight shards, transformers' "Loading weights") follow
+the same switch. Only what vLLM owns is touched: its ``VLLM_LOGGING_*`` settings (never over one the
 user set) and its ``vllm`` logger. The host's root logger, handlers and warning filters are not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 
 _QUIET = {"VLLM_LOGGING_LEVEL": "ERROR", "VLLM_LOGGING_STREAM": "ext://sys.stderr"}
 #: The settings this module put in the environment (so verbose can take back only those).
@@ -47,3 +50,22 @@ def configure_vllm_logging(verbose: bool | None = None) -> None:
         h.setLevel(level)
         if stream is not None and isinstance(h, logging.StreamHandler) and h.stream is sys.stdout:
             h.setStream(stream)
+
+
+def progress_bars() -> bool:
+    """Whether the libraries' loading progress bars show (vLLM's weight shards, transformers'
+    model loading): where vLLM's INFO logs do, not in the quiet default."""
+    return os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper() in ("DEBUG", "INFO")
+
+
+@contextlib.contextmanager
+def transformers_progress(enabled: bool) -> Iterator[None]:
+    """transformers' progress bars on or off for the block (its global switch, restored after)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from inferscale_engine.errors import ModelNotFoundError, ModelPreparationError
+from inferscale_engine.logs import transformers_progress
 
 __all__ = [
     "CACHE_DIR_ENV",
@@ -446,27 +447,23 @@ def _log(progress: bool, msg: str, *args: object) -> None:
 def _quiet_transformers_progress(enabled: bool) -> Iterator[None]:
     """Silence transformers' progress bars for the block when not wanted.
 
-    save_pretrained's bars honour transformers' global progress-bar switch,
-    which we flip and restore.  load_gguf_checkpoint instead uses a
-    module-level ``tqdm`` import and honours no flag, so the only scoped
-    switch there is to swap that name.
+    save_pretrained's bars honour transformers' global progress-bar switch
+    (:func:`~inferscale_engine.logs.transformers_progress`).  load_gguf_checkpoint
+    instead uses a module-level ``tqdm`` import and honours no flag, so the only
+    scoped switch there is to swap that name.
     """
     if enabled:
         yield
         return
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
-    from transformers.utils import logging as hf_logging
 
     original = gguf_utils.tqdm
-    was_enabled = hf_logging.is_progress_bar_enabled()
     gguf_utils.tqdm = functools.partial(original, disable=True)
-    hf_logging.disable_progress_bar()
     try:
-        yield
+        with transformers_progress(False):
+            yield
     finally:
         gguf_utils.tqdm = original
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _convert_gguf_checkpoint(gguf_path: Path, out_dir: Path, *, progress: bool) -> dict[str, Any]:

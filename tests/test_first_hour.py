@@ -70,22 +70,24 @@ def test_library_use_prints_no_vllm_logs_to_stdout(smollm2_path, tmp_path):
     lines = r.stdout.splitlines()
     assert len(lines) == 1 and lines[0].startswith("REPLY"), r.stdout
     assert not any(level in r.stderr for level in (" INFO ", " WARNING ")), r.stderr[-3000:]
+    # nor loading bars (vLLM's weight shards, the embedder's "Loading weights")
+    assert "Loading" not in r.stderr and "it/s]" not in r.stderr, r.stderr[-3000:]
 
 
 def test_verbose_switch_gives_vllm_its_defaults_back():
     r = run_py("""
         import logging, os
         import inferscale_engine  # noqa: F401  (quiet from the first import)
-        from inferscale_engine.logs import configure_vllm_logging
-        print(os.environ.get("VLLM_LOGGING_LEVEL"), os.environ.get("VLLM_LOGGING_STREAM"))
+        from inferscale_engine.logs import configure_vllm_logging, progress_bars
+        print(os.environ.get("VLLM_LOGGING_LEVEL"), os.environ.get("VLLM_LOGGING_STREAM"), progress_bars())
         root = logging.getLogger(); before = (root.level, list(root.handlers))
         import vllm.logger  # noqa: F401
         configure_vllm_logging(verbose=True)
-        print(os.environ.get("VLLM_LOGGING_LEVEL"), logging.getLogger("vllm").level)
+        print(os.environ.get("VLLM_LOGGING_LEVEL"), logging.getLogger("vllm").level, progress_bars())
         print((root.level, list(root.handlers)) == before)
     """, unset=("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM", "INFERSCALE_VERBOSE"))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.splitlines() == ["ERROR ext://sys.stderr", f"None {logging.INFO}", "True"]
+    assert r.stdout.splitlines() == ["ERROR ext://sys.stderr False", f"None {logging.INFO} True", "True"]
 
 
 def _classes():

