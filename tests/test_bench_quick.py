@@ -291,6 +291,16 @@ def test_locomo_score_only_says_what_it_lacks(tmp_path):
             main(["bench", "locomo", "--model", "qwen2.5-coder-0.5b", "--score-only", *extra])
 
 
+def test_locomo_refuses_to_resume_from_scored_answers(tmp_path):
+    # The scored answers a run writes (--answers, as docs/results publishes them) lack the keys and
+    # prompt hashes a resume needs: said before any engine loads, not a run that asks everything.
+    scored = tmp_path / "scored-answers.jsonl"
+    scored.write_text(json.dumps({"sample_id": "conv-26", "qa_index": 0, "answers": {"prompt k=5": "x"}}) + "\n")
+    for extra in (["--score-only"], []):
+        with pytest.raises(SystemExit, match="holds no cached answers"):
+            main(["bench", "locomo", "--model", "qwen2.5-coder-0.5b", "--resume-answers", str(scored), *extra])
+
+
 # ---------------------------------------------------------------------- LoCoMo pieces (no model)
 
 

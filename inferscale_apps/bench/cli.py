@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _locomo(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """``bench locomo``: answered by an engine, or (``--score-only``) scored from an answer cache."""
-    from inferscale_apps.bench.locomo import run_locomo, score_locomo, summarize, table_rows
+    from inferscale_apps.bench.locomo import AnswerCache, run_locomo, score_locomo, summarize, table_rows
 
     selection = dict(ks=args.k, ws=args.w, data=args.data, conversations=args.conversations,
                      questions_per_category=args.questions_per_category, max_turns=args.max_turns,
@@ -226,6 +226,11 @@ def _locomo(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, A
     else:
         if args.dummy_weights:
             raise SystemExit("bench locomo needs real weights and a tokenizer (no --dummy-weights)")
+        if args.resume_answers:  # a wrong file refused before the engine loads
+            try:
+                AnswerCache(None).merge(args.resume_answers)
+            except (OSError, ValueError) as exc:
+                raise SystemExit(f"bench locomo --resume-answers: {exc}") from None
         with engine_from(args) as engine:
             rows, info = run_locomo(
                 engine, encoding=args.encoding, max_tokens=args.max_tokens, concurrency=args.concurrency,

@@ -236,14 +236,19 @@ class AnswerCache:
         xz-compressed) for every key this cache lacks; returns how many were taken.
 
         Only answers of the same model, data and answer length belong here. Scoring checks what
-        it can: an inject row whose prompt's token ids differ from its prompt row's is refused."""
+        it can: an inject row whose prompt's token ids differ from its prompt row's is refused. A
+        file with no cached answer at all (the scored ``--answers`` file, say) is a ValueError."""
         opener = lzma.open if str(path).endswith(".xz") else open
-        taken = 0
+        taken = found = 0
         with opener(path, "rt") as f:
             for rec in _records(f):
+                found += 1
                 if rec["key"] not in self.data:
                     self.put(rec)
                     taken += 1
+        if not found:  # e.g. a --answers file: scored answers, without the keys and prompt hashes
+            raise ValueError(f"{path} holds no cached answers: resume from a workdir's answers-t*.jsonl "
+                             "(or that file .xz), not from the scored answers a run writes with --answers")
         return taken
 
     def put(self, rec: dict[str, Any]) -> None:
