@@ -3,9 +3,10 @@
 vLLM's default is INFO and WARNING lines on stdout, mixed into the host program's own output
 (about 33 per engine start). By default InferScale asks vLLM for errors only, on stderr; the
 switch ``INFERSCALE_VERBOSE=1`` (or ``InferScaleEngine(verbose=True)``) leaves vLLM's own
-defaults. Progress bars of loading (vLLM's weight shards, transformers' "Loading weights") follow
-the same switch. Only what vLLM owns is touched: its ``VLLM_LOGGING_*`` settings (never over one the
-user set) and its ``vllm`` logger. The host's root logger, handlers and warning filters are not.
+defaults. The loading bars (vLLM's weight shards, the embedder's "Loading weights") follow the
+same switch. Only what vLLM owns is touched: its ``VLLM_LOGGING_*`` settings (never over one the
+user set) and its ``vllm`` logger; and, while the embedder loads, transformers' progress-bar switch
+(restored after). The host's root logger, handlers and warning filters are not.
 """
 
 from __future__ import annotations
