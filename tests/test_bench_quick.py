@@ -298,7 +298,8 @@ def test_locomo_refuses_to_resume_from_scored_answers(tmp_path):
     scored.write_text(json.dumps({"sample_id": "conv-26", "qa_index": 0, "answers": {"prompt k=5": "x"}}) + "\n")
     for extra in (["--score-only"], []):
         with pytest.raises(SystemExit, match="holds no cached answers"):
-            main(["bench", "locomo", "--model", "qwen2.5-coder-0.5b", "--resume-answers", str(scored), *extra])
+            main(["bench", "locomo", "--model", "qwen2.5-coder-0.5b", "--data", str(LOCOMO), "--resume-answers",
+                  str(scored), *extra])
 
 
 # ---------------------------------------------------------------------- LoCoMo pieces (no model)
