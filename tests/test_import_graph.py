@@ -186,8 +186,9 @@ def test_the_server_never_imports_the_integrations() -> None:
 def test_the_store_never_imports_the_engine_layer() -> None:
     """``memory/`` sits below the engine: it names the engine only through its own protocols
     (``memory/encoding.py``) and shares with it only the modules below both (value types,
-    errors, configuration, handles, the KV), counting ``TYPE_CHECKING`` imports too."""
-    below = {f"inferscale_engine.{m}" for m in ("config", "errors", "handles", "kv", "types")}
+    errors, configuration, handles, the KV, the logging switches), counting ``TYPE_CHECKING``
+    imports too."""
+    below = {f"inferscale_engine.{m}" for m in ("config", "errors", "handles", "kv", "logs", "types")}
     found = sorted(
         (name, target)
         for name, targets in import_graph(type_checking=True).items()
