@@ -1,9 +1,10 @@
 """Where a LoCoMo run's inject rows lose, by where each question's evidence was served: the
 evidence turns retrieved all lie among the R memories prefilled as text (``text``), some were
 injected (``injected``), or none was retrieved (``none``); ``-partial`` where some evidence was
-not retrieved. Each group's inject F1 over its same-order prompt's, paired, per category. Reads a `bench locomo --answers` file (R=0 and
-R=R rows; prompt rows in conversation order and in ``relevance-last-R`` order) and ranks every
-turn again with the bench's own embedder (MiniLM on the CPU, exact cosine: the bench's search).
+not retrieved. Each group's inject F1 over its same-order prompt's, paired, per category. Reads
+a `bench locomo --answers` file (R=0 and R=R rows; prompt rows in conversation order and in
+``relevance-last-R`` order) and ranks every turn again with the bench's own embedder (MiniLM on
+the CPU, exact cosine: the bench's search).
 
     python -m inferscale_apps.bench locomo --model qwen2.5-coder-0.5b --score-only --k 5,10,30 --w 20 \\
         --recompute 0,4 --no-full --resume-answers \\
@@ -47,10 +48,10 @@ def main() -> None:
         if not asked:
             continue
         queries = embedder.embed([q.question for q in asked])
+        at = {t.dia_id: t.index for t in conv.turns}
         for q, similarity in zip(asked, queries @ turns.T):
             order = np.argsort(-similarity, kind="stable")
             ranking[sample_id, q.index] = [(int(i), conv.turns[i].speaker) for i in order]
-            at = {t.dia_id: t.index for t in conv.turns}
             evidence_of[sample_id, q.index] = {at[e] for e in q.evidence if e in at}
 
     r = args.recompute
@@ -67,7 +68,7 @@ def main() -> None:
             served = LocomoBench.pick(ranking[key], conv.speakers, k)
             as_text = set(relevance_last(served, ranked, r)[-r:])
             found = evidence & set(served)
-            where = ("none" if not found else "text" if found <= as_text else "injected")
+            where = "none" if not found else "text" if found <= as_text else "injected"
             where += "" if found == evidence else "-partial"
             if where.startswith("injected"):  # the served rank (1: most relevant) of its best injected evidence
                 rank = {i: n for n, i in enumerate(sorted(served, key=order_of.__getitem__), 1)}
